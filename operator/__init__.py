@@ -1,0 +1,1 @@
+"""The QwenDeployment operator (imported as qwenserve_operator)."""

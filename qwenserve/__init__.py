@@ -1,0 +1,3 @@
+"""qwen-serve: disaggregated serving for Qwen language models."""
+
+__version__ = "0.1.0"

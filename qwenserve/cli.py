@@ -1,0 +1,70 @@
+"""The `qwen-serve` command: one entry point, subcommands dispatched to the modules that own them.
+
+Each subcommand names a `module:function` taking the remaining argv and returning an exit code,
+so importing the CLI stays cheap (no torch import just to print help).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module:function, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("qwenserve.launcher:main", "run tokenizer, prefill, decode and router on loopback"),
+    "generate": ("qwenserve.client:main", "stream an answer from a running router"),
+    "tokens": ("qwenserve.tokenizer.cli:main", "count or show the tokens of a file"),
+    "model": ("qwenserve.default_model:main", "write the built-in default checkpoint"),
+    "operator": ("qwenserve_operator.main:main", "run the Kubernetes operator (kopf)"),
+    "bench": ("qwenserve.loadgen:main", "load generator and SLO report"),
+}
+
+# `qwen-serve serve <stage>`: the container entrypoint of each stage.
+STAGES: dict[str, str] = {
+    "tokenizer": "qwenserve_services.tokenizer.server:main",
+    "prefill": "qwenserve_services.prefill.server:main",
+    "decode": "qwenserve_services.decode.server:main",
+    "router": "qwenserve_services.router.server:main",
+}
+
+
+def _call(target: str, argv: list[str]) -> int:
+    module_name, func_name = target.split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    return int(func(argv) or 0)
+
+
+def _usage() -> str:
+    lines = ["usage: qwen-serve <command> [args...]", "", "commands:"]
+    lines.append(f"  {'serve <stage>':<16} run one stage: {', '.join(STAGES)}")
+    lines += [f"  {name:<16} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines.append("")
+    lines.append("`qwen-serve <command> --help` shows a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch `qwen-serve <command> ...`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        from qwenserve import __version__
+
+        print(f"qwen-serve {__version__}")
+        return 0
+    command, rest = args[0], args[1:]
+    if command == "serve":
+        if not rest or rest[0] not in STAGES:
+            print(f"usage: qwen-serve serve {{{','.join(STAGES)}}} [options]", file=sys.stderr)
+            return 2
+        return _call(STAGES[rest[0]], rest[1:])
+    if command not in COMMANDS:
+        print(f"qwen-serve: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return _call(COMMANDS[command][0], rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

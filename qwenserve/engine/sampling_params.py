@@ -1,0 +1,62 @@
+"""Per-request sampling settings, validated once at the edge and then trusted by the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling setting is out of range; `field` names it for the client's error."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the next tokens of one request are chosen.
+
+    temperature 0 means greedy. `seed` makes sampling reproducible whatever else runs in the batch:
+    the random draw for output position i depends only on (seed, i), so a request resumed after a
+    failover continues with the same tokens. `max_tokens` None means up to the context length.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables)"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
+            ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be in [0, 20]"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**64, "must be in [0, 2^64)"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise InvalidSamplingParams(name, why)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidSamplingParams("min_tokens", "must not exceed max_tokens")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,1 @@
+"""Generated gRPC code for the qwenserve.v1 contracts (make proto)."""

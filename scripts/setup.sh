@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs everything qwen-serve and its tests need into .venv (idempotent, safe to re-run).
+#   QWENSERVE_TORCH   pip requirement for torch (default: torch==2.13.0, the CPU build on this kind
+#                     of machine; set e.g. "torch" on a CUDA host to use its own build)
+#   QWENSERVE_EXTRAS  extras to install (default: dev)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+torch_spec=${QWENSERVE_TORCH:-torch==2.13.0}
+extras=${QWENSERVE_EXTRAS:-dev}
+
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "WARNING: Location" >&2); }
+
+# torch first and pinned, so that resolving the project never pulls a multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || pip install "$torch_spec"
+pip install -e ".[${extras}]"
+
+# The tests talk to a real Redis server.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "setup: redis-server is missing; install Debian's redis-server package" >&2
+  fi
+fi
+echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

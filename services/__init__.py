@@ -1,0 +1,1 @@
+"""qwen-serve stage services (imported as qwenserve_services)."""

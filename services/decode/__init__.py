@@ -1,0 +1,1 @@
+"""The decode stage's gRPC service: a thin shell over the qwenserve library."""

@@ -1,0 +1,1 @@
+"""The prefill stage's gRPC service: a thin shell over the qwenserve library."""

@@ -1,0 +1,1 @@
+"""The tokenizer stage's gRPC service: a thin shell over the qwenserve library."""
