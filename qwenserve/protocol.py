@@ -1,0 +1,39 @@
+"""Conversions between wire messages (qwenserve.v1) and library types, in one place."""
+
+from __future__ import annotations
+
+from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.v1 import common_pb2
+
+FINISH_REASONS: dict[str, int] = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+FINISH_REASON_NAMES: dict[int, str] = {v: k for k, v in FINISH_REASONS.items()}
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int | None) -> SamplingParams:
+    """Fill unset fields with defaults; raises InvalidSamplingParams naming the bad field."""
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
+        min_tokens=msg.min_tokens,
+        ignore_eos=msg.ignore_eos,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
+    )
+
+
+def finish_reason_to_proto(reason: str | None) -> int:
+    """Engine finish reasons ("stop", "length", "abort", "error") to the wire enum."""
+    return FINISH_REASONS.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)

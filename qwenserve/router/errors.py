@@ -1,0 +1,34 @@
+"""Errors the router raises before a stream starts; each maps to one gRPC status and HTTP status."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RouterError(Exception):
+    """Base: carries the gRPC code, an HTTP status, a stable error code and the field at fault."""
+
+    grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    http_status: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class InvalidRequest(RouterError):
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+    code = "invalid_request"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class ServiceUnavailable(RouterError):
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+    code = "service_unavailable"

@@ -1,0 +1,50 @@
+"""Worker choice: least outstanding work, prefix affinity within a slack, circuit breaking."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwenserve.router.workers import NoWorkerAvailable, WorkerPool
+
+
+def test_least_outstanding_worker_is_chosen() -> None:
+    pool = WorkerPool(["a", "b", "c"])
+    pool.started(pool.workers["a"], 10)
+    pool.started(pool.workers["b"], 10)
+    assert pool.choose().address == "c"
+
+
+def test_same_prefix_goes_to_the_same_worker_while_load_is_balanced() -> None:
+    pool = WorkerPool(["a", "b", "c", "d"], affinity_tokens=4)
+    prompt = [1, 2, 3, 4, 5, 6]
+    first = pool.choose(prompt).address
+    assert all(pool.choose(prompt[:4] + [9, 9]).address == first for _ in range(5))
+
+
+def test_affinity_yields_when_the_preferred_worker_is_overloaded() -> None:
+    pool = WorkerPool(["a", "b"], affinity_tokens=2, affinity_slack=1)
+    prompt = [5, 6, 7]
+    preferred = pool.workers[pool.choose(prompt).address]
+    for _ in range(2):
+        pool.started(preferred, 1)
+    assert pool.choose(prompt).address != preferred.address
+
+
+def test_repeated_failures_open_the_circuit_and_exclusions_are_respected() -> None:
+    pool = WorkerPool(["a", "b"], failure_threshold=2, break_seconds=60)
+    a = pool.workers["a"]
+    for _ in range(2):
+        pool.started(a, 1)
+        pool.finished(a, 1, ok=False)
+    assert pool.choose().address == "b"
+    with pytest.raises(NoWorkerAvailable):
+        pool.choose(exclude=["b"])
+
+
+def test_success_resets_the_failure_count() -> None:
+    pool = WorkerPool(["a"], failure_threshold=2)
+    a = pool.workers["a"]
+    pool.finished(a, 0, ok=False)
+    pool.finished(a, 0, ok=True)
+    pool.finished(a, 0, ok=False)
+    assert pool.choose().address == "a"

@@ -1,0 +1,43 @@
+"""Packaging: every package folder is installed under a prefixed name, nothing shadows the stdlib."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PREFIXES = {"qwenserve": "qwenserve", "services": "qwenserve_services", "operator": "qwenserve_operator"}
+
+
+def _package_folders() -> set[str]:
+    found = set()
+    for folder, prefix in PREFIXES.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((prefix, *rel)))
+    return found
+
+
+def test_every_package_folder_is_listed_in_pyproject() -> None:
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    missing = _package_folders() - listed
+    assert not missing, f"add to [tool.setuptools] packages in pyproject.toml: {sorted(missing)}"
+
+
+def test_operator_package_does_not_shadow_the_standard_library() -> None:
+    import operator
+
+    import qwenserve_operator
+
+    assert hasattr(operator, "itemgetter")
+    assert Path(qwenserve_operator.__file__).parent == ROOT / "operator"
+
+
+def test_console_script_lists_the_stages(capsys) -> None:
+    from qwenserve.cli import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for stage in ("tokenizer", "prefill", "decode", "router"):
+        assert stage in out
+    assert main(["serve", "nonsense"]) == 2
