@@ -1,0 +1,221 @@
+"""The built-in default model: a small, randomly initialised Qwen3 checkpoint with the real Qwen vocabulary.
+
+Written once into the user's cache folder, with the same bytes every time, so that the whole
+serving path runs with nothing downloaded. `write_checkpoint` writes a checkpoint of any Qwen2 /
+Qwen3 / Qwen3-MoE shape, which is what tests use to make their own tiny models.
+
+CLI: `qwen-serve model init [--dir DIR]` writes it, `qwen-serve model path` prints where it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from qwenserve.tokenizer import builtin
+
+DEFAULT_MODEL_NAME = "qwen3-tiny-random-v1"
+DEFAULT_SEED = 0
+
+# Small enough to run fast on a CPU, shaped like a real Qwen3 (head_dim independent of hidden size).
+DEFAULT_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.02,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": 4,
+    "use_cache": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "float32",
+}
+
+GENERATION_CONFIG: dict[str, Any] = {
+    "bos_token_id": 151643,
+    "eos_token_id": [151645, 151643],
+    "pad_token_id": 151643,
+}
+
+
+def _tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every weight a transformers `Qwen2/Qwen3/Qwen3Moe ForCausalLM` checkpoint holds, with its shape."""
+    model_type = config.get("model_type", "qwen3")
+    if model_type not in ("qwen2", "qwen3", "qwen3_moe"):
+        raise ValueError(f"cannot write a {model_type!r} checkpoint; supported: qwen2, qwen3, qwen3_moe")
+    hidden = config["hidden_size"]
+    heads, kv_heads = (
+        config["num_attention_heads"],
+        config.get("num_key_value_heads", config["num_attention_heads"]),
+    )
+    head_dim = config.get("head_dim") or hidden // heads
+    vocab = config["vocab_size"]
+    attention_bias = config.get("attention_bias", model_type == "qwen2")
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (hidden,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (hidden,)
+        shapes[f"{p}.self_attn.q_proj.weight"] = (heads * head_dim, hidden)
+        shapes[f"{p}.self_attn.k_proj.weight"] = (kv_heads * head_dim, hidden)
+        shapes[f"{p}.self_attn.v_proj.weight"] = (kv_heads * head_dim, hidden)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (hidden, heads * head_dim)
+        if attention_bias:
+            shapes[f"{p}.self_attn.q_proj.bias"] = (heads * head_dim,)
+            shapes[f"{p}.self_attn.k_proj.bias"] = (kv_heads * head_dim,)
+            shapes[f"{p}.self_attn.v_proj.bias"] = (kv_heads * head_dim,)
+        if model_type in ("qwen3", "qwen3_moe"):
+            shapes[f"{p}.self_attn.q_norm.weight"] = (head_dim,)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (head_dim,)
+        if model_type == "qwen3_moe" and _is_sparse_layer(config, i):
+            experts, inter = config["num_experts"], config["moe_intermediate_size"]
+            shapes[f"{p}.mlp.gate.weight"] = (experts, hidden)
+            for e in range(experts):
+                shapes[f"{p}.mlp.experts.{e}.gate_proj.weight"] = (inter, hidden)
+                shapes[f"{p}.mlp.experts.{e}.up_proj.weight"] = (inter, hidden)
+                shapes[f"{p}.mlp.experts.{e}.down_proj.weight"] = (hidden, inter)
+        else:
+            inter = config["intermediate_size"]
+            shapes[f"{p}.mlp.gate_proj.weight"] = (inter, hidden)
+            shapes[f"{p}.mlp.up_proj.weight"] = (inter, hidden)
+            shapes[f"{p}.mlp.down_proj.weight"] = (hidden, inter)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def _is_sparse_layer(config: dict[str, Any], layer: int) -> bool:
+    step = config.get("decoder_sparse_step", 1)
+    return (
+        layer not in config.get("mlp_only_layers", [])
+        and config.get("num_experts", 0) > 0
+        and (layer + 1) % step == 0
+    )
+
+
+def random_weights(
+    config: dict[str, Any], seed: int = DEFAULT_SEED, dtype: str = "float32"
+) -> dict[str, Any]:
+    """Random weights for `config`, the same for the same seed on every machine.
+
+    Each tensor draws from its own generator seeded by (seed, name), so adding a layer does not
+    change the others. Norm weights are 1 plus noise so that a missing norm shows in a reference test.
+    """
+    import torch
+
+    std = float(config.get("initializer_range", 0.02))
+    weights: dict[str, Any] = {}
+    for name, shape in _tensor_shapes(config).items():
+        generator = torch.Generator().manual_seed(
+            int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8])
+        )
+        noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+        tensor = 1.0 + 0.1 * noise if name.endswith("norm.weight") else noise * std
+        weights[name] = tensor.to(getattr(torch, dtype)).contiguous()
+    return weights
+
+
+def _json_bytes(data: dict[str, Any]) -> bytes:
+    return (json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def write_checkpoint(
+    path: str | Path,
+    config: dict[str, Any],
+    seed: int = DEFAULT_SEED,
+    dtype: str = "float32",
+    vocab: builtin.BuiltinVocab | None = None,
+    generation_config: dict[str, Any] | None = None,
+) -> Path:
+    """Write a complete checkpoint folder: config, random safetensors weights and the real Qwen tokenizer.
+
+    `config` is a transformers config dict (`model_type` qwen2, qwen3 or qwen3_moe); `dtype` is
+    "float32", "bfloat16" or "float16". The vocabulary defaults to the one `vocab_size` fits.
+    Same arguments, same bytes. Returns `path`.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if vocab is None:
+        big = builtin.BuiltinVocab.QWEN3_5
+        vocab = big if config["vocab_size"] >= big.value.num_ranks else builtin.BuiltinVocab.QWEN3
+    tokens = vocab.value.num_ranks + len(vocab.value.added_tokens)
+    if config["vocab_size"] < tokens:
+        raise ValueError(
+            f"vocab_size {config['vocab_size']} is smaller than the {tokens} tokens of {vocab.value.name}"
+        )
+    full_config = {**config, "torch_dtype": dtype}
+    save_file(
+        random_weights(full_config, seed, dtype), str(path / "model.safetensors"), metadata={"format": "pt"}
+    )
+    (path / "config.json").write_bytes(_json_bytes(full_config))
+    (path / "generation_config.json").write_bytes(_json_bytes(generation_config or GENERATION_CONFIG))
+    shutil.copyfile(builtin.builtin_tokenizer_json(vocab), path / "tokenizer.json")
+    (path / "tokenizer_config.json").write_bytes(_json_bytes(builtin.tokenizer_config(vocab)))
+    return path
+
+
+def default_model_dir(cache_dir: Path | None = None) -> Path:
+    """Where the default model lives (written or not)."""
+    return (cache_dir or builtin.cache_root()) / "models" / DEFAULT_MODEL_NAME
+
+
+def ensure_default_model(cache_dir: Path | None = None) -> Path:
+    """The default model's folder, writing it first if it is not there yet. Safe to race."""
+    target = default_model_dir(cache_dir)
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside the target and renamed into place: readers never see half a checkpoint.
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        write_checkpoint(staging, DEFAULT_CONFIG, DEFAULT_SEED)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "model.safetensors").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`qwen-serve model init [--dir DIR]` and `qwen-serve model path`."""
+    parser = argparse.ArgumentParser(prog="qwen-serve model", description="the built-in default checkpoint")
+    sub = parser.add_subparsers(dest="action", required=True)
+    init = sub.add_parser("init", help="write the default checkpoint (once) and print its folder")
+    init.add_argument(
+        "--dir", type=Path, help="write into this folder instead of the cache (always rewrites)"
+    )
+    sub.add_parser("path", help="print the default checkpoint's folder (written or not)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.action == "path":
+        print(default_model_dir())
+        return 0
+    folder = write_checkpoint(args.dir, DEFAULT_CONFIG, DEFAULT_SEED) if args.dir else ensure_default_model()
+    print(folder)
+    return 0

@@ -1,0 +1,135 @@
+"""Run a grpc.aio server the way every qwen-serve stage does.
+
+One function, `serve`, owns a stage's life: bind host:port (port 0 picks a free port), register
+the stage's servicers, answer gRPC health checks (NOT_SERVING until the stage's warm-up has
+finished, SERVING after, NOT_SERVING again while draining), offer reflection, print one
+`<name> listening on host:port` line, and stop gracefully on SIGTERM / SIGINT: new calls are
+refused, calls in flight get `grace_s` seconds to finish.
+
+    config = GrpcServerConfig(host="127.0.0.1", port=0)
+    asyncio.run(serve(config, "tokenizer", ["qwenserve.v1.Tokenizer"], register, warm_up))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger("qwenserve.grpc_server")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class GrpcServerConfig:
+    """Network settings shared by every stage's server."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the OS picks a free port; the bound one is printed and returned
+    max_message_bytes: int = 64 << 20  # largest request or response message
+    grace_s: float = 5.0  # how long in-flight calls may run on after SIGTERM
+    max_concurrent_rpcs: int | None = None  # beyond this, calls fail fast with RESOURCE_EXHAUSTED
+
+
+Register = Callable[[grpc.aio.Server], None]
+WarmUp = Callable[[], Awaitable[None]]
+
+
+class StageServer:
+    """A started grpc.aio server with health and reflection; `serve` drives one through its life."""
+
+    def __init__(
+        self, config: GrpcServerConfig, name: str, service_names: Sequence[str], register: Register
+    ) -> None:
+        self.config = config
+        self.name = name
+        self.service_names = list(service_names)
+        options = [
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        register(self.server)
+        reflection.enable_server_reflection(
+            [
+                *self.service_names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        self.port = 0
+
+    async def start(self) -> int:
+        """Bind and start; every service reports NOT_SERVING until `set_serving`. Returns the bound port."""
+        address = f"{self.config.host}:{self.config.port}"
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"{self.name}: cannot bind {address} (in use, or not a local address?)")
+        await self._set_all(NOT_SERVING)
+        await self.server.start()
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        print(f"{self.name} listening on {host}:{self.port}", flush=True)
+        return self.port
+
+    async def set_serving(self) -> None:
+        """Report SERVING for the stage's services and the server as a whole ("")."""
+        await self._set_all(SERVING)
+
+    async def stop(self) -> None:
+        """Report NOT_SERVING, refuse new calls, let calls in flight finish within the grace period."""
+        await self._set_all(NOT_SERVING)
+        await self.server.stop(self.config.grace_s)
+
+    async def _set_all(self, status: int) -> None:
+        for service in ["", *self.service_names]:
+            await self.health.set(service, status)
+
+
+async def serve(
+    config: GrpcServerConfig,
+    name: str,
+    service_names: Sequence[str],
+    register: Register,
+    warm_up: WarmUp | None = None,
+    stop_signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+    on_ready: Callable[[StageServer], None] | None = None,
+) -> None:
+    """Run a stage's server until SIGTERM / SIGINT (or cancellation), then drain and stop.
+
+    `register(server)` adds the stage's servicers; `service_names` are their full names (for
+    health and reflection). `warm_up()` runs after the port is bound and before health says
+    SERVING; if it raises, the server stops and the error propagates.
+    """
+    stage = StageServer(config, name, service_names, register)
+    await stage.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in stop_signals:
+        loop.add_signal_handler(sig, stopping.set)
+    try:
+        if warm_up is not None:
+            await warm_up()
+        await stage.set_serving()
+        log.info("%s is serving", name)
+        if on_ready is not None:
+            on_ready(stage)
+        await stopping.wait()
+        print(f"{name} draining (grace {config.grace_s:g}s)", file=sys.stderr, flush=True)
+    finally:
+        for sig in stop_signals:
+            loop.remove_signal_handler(sig)
+        await stage.stop()

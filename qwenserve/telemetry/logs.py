@@ -1,0 +1,158 @@
+"""Logging for every service: a request id and the trace/span ids on each record.
+
+Plain text by default, one JSON object per line with `setup_logging(json=True)`. The request id
+lives in a contextvar, so it follows a request across `await`s and into tasks created while it
+is bound, without being passed through every function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import datetime
+import json as jsonlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+from opentelemetry import trace
+
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "qwenserve_request_id", default=None
+)
+
+# Attributes every LogRecord has; anything else on a record came from `extra=` and is worth keeping.
+_STANDARD_ATTRS = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "request_id",
+    "trace_id",
+    "span_id",
+    "taskName",
+    "rid_text",
+    "trace_text",
+}
+
+PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s [rid=%(rid_text)s trace=%(trace_text)s] %(message)s"
+
+
+def current_request_id() -> str | None:
+    """The request id bound in this context, or None outside a request."""
+    return request_id_var.get()
+
+
+@contextlib.contextmanager
+def bind_request_id(request_id: str) -> Iterator[None]:
+    """Bind `request_id` for the duration of the block (logs and new spans pick it up).
+
+    Also tags the span that is current on entry, so a span started before the id was known
+    (the router's root span, a server span) still carries it.
+    """
+    token = request_id_var.set(request_id)
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute("qwenserve.request_id", request_id)
+    try:
+        yield
+    finally:
+        request_id_var.reset(token)
+
+
+class RequestContextFilter(logging.Filter):
+    """Adds `request_id`, `trace_id` and `span_id` to every record ("" when there is none).
+
+    Attached to the handler rather than a logger, so records from any library's logger that
+    reach the handler get the fields too.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Annotate the record; never drops it."""
+        if not hasattr(record, "request_id"):
+            record.request_id = request_id_var.get() or ""
+        ctx = trace.get_current_span().get_span_context()
+        if ctx.is_valid:
+            record.trace_id = format(ctx.trace_id, "032x")
+            record.span_id = format(ctx.span_id, "016x")
+        else:
+            record.trace_id = ""
+            record.span_id = ""
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, message, request_id, trace_id, span_id.
+
+    Fields passed with `extra=` are included as they are (or as their `repr` when JSON cannot
+    hold them); an exception becomes an `exception` string with the traceback.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Render `record` as a single JSON line."""
+        out: dict[str, Any] = {
+            "ts": datetime.datetime.fromtimestamp(record.created, tz=datetime.UTC).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "request_id": getattr(record, "request_id", ""),
+            "trace_id": getattr(record, "trace_id", ""),
+            "span_id": getattr(record, "span_id", ""),
+        }
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD_ATTRS and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        return jsonlib.dumps(out, default=repr, ensure_ascii=False)
+
+
+class PlainFormatter(logging.Formatter):
+    """`PLAIN_FORMAT`, with "-" standing in for an absent request or trace id."""
+
+    def __init__(self, fmt: str = PLAIN_FORMAT) -> None:
+        super().__init__(fmt)
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Render `record` as one human-readable line."""
+        record.rid_text = getattr(record, "request_id", "") or "-"
+        record.trace_text = getattr(record, "trace_id", "") or "-"
+        return super().format(record)
+
+
+# The handler this module installed last, so a second setup_logging replaces rather than doubles it.
+_installed_handler: logging.Handler | None = None
+
+
+def setup_logging(
+    json: bool | None = None, level: str | None = None, stream: TextIO | None = None
+) -> logging.Handler:
+    """Configure the root logger once per process: plain text or JSON lines, with request context.
+
+    `json` defaults to `QWENSERVE_LOG_FORMAT=json` (the operator sets "plain" or "json");
+    `level` is a name ("DEBUG", "info", ...), defaulting to `QWENSERVE_LOG_LEVEL` or INFO.
+    `stream` defaults to stderr. Calling it again replaces the handler installed by the previous
+    call; handlers installed by others stay. Returns the installed handler.
+    """
+    global _installed_handler
+    if json is None:
+        json = os.environ.get("QWENSERVE_LOG_FORMAT", "plain").strip().lower() == "json"
+    if level is None:
+        level = os.environ.get("QWENSERVE_LOG_LEVEL", "INFO")
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {level!r}; use DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.addFilter(RequestContextFilter())
+    handler.setFormatter(JsonFormatter() if json else PlainFormatter())
+    root = logging.getLogger()
+    if _installed_handler is not None:
+        root.removeHandler(_installed_handler)
+    root.addHandler(handler)
+    root.setLevel(numeric)
+    _installed_handler = handler
+    return handler

@@ -1,0 +1,571 @@
+"""Prometheus metrics for every qwen-serve service, one group per component.
+
+Names follow Prometheus rules: `qwenserve_` prefix, base units (`_seconds`, `_bytes`), `_total`
+on counters. Labels take values from small fixed sets; anything else is folded into "other" so
+a bad caller cannot blow up cardinality. Tenants are capped the same way (`BoundedLabel`).
+
+Each group is built on a `CollectorRegistry`; `router_metrics()`, `engine_metrics()`, ... return
+one group per registry, so importing a module twice or building a service twice in one test
+process never registers a metric twice. Services use the default registry; tests pass their own.
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+from urllib.parse import urlsplit
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
+
+log = logging.getLogger(__name__)
+
+# Bucket bounds, in base units. Latencies span a cached hit on a tiny model to a long prompt.
+# fmt: off
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                 60.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+                1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+HANDOFF_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0)
+TOKENIZER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# fmt: on
+
+OTHER = "other"
+
+# The allowed values of each bounded label. Callers may pass anything; unknown values become "other".
+OUTCOMES = frozenset({"ok", "error", "cancelled", "rejected", "invalid", "timeout"})
+FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "none"})
+TOKEN_KINDS = frozenset({"prompt", "cached", "completion"})
+STAGES = frozenset({"tokenizer", "prefill", "decode"})
+RATELIMIT_DECISIONS = frozenset({"allowed", "rejected"})
+RATELIMIT_LIMITS = frozenset({"none", "requests", "tokens", "request_size"})
+TRANSPORTS = frozenset({"shm", "grpc", "mooncake", "nixl", "local"})
+HANDOFF_FAILURE_REASONS = frozenset(
+    {"timeout", "checksum", "connection", "lease_expired", "cancelled", "no_space", "protocol"}
+)
+TOKENIZER_RPCS = frozenset({"Tokenize", "TokenizeBatch", "CountTokens", "Detokenize", "GetInfo"})
+GRPC_CODES = frozenset({
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+    "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+})  # fmt: skip
+
+
+def bounded(value: str, allowed: frozenset[str]) -> str:
+    """`value` if it is one of `allowed`, else "other" — keeps a label's cardinality fixed."""
+    return value if value in allowed else OTHER
+
+
+class BoundedLabel:
+    """Admits the first `limit` distinct values of an open-ended label (tenant), then "other".
+
+    Thread-safe; the set only grows, so a value once admitted keeps its own series.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        """The label value to use for `value`."""
+        if value in self._seen:
+            return value
+        with self._lock:
+            if len(self._seen) < self.limit:
+                self._seen.add(value)
+                return value
+        return OTHER
+
+
+class RouterMetrics:
+    """The router's request, latency, retry, rate-limit and token metrics."""
+
+    def __init__(self, registry: CollectorRegistry, max_tenants: int = 100) -> None:
+        r = registry
+        self.requests = Counter(
+            "qwenserve_router_requests_total",
+            "Finished requests by outcome and finish reason.",
+            ["outcome", "finish_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "qwenserve_router_ttft_seconds",
+            "Time from request arrival to the first streamed token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "qwenserve_router_inter_token_latency_seconds",
+            "Time between successive token deliveries of one request.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "qwenserve_router_e2e_latency_seconds",
+            "Time from request arrival to its terminal event.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "qwenserve_router_queue_time_seconds",
+            "Time a request waited in the router before being sent to a worker.",
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "qwenserve_router_in_flight_requests",
+            "Requests accepted and not yet finished.",
+            registry=r,
+        )
+        self.retries = Counter(
+            "qwenserve_router_retries_total",
+            "Calls to a stage retried on another worker.",
+            ["stage"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "qwenserve_router_failovers_total",
+            "Workers taken out of rotation (circuit opened) by stage.",
+            ["stage"],
+            registry=r,
+        )
+        self.ratelimit_decisions = Counter(
+            "qwenserve_router_ratelimit_decisions_total",
+            "Rate-limit decisions; `limit` names the limit that rejected (none when allowed).",
+            ["decision", "limit"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "qwenserve_router_tokens_total",
+            "Tokens by tenant and kind (prompt, cached, completion).",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_label = BoundedLabel(max_tenants)
+
+    def record_finished(self, outcome: str, finish_reason: str) -> None:
+        """Count one finished request (finish_reason "" counts as "none")."""
+        self.requests.labels(
+            bounded(outcome, OUTCOMES), bounded(finish_reason or "none", FINISH_REASONS)
+        ).inc()
+
+    def record_tokens(self, tenant: str, prompt: int = 0, cached: int = 0, completion: int = 0) -> None:
+        """Add a request's usage to the tenant's token counters."""
+        t = self.tenant_label(tenant or "default")
+        for kind, n in (("prompt", prompt), ("cached", cached), ("completion", completion)):
+            if n:
+                self.tokens.labels(t, kind).inc(n)
+
+    def record_retry(self, stage: str) -> None:
+        """Count a retry of `stage` on another worker."""
+        self.retries.labels(bounded(stage, STAGES)).inc()
+
+    def record_failover(self, stage: str) -> None:
+        """Count a worker of `stage` taken out of rotation."""
+        self.failovers.labels(bounded(stage, STAGES)).inc()
+
+    def record_ratelimit(self, allowed: bool, limit: str = "none") -> None:
+        """Count one rate-limit decision; `limit` ("requests", "tokens", "request_size") says which rejected."""
+        decision = "allowed" if allowed else "rejected"
+        self.ratelimit_decisions.labels(
+            decision, "none" if allowed else bounded(limit, RATELIMIT_LIMITS)
+        ).inc()
+
+    def stream_timer(self, arrived: float | None = None) -> StreamTimer:
+        """A `StreamTimer` for one request, starting at `arrived` (time.monotonic()) or now."""
+        return StreamTimer(self, time.monotonic() if arrived is None else arrived)
+
+
+class StreamTimer:
+    """Turns one request's token deliveries into TTFT, inter-token and end-to-end observations.
+
+    Call `token()` each time tokens reach the client and `finish()` once at the terminal event.
+    A delivery carrying several tokens counts as one gap, as the decode step produced them together.
+    """
+
+    def __init__(self, metrics: RouterMetrics, arrived: float) -> None:
+        self._metrics = metrics
+        self.arrived = arrived
+        self.first_token_at: float | None = None
+        self._last: float | None = None
+        self._finished = False
+
+    def token(self, now: float | None = None) -> None:
+        """Record a token delivery at `now` (time.monotonic()) or the current time."""
+        now = time.monotonic() if now is None else now
+        if self._last is None:
+            self.first_token_at = now
+            self._metrics.ttft.observe(now - self.arrived)
+        else:
+            self._metrics.inter_token_latency.observe(now - self._last)
+        self._last = now
+
+    def finish(self, now: float | None = None) -> None:
+        """Record the end-to-end latency; later calls are ignored so error paths may call it freely."""
+        if self._finished:
+            return
+        self._finished = True
+        now = time.monotonic() if now is None else now
+        self._metrics.e2e_latency.observe(now - self.arrived)
+
+
+class EngineStats(Protocol):
+    """What `EngineMetrics.update_from_stats` reads; any object with these attributes will do."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    prefix_cache_hit_rate: float
+    preemptions: int
+
+
+class EngineMetrics:
+    """Scheduler and KV-cache metrics of a prefill or decode engine.
+
+    `qwenserve_engine_running_requests`, `qwenserve_engine_waiting_requests` and
+    `qwenserve_kv_blocks_usage_ratio` are read by the autoscaler: their names are a contract.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.running = Gauge(
+            "qwenserve_engine_running_requests", "Requests in the running batch.", registry=r
+        )
+        self.waiting = Gauge(
+            "qwenserve_engine_waiting_requests",
+            "Requests queued for admission to the batch.",
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "qwenserve_engine_batch_size",
+            "Requests in each engine step.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.step_tokens = Histogram(
+            "qwenserve_engine_step_tokens",
+            "Tokens computed in each engine step (prefill chunks + decode).",
+            buckets=STEP_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.step_time = Histogram(
+            "qwenserve_engine_step_seconds",
+            "Wall time of each engine step (schedule, forward, sample).",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.kv_blocks_used = Gauge(
+            "qwenserve_kv_blocks_used", "KV cache blocks referenced by requests.", registry=r
+        )
+        self.kv_blocks_free = Gauge(
+            "qwenserve_kv_blocks_free",
+            "KV cache blocks free or reclaimable (unreferenced cached blocks).",
+            registry=r,
+        )
+        self.kv_blocks_total = Gauge("qwenserve_kv_blocks_total", "KV cache blocks in the pool.", registry=r)
+        self.kv_blocks_usage_ratio = Gauge(
+            "qwenserve_kv_blocks_usage_ratio",
+            "Used KV blocks over all KV blocks, 0..1.",
+            registry=r,
+        )
+        self.prefix_cache_hit_ratio = Gauge(
+            "qwenserve_prefix_cache_hit_ratio",
+            "Share of prompt tokens served from the prefix cache, 0..1, as reported by the engine.",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "qwenserve_engine_preemptions_total",
+            "Requests preempted (blocks freed, recomputed later).",
+            registry=r,
+        )
+        self._last_preemptions: int | None = None
+        self._lock = threading.Lock()
+
+    def observe_step(self, batch_size: int, tokens: int, seconds: float) -> None:
+        """Record one engine step."""
+        self.batch_size.observe(batch_size)
+        self.step_tokens.observe(tokens)
+        self.step_time.observe(seconds)
+
+    def update_from_stats(self, stats: EngineStats) -> None:
+        """Set the gauges from an engine stats snapshot (duck-typed; missing attributes are skipped).
+
+        `stats.preemptions` is the engine's cumulative count: the counter advances by the
+        difference since the previous snapshot (by the whole value if the count went backwards,
+        i.e. the engine restarted).
+        """
+        for attr, gauge in (
+            ("running", self.running),
+            ("waiting", self.waiting),
+            ("kv_blocks_used", self.kv_blocks_used),
+            ("kv_blocks_free", self.kv_blocks_free),
+            ("kv_blocks_total", self.kv_blocks_total),
+            ("prefix_cache_hit_rate", self.prefix_cache_hit_ratio),
+        ):
+            value = getattr(stats, attr, None)
+            if value is not None:
+                gauge.set(value)
+        used = getattr(stats, "kv_blocks_used", None)
+        total = getattr(stats, "kv_blocks_total", None)
+        if total is None and used is not None and getattr(stats, "kv_blocks_free", None) is not None:
+            total = used + stats.kv_blocks_free
+        if used is not None and total is not None:
+            self.kv_blocks_usage_ratio.set(min(1.0, used / total) if total > 0 else 0.0)
+        preemptions = getattr(stats, "preemptions", None)
+        if preemptions is not None:
+            with self._lock:
+                last = self._last_preemptions
+                delta = preemptions if last is None or preemptions < last else preemptions - last
+                self._last_preemptions = preemptions
+            if delta > 0:
+                self.preemptions.inc(delta)
+
+
+class HandoffMetrics:
+    """KV handoff between prefill and decode: bytes, duration, failures and leases, by transport."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.bytes = Counter(
+            "qwenserve_handoff_bytes_total",
+            "KV cache bytes handed off, by transport.",
+            ["transport"],
+            registry=r,
+        )
+        self.seconds = Histogram(
+            "qwenserve_handoff_seconds",
+            "Duration of one KV handoff, by transport.",
+            ["transport"],
+            buckets=HANDOFF_BUCKETS,
+            registry=r,
+        )
+        self.failures = Counter(
+            "qwenserve_handoff_failures_total",
+            "Failed KV handoffs by transport and reason.",
+            ["transport", "reason"],
+            registry=r,
+        )
+        self.leases_outstanding = Gauge(
+            "qwenserve_handoff_leases_outstanding",
+            "Exported KV leases not yet released or expired.",
+            registry=r,
+        )
+        self.leases_reclaimed = Counter(
+            "qwenserve_handoff_leases_reclaimed_total",
+            "Leases reclaimed after expiry (importer never acked).",
+            registry=r,
+        )
+
+    def record_transfer(self, transport: str, nbytes: int, seconds: float) -> None:
+        """Record one successful handoff."""
+        t = bounded(transport, TRANSPORTS)
+        self.bytes.labels(t).inc(nbytes)
+        self.seconds.labels(t).observe(seconds)
+
+    def record_failure(self, transport: str, reason: str) -> None:
+        """Record one failed handoff."""
+        self.failures.labels(bounded(transport, TRANSPORTS), bounded(reason, HANDOFF_FAILURE_REASONS)).inc()
+
+
+class TokenizerMetrics:
+    """The tokenizer service's request, text, token and latency metrics."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.requests = Counter(
+            "qwenserve_tokenizer_requests_total",
+            "Tokenizer RPCs by method and gRPC status code.",
+            ["rpc", "code"],
+            registry=r,
+        )
+        self.texts = Counter("qwenserve_tokenizer_texts_total", "Texts or chats tokenized.", registry=r)
+        self.tokens = Counter(
+            "qwenserve_tokenizer_tokens_total", "Token ids produced or consumed.", registry=r
+        )
+        self.latency = Histogram(
+            "qwenserve_tokenizer_latency_seconds",
+            "Tokenizer RPC handling time by method.",
+            ["rpc"],
+            buckets=TOKENIZER_BUCKETS,
+            registry=r,
+        )
+
+    def record_rpc(self, rpc: str, code: str, seconds: float, texts: int = 0, tokens: int = 0) -> None:
+        """Record one handled RPC; `code` is a gRPC status name such as "OK"."""
+        name = bounded(rpc, TOKENIZER_RPCS)
+        self.requests.labels(name, bounded(code, GRPC_CODES)).inc()
+        self.latency.labels(name).observe(seconds)
+        if texts:
+            self.texts.inc(texts)
+        if tokens:
+            self.tokens.inc(tokens)
+
+
+_G = TypeVar("_G")
+_groups: weakref.WeakKeyDictionary[CollectorRegistry, dict[type, object]] = weakref.WeakKeyDictionary()
+_groups_lock = threading.Lock()
+
+
+def _group(cls: Callable[[CollectorRegistry], _G], registry: CollectorRegistry | None) -> _G:
+    registry = REGISTRY if registry is None else registry
+    with _groups_lock:
+        per_registry = _groups.setdefault(registry, {})
+        if cls not in per_registry:
+            per_registry[cls] = cls(registry)
+        return per_registry[cls]  # type: ignore[return-value]
+
+
+def router_metrics(registry: CollectorRegistry | None = None) -> RouterMetrics:
+    """The router metric group of `registry` (default: the process-wide one), created once."""
+    return _group(RouterMetrics, registry)
+
+
+def engine_metrics(registry: CollectorRegistry | None = None) -> EngineMetrics:
+    """The engine metric group of `registry`, created once."""
+    return _group(EngineMetrics, registry)
+
+
+def handoff_metrics(registry: CollectorRegistry | None = None) -> HandoffMetrics:
+    """The KV handoff metric group of `registry`, created once."""
+    return _group(HandoffMetrics, registry)
+
+
+def tokenizer_metrics(registry: CollectorRegistry | None = None) -> TokenizerMetrics:
+    """The tokenizer metric group of `registry`, created once."""
+    return _group(TokenizerMetrics, registry)
+
+
+def update_engine_gauges(stats: EngineStats, registry: CollectorRegistry | None = None) -> None:
+    """Shorthand for `engine_metrics(registry).update_from_stats(stats)`."""
+    engine_metrics(registry).update_from_stats(stats)
+
+
+class MetricsServer:
+    """An HTTP server on its own daemon thread: `/metrics`, `/healthz` (live), `/readyz` (ready).
+
+    `live` and `ready` are callables the service supplies (e.g. from its health object); they may
+    be set after start, since the server usually starts before the model is loaded. Without
+    `live`, /healthz answers 200 while the process serves HTTP; without `ready`, /readyz answers
+    503 so an unwired readiness probe is never mistaken for a ready pod.
+    """
+
+    def __init__(
+        self,
+        port: int = 0,
+        host: str = "0.0.0.0",
+        registry: CollectorRegistry | None = None,
+        live: Callable[[], bool] | None = None,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
+        self.registry = REGISTRY if registry is None else registry
+        self.live = live
+        self.ready = ready
+        self._httpd = http.server.ThreadingHTTPServer((host, port), _make_handler(self))
+        self._httpd.daemon_threads = True
+        self.host = host
+        self.port: int = self._httpd.server_address[1]
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name=f"metrics-http-{self.port}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        """Base URL of the server, for logs and tests."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def _probe(check: Callable[[], bool] | None, default: bool) -> bool:
+    if check is None:
+        return default
+    try:
+        return bool(check())
+    except Exception:  # a probe that raises is a failing probe, and the reason belongs in the log
+        log.exception("health probe raised")
+        return False
+
+
+def _make_handler(server: MetricsServer) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = urlsplit(self.path).path
+            if path == "/metrics":
+                encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+                self._reply(200, encoder(server.registry), content_type)
+            elif path == "/healthz":
+                ok = _probe(server.live, default=True)
+                self._reply(200 if ok else 503, b"ok\n" if ok else b"not live\n")
+            elif path == "/readyz":
+                ok = _probe(server.ready, default=False)
+                self._reply(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+            else:
+                self._reply(404, b"not found: try /metrics, /healthz or /readyz\n")
+
+        def _reply(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            # Prometheus scrapes every few seconds; one access line per scrape is noise.
+            return
+
+    return Handler
+
+
+def serve_metrics(
+    port: int = 0,
+    host: str = "0.0.0.0",
+    registry: CollectorRegistry | None = None,
+    live: Callable[[], bool] | None = None,
+    ready: Callable[[], bool] | None = None,
+) -> MetricsServer:
+    """Start a `MetricsServer` and return it (use `.port`, `.close()`, set `.ready` later)."""
+    return MetricsServer(port, host, registry, live=live, ready=ready)
+
+
+def start_metrics_server(
+    port: int,
+    host: str = "0.0.0.0",
+    registry: CollectorRegistry | None = None,
+    *,
+    live: Callable[[], bool] | None = None,
+    ready: Callable[[], bool] | None = None,
+) -> int:
+    """Serve /metrics (plus /healthz, /readyz) on `host:port` in a daemon thread; return the bound port.
+
+    Port 0 picks a free port. The server lives as long as the process; use `serve_metrics` for a
+    handle that can be closed or given its `live`/`ready` callables after start.
+    """
+    server = serve_metrics(port, host, registry, live=live, ready=ready)
+    _servers.append(server)
+    return server.port
+
+
+# Keeps servers started by start_metrics_server reachable, so they are never collected mid-serve.
+_servers: list[MetricsServer] = []

@@ -1,0 +1,508 @@
+"""OpenTelemetry tracing across every gRPC hop: one trace per request.
+
+Off unless `OTEL_TRACES_EXPORTER` names an exporter or an OTLP endpoint is set (unlike the
+OpenTelemetry default of "otlp" to localhost: a serving process should not dial a collector
+nobody configured). When off, spans cost one attribute check and the interceptors only forward
+the request id.
+
+Configuration, read by `setup_tracing`:
+- `OTEL_TRACES_EXPORTER`: comma list of `otlp`, `console`, `memory` (in-process, for tests),
+  `none`; unset means `otlp` when `OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT` is set, else `none`.
+  `OTEL_SDK_DISABLED=true` turns everything off.
+- `OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `..._HEADERS`, `..._INSECURE`,
+  `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL` (`grpc`, the default, or `http/protobuf`): read by the
+  OTLP exporter itself.
+- `OTEL_SERVICE_NAME` (wins over the name a service passes), `OTEL_RESOURCE_ATTRIBUTES`,
+  `OTEL_TRACES_SAMPLER[_ARG]`, `OTEL_BSP_*`, `OTEL_PROPAGATORS`: standard SDK behaviour.
+
+W3C trace context travels in gRPC metadata (`traceparent`, `tracestate`), the request id in
+`x-request-id`. Every span started while a request id is bound carries `qwenserve.request_id`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from grpc import aio
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from qwenserve.telemetry.logs import request_id_var
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_METADATA_KEY = "x-request-id"
+
+
+class Attr:
+    """Span attribute names shared by all services, so dashboards and tests agree on them."""
+
+    REQUEST_ID = "qwenserve.request_id"
+    TENANT = "qwenserve.tenant"
+    PROMPT_TOKENS = "qwenserve.prompt_tokens"
+    CACHED_TOKENS = "qwenserve.cached_tokens"
+    COMPLETION_TOKENS = "qwenserve.completion_tokens"
+    FINISH_REASON = "qwenserve.finish_reason"
+    WORKER = "qwenserve.worker"
+    HANDOFF_TRANSPORT = "qwenserve.handoff.transport"
+    HANDOFF_BYTES = "qwenserve.handoff.bytes"
+    HANDOFF_BLOCKS = "qwenserve.handoff.blocks"
+
+
+class _RequestIdProcessor(SpanProcessor):
+    """Stamps the bound request id on every span as it starts."""
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        rid = request_id_var.get()
+        if rid:
+            span.set_attribute(Attr.REQUEST_ID, rid)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        return
+
+
+class _State:
+    provider: TracerProvider | None = None
+    memory: InMemorySpanExporter | None = None
+    installed_globally = False
+
+
+_state = _State()
+_NOOP_TRACER = trace.NoOpTracer()
+
+
+class _NoSpan:
+    """What `start_as_current_span` returns with tracing off: enters to the invalid span, does nothing.
+
+    OpenTelemetry's own no-op still builds a generator and attaches a context (about 2 us per
+    span); this is one attribute check and two method calls.
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> trace.Span:
+        return trace.INVALID_SPAN
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        return func
+
+
+_NO_SPAN = _NoSpan()
+
+
+class _SwitchableTracer(trace.Tracer):
+    """A tracer that follows whatever `setup_tracing` configured last, even if fetched before it.
+
+    Modules take their tracer at import time; tests set tracing up and down many times in one
+    process. Both work because every call resolves the current provider (one attribute read).
+    """
+
+    def __init__(self, name: str, version: str | None = None) -> None:
+        self._name = name
+        self._version = version
+        self._for: TracerProvider | None = None
+        self._tracer: trace.Tracer = _NOOP_TRACER
+
+    def _delegate(self) -> trace.Tracer:
+        provider = _state.provider
+        if provider is None:
+            return _NOOP_TRACER
+        if provider is not self._for:
+            self._tracer = provider.get_tracer(self._name, self._version)
+            self._for = provider
+        return self._tracer
+
+    def start_span(self, *args: Any, **kwargs: Any) -> trace.Span:
+        """Start a span on the current provider (the invalid, non-recording span when tracing is off)."""
+        if _state.provider is None:
+            return trace.INVALID_SPAN
+        return self._delegate().start_span(*args, **kwargs)
+
+    def start_as_current_span(self, *args: Any, **kwargs: Any) -> Any:
+        """Start a span and make it current for the `with` block (a do-nothing block when off)."""
+        if _state.provider is None:
+            return _NO_SPAN
+        return self._delegate().start_as_current_span(*args, **kwargs)
+
+
+class _SwitchableTracerProvider(trace.TracerProvider):
+    """Installed once as the global provider so `opentelemetry.trace.get_tracer` users follow setup too."""
+
+    def get_tracer(
+        self,
+        instrumenting_module_name: str,
+        instrumenting_library_version: str | None = None,
+        schema_url: str | None = None,
+        attributes: Any = None,
+    ) -> trace.Tracer:
+        """A tracer bound to whatever provider `setup_tracing` configures."""
+        return _SwitchableTracer(instrumenting_module_name, instrumenting_library_version)
+
+
+_GRPC_TRACER = _SwitchableTracer("qwenserve.grpc")
+
+
+def get_tracer(name: str = "qwenserve") -> trace.Tracer:
+    """The tracer services use for their own spans (tokenize, rate-limit, handoff, ...).
+
+    Safe to call at import time: it follows later `setup_tracing` calls. Use it as
+    `with tracer.start_as_current_span(...)`; the decorator form binds at import time and stays
+    a no-op if tracing was off then.
+    """
+    return _SwitchableTracer(name)
+
+
+def tracing_enabled() -> bool:
+    """True when spans are being recorded and exported."""
+    return _state.provider is not None
+
+
+def memory_exporter() -> InMemorySpanExporter | None:
+    """The in-memory exporter when `OTEL_TRACES_EXPORTER` includes `memory`, else None."""
+    return _state.memory
+
+
+def _exporter_names(override: str | None) -> list[str]:
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    raw = override if override is not None else os.environ.get("OTEL_TRACES_EXPORTER")
+    if raw is None:
+        # An endpoint without an exporter name means OTLP (the standard default); with neither,
+        # stay off rather than dial a collector on localhost that nobody configured.
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT"
+        )
+        raw = "otlp" if endpoint else "none"
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+    return [n for n in names if n != "none"]
+
+
+def _otlp_exporter() -> SpanExporter:
+    protocol = (
+        (
+            os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "grpc"
+        )
+        .strip()
+        .lower()
+    )
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        elif protocol == "http/protobuf":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        else:
+            raise ValueError(f"OTLP protocol {protocol!r} is not supported; use grpc or http/protobuf")
+    except ImportError as exc:
+        package = "grpc" if protocol == "grpc" else "http"
+        raise RuntimeError(
+            f"OTEL_TRACES_EXPORTER=otlp needs the OTLP exporter: pip install opentelemetry-exporter-otlp-proto-{package}"
+        ) from exc
+    return OTLPSpanExporter()
+
+
+def setup_tracing(service_name: str, exporter: str | None = None) -> None:
+    """Configure tracing for this process from the `OTEL_*` environment (see the module doc).
+
+    `exporter` overrides `OTEL_TRACES_EXPORTER` (e.g. "memory" in tests). Calling it again
+    flushes and replaces the previous configuration. With no exporter, tracing is off.
+    """
+    shutdown_tracing()
+    names = _exporter_names(exporter)
+    if not names:
+        return
+    unknown = set(names) - {"otlp", "console", "memory"}
+    if unknown:
+        raise ValueError(f"unknown OTEL_TRACES_EXPORTER {sorted(unknown)}; use otlp, console, memory or none")
+    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    provider.add_span_processor(_RequestIdProcessor())
+    if "memory" in names:
+        # Synchronous export, so a test sees a span the moment it ends.
+        _state.memory = InMemorySpanExporter()
+        provider.add_span_processor(SimpleSpanProcessor(_state.memory))
+    if "console" in names:
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+    if "otlp" in names:
+        provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()))
+    _state.provider = provider
+    if not _state.installed_globally:
+        # The global provider can be set once per process; the switchable one follows every setup.
+        trace.set_tracer_provider(_SwitchableTracerProvider())
+        _state.installed_globally = True
+    log.info("tracing on: service %s, exporters %s", name, ",".join(names))
+
+
+def shutdown_tracing() -> None:
+    """Flush pending spans and turn tracing off (call on service shutdown)."""
+    provider, _state.provider, _state.memory = _state.provider, None, None
+    if provider is not None:
+        provider.shutdown()
+
+
+# --- W3C trace context in gRPC metadata -------------------------------------------------------
+
+
+def inject_metadata(
+    metadata: Sequence[tuple[str, str | bytes]] | None = None,
+) -> list[tuple[str, str | bytes]]:
+    """`metadata` plus `traceparent`/`tracestate` of the current span and the bound request id.
+
+    For calls made without the client interceptors; with tracing off only the request id is added.
+    """
+    out = list(metadata or ())
+    carrier: dict[str, str] = {}
+    if _state.provider is not None:
+        propagate.inject(carrier)
+    rid = request_id_var.get()
+    if rid:
+        carrier[REQUEST_ID_METADATA_KEY] = rid
+    out.extend(carrier.items())
+    return out
+
+
+def _carrier(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
+    # Binary (-bin) entries cannot hold trace context; HTTP header names may arrive capitalised.
+    return {key.lower(): value for key, value in (metadata or ()) if isinstance(value, str)}
+
+
+def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context:
+    """The remote parent context carried in incoming gRPC metadata or HTTP headers (`.items()`)."""
+    return propagate.extract(_carrier(metadata))
+
+
+def _rpc_attributes(method: str) -> dict[str, str]:
+    if not method.startswith("/"):
+        return {}  # not a gRPC method path, e.g. "POST /v1/chat/completions"
+    service, _, name = method[1:].rpartition("/")
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+
+
+@contextlib.contextmanager
+def server_span(
+    method: str, metadata: Iterable[tuple[str, str | bytes]] | None, request_id: str | None = None
+) -> Iterator[trace.Span]:
+    """Bind the request id and run the block in a SERVER span whose parent is the caller's span.
+
+    `method` is the full gRPC method ("/qwenserve.v1.Decode/Decode") or, for the HTTP front, a
+    name such as "POST /v1/chat/completions" with `request.headers.items()` as `metadata`.
+    `request_id` defaults to the caller's `x-request-id`. For handlers not covered by
+    `TracingServerInterceptor`; yields the invalid span when tracing is off.
+    """
+    carrier = _carrier(metadata)
+    rid = request_id or carrier.get(REQUEST_ID_METADATA_KEY)
+    token = request_id_var.set(rid) if rid else None
+    try:
+        if _state.provider is None:
+            yield trace.INVALID_SPAN
+        else:
+            parent = propagate.extract(carrier)
+            with _GRPC_TRACER.start_as_current_span(
+                method.lstrip("/"), context=parent, kind=SpanKind.SERVER, attributes=_rpc_attributes(method)
+            ) as span:
+                yield span
+    finally:
+        if token is not None:
+            request_id_var.reset(token)
+
+
+Handler = Callable[..., Any]
+
+
+def _wrap_behavior(behavior: Handler, method: str, metadata: Sequence[tuple[str, str | bytes]]) -> Handler:
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream_behavior(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+            with server_span(method, metadata):
+                async for response in behavior(request, context):
+                    yield response
+
+        return stream_behavior
+    if inspect.iscoroutinefunction(behavior):
+
+        async def unary_behavior(request: Any, context: aio.ServicerContext) -> Any:
+            with server_span(method, metadata):
+                return await behavior(request, context)
+
+        return unary_behavior
+    # A synchronous handler runs on a thread pool, outside this context; leave it untouched.
+    return behavior
+
+
+class TracingServerInterceptor(aio.ServerInterceptor):
+    """Runs each handler inside `server_span`: the request id bound, a SERVER span when tracing is on."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        """Wrap the handler's behaviour; pass it through untouched when there is nothing to do."""
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        metadata = tuple(handler_call_details.invocation_metadata or ())
+        if _state.provider is None and not any(k == REQUEST_ID_METADATA_KEY for k, _ in metadata):
+            return handler
+        method = handler_call_details.method
+        kinds = (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler),
+        )
+        for attr, make in kinds:
+            behavior = getattr(handler, attr)
+            if behavior is not None:
+                return make(
+                    _wrap_behavior(behavior, method, metadata),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler
+
+
+def server_interceptors() -> list[aio.ServerInterceptor]:
+    """Interceptors to pass to `grpc.aio.server(interceptors=...)`."""
+    return [TracingServerInterceptor()]
+
+
+# Tasks that close client spans; held here so they are not collected before they run.
+_pending: set[asyncio.Task[None]] = set()
+
+
+async def _close_client_span(call: aio.Call, span: trace.Span) -> None:
+    try:
+        code = await call.code()
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code != grpc.StatusCode.OK:
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {await call.details()}"))
+    finally:
+        span.end()
+
+
+def _end_span_when_done(call: aio.Call, span: trace.Span) -> None:
+    def on_done(done: aio.Call) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # the loop is gone (interpreter shutdown): end without a status
+            span.end()
+            return
+        task = loop.create_task(_close_client_span(done, span))
+        _pending.add(task)
+        task.add_done_callback(_pending.discard)
+
+    call.add_done_callback(on_done)
+
+
+class _TracingClientInterceptor:
+    """Starts a CLIENT span per call and sends its context, plus the request id, in the metadata."""
+
+    def _prepare(self, details: aio.ClientCallDetails) -> tuple[aio.ClientCallDetails, trace.Span | None]:
+        rid = request_id_var.get()
+        if _state.provider is None and not rid:
+            return details, None
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        metadata = aio.Metadata(*(details.metadata or ()))
+        span: trace.Span | None = None
+        carrier: dict[str, str] = {}
+        if _state.provider is not None:
+            span = _GRPC_TRACER.start_span(
+                method.lstrip("/"), kind=SpanKind.CLIENT, attributes=_rpc_attributes(method)
+            )
+            propagate.inject(carrier, context=trace.set_span_in_context(span))
+        if rid:
+            carrier[REQUEST_ID_METADATA_KEY] = rid
+        for key, value in carrier.items():
+            metadata[key] = value
+        return details._replace(metadata=metadata), span
+
+    async def _intercept(
+        self, continuation: Callable[..., Awaitable[aio.Call]], details: aio.ClientCallDetails, request: Any
+    ) -> aio.Call:
+        details, span = self._prepare(details)
+        if span is None:
+            return await continuation(details, request)
+        try:
+            call = await continuation(details, request)
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
+            span.end()
+            raise
+        _end_span_when_done(call, span)
+        return call
+
+
+class _UnaryUnary(_TracingClientInterceptor, aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[..., Awaitable[aio.Call]],
+        client_call_details: aio.ClientCallDetails,
+        request: Any,
+    ) -> aio.Call:
+        """Trace one unary call."""
+        return await self._intercept(continuation, client_call_details, request)
+
+
+class _UnaryStream(_TracingClientInterceptor, aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(
+        self,
+        continuation: Callable[..., Awaitable[aio.Call]],
+        client_call_details: aio.ClientCallDetails,
+        request: Any,
+    ) -> aio.Call:
+        """Trace one server-streaming call until its stream ends."""
+        return await self._intercept(continuation, client_call_details, request)
+
+
+class _StreamUnary(_TracingClientInterceptor, aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(
+        self,
+        continuation: Callable[..., Awaitable[aio.Call]],
+        client_call_details: aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> aio.Call:
+        """Trace one client-streaming call."""
+        return await self._intercept(continuation, client_call_details, request_iterator)
+
+
+class _StreamStream(_TracingClientInterceptor, aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(
+        self,
+        continuation: Callable[..., Awaitable[aio.Call]],
+        client_call_details: aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> aio.Call:
+        """Trace one bidirectional-streaming call (e.g. Detokenize)."""
+        return await self._intercept(continuation, client_call_details, request_iterator)
+
+
+def client_interceptors() -> list[aio.ClientInterceptor]:
+    """Interceptors for `grpc.aio.insecure_channel(target, interceptors=client_interceptors())`.
+
+    One per call kind (unary-unary, unary-stream, stream-unary, stream-stream). With tracing off
+    they add only the request id, and nothing at all outside a request.
+    """
+    return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]

@@ -1,0 +1,1 @@
+"""What a prefill or decode process does with a request, independent of the gRPC servicer around it."""

@@ -1,0 +1,298 @@
+"""The Tokenizer stage: `qwenserve.tokenizer` on the wire (qwenserve.v1.Tokenizer).
+
+`qwen-serve serve tokenizer [--host H] [--port N] [--model PATH]`; without `--model` it serves the
+built-in Qwen3 vocabulary and chat template (the default model's tokenizer).
+
+Bad input (nothing to tokenize, too large, invalid UTF-8, unknown roles, ids outside the
+vocabulary, a template that refuses the conversation) is INVALID_ARGUMENT with a message naming the
+field; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from qwenserve.grpc_server import GrpcServerConfig, serve
+from qwenserve.tokenizer import (
+    BuiltinVocab,
+    ChatTemplateError,
+    IncrementalDetokenizer,
+    InputLimits,
+    InvalidInput,
+    Tokenizer,
+    TokenizerError,
+    clean_messages,
+    clean_text,
+    decode_utf8,
+)
+from qwenserve.tokenizer.hygiene import parse_json_object
+from qwenserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+
+SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+DEFAULT_PORT = 50051
+# Inputs up to this size are encoded on the event loop: a thread hop would cost more than the work.
+INLINE_BYTES = 16 << 10
+# Template variables the service sets itself; chat_template_kwargs_json may not override them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TokenizerServiceConfig:
+    """Everything the tokenizer stage is configured by (flags, else QWENSERVE_* environment)."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    model: str | None = None  # checkpoint folder; None: the built-in vocabulary
+    vocab: str = "qwen3"  # built-in vocabulary when no model is given: qwen3 or qwen3_5
+    workers: int = 2  # threads encoding large inputs and batches
+    max_input_bytes: int = InputLimits.max_text_bytes
+    max_batch: int = InputLimits.max_batch
+    max_message_bytes: int = 64 << 20
+    grace_s: float = 5.0
+
+
+def load_tokenizer(config: TokenizerServiceConfig) -> Tokenizer:
+    """The tokenizer the service answers with."""
+    if config.model:
+        return Tokenizer.from_dir(config.model)
+    return Tokenizer.builtin(BuiltinVocab.from_name(config.vocab))
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
+    """Wires `Tokenizer` to the qwenserve.v1.Tokenizer RPCs."""
+
+    def __init__(self, tokenizer: Tokenizer, config: TokenizerServiceConfig) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self.limits = InputLimits(max_text_bytes=config.max_input_bytes, max_batch=config.max_batch)
+        self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tokenize")
+
+    # ---- RPCs -------------------------------------------------------------------------
+
+    async def Tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizeResponse:
+        inline = request.ByteSize() <= INLINE_BYTES
+        return await self._guard(context, lambda: self._tokenize(request, "request"), inline)
+
+    async def TokenizeBatch(
+        self, request: tokenizer_pb2.TokenizeBatchRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizeBatchResponse:
+        def work() -> tokenizer_pb2.TokenizeBatchResponse:
+            self._check_batch(len(request.requests), "requests")
+            return tokenizer_pb2.TokenizeBatchResponse(
+                responses=[self._tokenize(r, f"requests[{i}]") for i, r in enumerate(request.requests)]
+            )
+
+        return await self._guard(context, work, inline=False)
+
+    async def CountTokens(
+        self, request: tokenizer_pb2.CountTokensRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.CountTokensResponse:
+        def work() -> tokenizer_pb2.CountTokensResponse:
+            self._check_batch(len(request.texts), "texts")
+            limit = self.limits.max_text_bytes
+            texts = [clean_text(t, f"texts[{i}]", limit) for i, t in enumerate(request.texts)]
+            counts = [len(ids) for ids in self.tokenizer.encode_batch(texts)]
+            return tokenizer_pb2.CountTokensResponse(counts=counts, total=sum(counts))
+
+        return await self._guard(context, work, inline=request.ByteSize() <= INLINE_BYTES)
+
+    async def Detokenize(
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
+        detokenizer: IncrementalDetokenizer | None = None
+        index = 0
+        async for request in request_iterator:
+            if detokenizer is None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, request.skip_special_tokens)
+            try:
+                self.tokenizer.check_ids(request.ids, f"message[{index}].ids")
+            except InvalidInput as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            text = detokenizer.push(request.ids)
+            if request.flush:
+                text += detokenizer.flush()
+            index += 1
+            yield tokenizer_pb2.DetokenizeResponse(text=text)
+        # A stream that ends inside a character ends like a full decode: with U+FFFD.
+        if detokenizer is not None and detokenizer.pending:
+            yield tokenizer_pb2.DetokenizeResponse(text=detokenizer.flush())
+
+    async def GetInfo(
+        self, request: tokenizer_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizerInfo:
+        template = self.tokenizer.chat_template
+        if isinstance(template, dict):
+            template = template.get("default", "")
+        return tokenizer_pb2.TokenizerInfo(
+            vocab_size=self.tokenizer.vocab_size,
+            special_tokens=self.tokenizer.special_tokens,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            chat_template=template or "",
+            max_input_bytes=self.limits.max_text_bytes,
+        )
+
+    # ---- the work ----------------------------------------------------------------------
+
+    async def _guard(self, context: grpc.aio.ServicerContext, work: Callable[[], T], inline: bool) -> T:
+        """Run `work` (on the loop or in the pool); a caller's mistake becomes INVALID_ARGUMENT."""
+        try:
+            if inline:
+                return work()
+            return await asyncio.get_running_loop().run_in_executor(self.pool, work)
+        except (InvalidInput, ChatTemplateError) as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        raise AssertionError("unreachable: context.abort raises")
+
+    def _check_batch(self, size: int, field: str) -> None:
+        if size == 0:
+            raise InvalidInput(field, "is empty; send at least one input")
+        if size > self.limits.max_batch:
+            raise InvalidInput(field, f"has {size} inputs, more than the limit of {self.limits.max_batch}")
+
+    def _tokenize(self, request: tokenizer_pb2.TokenizeRequest, where: str) -> tokenizer_pb2.TokenizeResponse:
+        kind = request.WhichOneof("input")
+        rendered = ""
+        if kind is None:
+            raise InvalidInput(where, "has no input; set one of text, text_bytes or chat")
+        if kind == "chat":
+            rendered = self._render_chat(request.chat, f"{where}.chat")
+            ids = self.tokenizer.encode(rendered)
+        else:
+            raw = request.text if kind == "text" else decode_utf8(request.text_bytes, f"{where}.text_bytes")
+            if not raw:
+                raise InvalidInput(f"{where}.{kind}", "is empty; there is nothing to tokenize")
+            ids = self.tokenizer.encode(clean_text(raw, f"{where}.{kind}", self.limits.max_text_bytes))
+        count = len(ids)
+        limit = request.max_length
+        if limit and count > limit:
+            if request.reject_if_longer:
+                raise InvalidInput(f"{where}.max_length", f"the input is {count} tokens, more than {limit}")
+            ids = (
+                ids[-limit:] if request.truncation_side == tokenizer_pb2.TRUNCATION_SIDE_LEFT else ids[:limit]
+            )
+        return tokenizer_pb2.TokenizeResponse(
+            ids=ids, count=count, truncated=len(ids) < count, rendered=rendered
+        )
+
+    def _render_chat(self, chat: common_pb2.ChatInput, where: str) -> str:
+        messages: list[dict[str, Any]] = []
+        for i, m in enumerate(chat.messages):
+            message: dict[str, Any] = {"role": m.role, "content": m.content}
+            for key in ("name", "tool_call_id", "reasoning_content"):
+                if value := getattr(m, key):
+                    message[key] = value
+            if m.tool_calls_json:
+                message["tool_calls"] = [
+                    parse_json_object(raw, f"{where}.messages[{i}].tool_calls_json[{j}]")
+                    for j, raw in enumerate(m.tool_calls_json)
+                ]
+            messages.append(message)
+        try:
+            messages = clean_messages(messages, self.limits)
+        except InvalidInput as err:
+            raise InvalidInput(f"{where}.{err.field}", err.message) from None
+        if len(chat.tools_json) > self.limits.max_tools:
+            raise InvalidInput(f"{where}.tools_json", f"has more than {self.limits.max_tools} tools")
+        tools = [parse_json_object(raw, f"{where}.tools_json[{i}]") for i, raw in enumerate(chat.tools_json)]
+        kwargs: dict[str, Any] = {}
+        if chat.chat_template_kwargs_json:
+            kwargs = parse_json_object(chat.chat_template_kwargs_json, f"{where}.chat_template_kwargs_json")
+            if reserved := RESERVED_TEMPLATE_VARIABLES & kwargs.keys():
+                raise InvalidInput(
+                    f"{where}.chat_template_kwargs_json",
+                    f"may not set {', '.join(sorted(reserved))}; use the fields",
+                )
+        if chat.HasField("enable_thinking"):
+            kwargs["enable_thinking"] = chat.enable_thinking
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=chat.add_generation_prompt, **kwargs
+        )
+
+
+# ---- command line --------------------------------------------------------------------------
+
+
+def _env(name: str, default: Any) -> Any:
+    value = os.environ.get(f"QWENSERVE_{name}")
+    if value is None or value == "":
+        return default
+    return type(default)(value) if default is not None else value
+
+
+def parse_config(argv: list[str]) -> TokenizerServiceConfig:
+    """Flags, falling back to QWENSERVE_* environment variables, falling back to defaults."""
+    d = TokenizerServiceConfig()
+    p = argparse.ArgumentParser(prog="qwen-serve serve tokenizer", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default=_env("HOST", d.host), help="address to bind (QWENSERVE_HOST)")
+    p.add_argument(
+        "--port", type=int, default=_env("PORT", d.port), help="0 picks a free port (QWENSERVE_PORT)"
+    )
+    p.add_argument("--model", default=_env("MODEL", d.model), help="checkpoint folder (QWENSERVE_MODEL)")
+    p.add_argument("--vocab", default=_env("VOCAB", d.vocab), help="built-in vocabulary without --model")
+    p.add_argument(
+        "--workers", type=int, default=_env("TOKENIZER_WORKERS", d.workers), help="encoding threads"
+    )
+    p.add_argument("--max-input-bytes", type=int, default=_env("MAX_INPUT_BYTES", d.max_input_bytes))
+    p.add_argument("--max-batch", type=int, default=_env("MAX_BATCH", d.max_batch))
+    p.add_argument("--max-message-bytes", type=int, default=_env("MAX_MESSAGE_BYTES", d.max_message_bytes))
+    p.add_argument("--grace-s", type=float, default=_env("GRACE_S", d.grace_s), help="drain time on SIGTERM")
+    args = p.parse_args(argv)
+    return TokenizerServiceConfig(**vars(args))
+
+
+async def run(config: TokenizerServiceConfig) -> None:
+    """Load the tokenizer, then serve until SIGTERM / SIGINT."""
+    tokenizer = load_tokenizer(config)
+    servicer = TokenizerServicer(tokenizer, config)
+
+    async def warm_up() -> None:
+        # Compiles the chat template and touches the encoder before health says SERVING.
+        tokenizer.encode("warm-up: hello, 你好 👋")
+        if tokenizer.chat_template:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+
+    server_config = GrpcServerConfig(
+        host=config.host, port=config.port, max_message_bytes=config.max_message_bytes, grace_s=config.grace_s
+    )
+    try:
+        await serve(
+            server_config,
+            "tokenizer",
+            [SERVICE_NAME],
+            lambda server: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server),
+            warm_up,
+        )
+    finally:
+        servicer.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `qwen-serve serve tokenizer`."""
+    config = parse_config(sys.argv[1:] if argv is None else argv)
+    print(f"tokenizer config: {json.dumps(asdict(config))}", file=sys.stderr, flush=True)
+    try:
+        asyncio.run(run(config))
+    except (OSError, ValueError, TokenizerError) as err:
+        print(f"tokenizer: cannot start: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

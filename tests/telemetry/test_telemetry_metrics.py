@@ -1,0 +1,265 @@
+"""Metrics: names and types, bounded labels, engine stats, stream timing, the /metrics HTTP server."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from qwenserve.telemetry import metrics
+from qwenserve.telemetry.metrics import (
+    engine_metrics,
+    handoff_metrics,
+    router_metrics,
+    serve_metrics,
+    start_metrics_server,
+    tokenizer_metrics,
+)
+
+
+def _families(registry: CollectorRegistry) -> dict[str, str]:
+    """name -> type of every family the registry exposes (text format, as Prometheus parses it)."""
+    text = generate_latest(registry).decode()
+    return {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)
+    assert value is not None, f"{name}{labels} not exposed"
+    return value
+
+
+def test_every_group_exposes_its_contract_names(registry):
+    router_metrics(registry), engine_metrics(registry), handoff_metrics(registry), tokenizer_metrics(registry)
+    families = _families(registry)
+    expected = {
+        # router
+        "qwenserve_router_requests": "counter",
+        "qwenserve_router_ttft_seconds": "histogram",
+        "qwenserve_router_inter_token_latency_seconds": "histogram",
+        "qwenserve_router_e2e_latency_seconds": "histogram",
+        "qwenserve_router_queue_time_seconds": "histogram",
+        "qwenserve_router_in_flight_requests": "gauge",
+        "qwenserve_router_retries": "counter",
+        "qwenserve_router_failovers": "counter",
+        "qwenserve_router_ratelimit_decisions": "counter",
+        "qwenserve_router_tokens": "counter",
+        # engine: the autoscaler reads the first two and the usage ratio by these exact names
+        "qwenserve_engine_running_requests": "gauge",
+        "qwenserve_engine_waiting_requests": "gauge",
+        "qwenserve_engine_batch_size": "histogram",
+        "qwenserve_engine_step_tokens": "histogram",
+        "qwenserve_engine_step_seconds": "histogram",
+        "qwenserve_kv_blocks_used": "gauge",
+        "qwenserve_kv_blocks_free": "gauge",
+        "qwenserve_kv_blocks_total": "gauge",
+        "qwenserve_kv_blocks_usage_ratio": "gauge",
+        "qwenserve_prefix_cache_hit_ratio": "gauge",
+        "qwenserve_engine_preemptions": "counter",
+        # handoff
+        "qwenserve_handoff_bytes": "counter",
+        "qwenserve_handoff_seconds": "histogram",
+        "qwenserve_handoff_failures": "counter",
+        "qwenserve_handoff_leases_outstanding": "gauge",
+        "qwenserve_handoff_leases_reclaimed": "counter",
+        # tokenizer
+        "qwenserve_tokenizer_requests": "counter",
+        "qwenserve_tokenizer_texts": "counter",
+        "qwenserve_tokenizer_tokens": "counter",
+        "qwenserve_tokenizer_latency_seconds": "histogram",
+    }
+    assert {name: families.get(name) for name in expected} == expected
+    assert all(name.startswith("qwenserve_") for name in families)
+
+
+def test_groups_are_created_once_per_registry(registry):
+    assert router_metrics(registry) is router_metrics(registry)
+    assert engine_metrics(registry) is engine_metrics(registry)
+    other = CollectorRegistry()
+    assert router_metrics(other) is not router_metrics(registry)
+    router_metrics(other).record_retry("prefill")
+    assert registry.get_sample_value("qwenserve_router_retries_total", {"stage": "prefill"}) is None
+    # The process-wide registry also tolerates repeated lookups (services and tests share it).
+    assert tokenizer_metrics() is tokenizer_metrics(REGISTRY)
+
+
+def test_unknown_label_values_fold_into_other(registry):
+    router = router_metrics(registry)
+    router.record_finished("ok", "stop")
+    router.record_finished("ok", "")
+    router.record_finished("weird-outcome", "made-up-reason")
+    router.record_ratelimit(allowed=False, limit="tokens")
+    router.record_ratelimit(allowed=True, limit="tokens")
+    handoff_metrics(registry).record_failure("carrier-pigeon", "lost")
+    assert _value(registry, "qwenserve_router_requests_total", outcome="ok", finish_reason="stop") == 1
+    assert _value(registry, "qwenserve_router_requests_total", outcome="ok", finish_reason="none") == 1
+    assert _value(registry, "qwenserve_router_requests_total", outcome="other", finish_reason="other") == 1
+    assert (
+        _value(registry, "qwenserve_router_ratelimit_decisions_total", decision="rejected", limit="tokens")
+        == 1
+    )
+    assert (
+        _value(registry, "qwenserve_router_ratelimit_decisions_total", decision="allowed", limit="none") == 1
+    )
+    assert _value(registry, "qwenserve_handoff_failures_total", transport="other", reason="other") == 1
+
+
+def test_tenant_label_is_capped(registry):
+    router = metrics.RouterMetrics(registry, max_tenants=2)
+    for tenant in ("acme", "globex", "initech", "umbrella", "acme"):
+        router.record_tokens(tenant, prompt=10, cached=4, completion=3)
+    assert _value(registry, "qwenserve_router_tokens_total", tenant="acme", kind="prompt") == 20
+    assert _value(registry, "qwenserve_router_tokens_total", tenant="globex", kind="cached") == 4
+    assert _value(registry, "qwenserve_router_tokens_total", tenant="other", kind="completion") == 6
+    assert (
+        registry.get_sample_value("qwenserve_router_tokens_total", {"tenant": "initech", "kind": "prompt"})
+        is None
+    )
+
+
+def test_stream_timer_observes_ttft_gaps_and_end_to_end(registry):
+    router = router_metrics(registry)
+    timer = router.stream_timer(arrived=100.0)
+    for t in (100.25, 100.30, 100.40):
+        timer.token(now=t)
+    timer.finish(now=101.0)
+    timer.finish(now=105.0)  # a second terminal path must not double count
+    assert timer.first_token_at == 100.25
+    assert _value(registry, "qwenserve_router_ttft_seconds_count") == 1
+    assert _value(registry, "qwenserve_router_ttft_seconds_sum") == pytest.approx(0.25)
+    assert _value(registry, "qwenserve_router_ttft_seconds_bucket", le="0.3") == 1
+    assert _value(registry, "qwenserve_router_ttft_seconds_bucket", le="0.2") == 0
+    assert _value(registry, "qwenserve_router_inter_token_latency_seconds_count") == 2
+    assert _value(registry, "qwenserve_router_inter_token_latency_seconds_sum") == pytest.approx(0.15)
+    assert _value(registry, "qwenserve_router_e2e_latency_seconds_count") == 1
+    assert _value(registry, "qwenserve_router_e2e_latency_seconds_sum") == pytest.approx(1.0)
+
+
+def _stats(**overrides: object) -> SimpleNamespace:
+    base = dict(
+        running=3,
+        waiting=5,
+        kv_blocks_used=30,
+        kv_blocks_free=90,
+        kv_blocks_total=120,
+        prefix_cache_hit_rate=0.4,
+        preemptions=2,
+    )
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def test_engine_gauges_follow_stats_snapshots(registry):
+    engine = engine_metrics(registry)
+    engine.update_from_stats(_stats())
+    assert _value(registry, "qwenserve_engine_running_requests") == 3
+    assert _value(registry, "qwenserve_engine_waiting_requests") == 5
+    assert _value(registry, "qwenserve_kv_blocks_used") == 30
+    assert _value(registry, "qwenserve_kv_blocks_free") == 90
+    assert _value(registry, "qwenserve_kv_blocks_usage_ratio") == pytest.approx(0.25)
+    assert _value(registry, "qwenserve_prefix_cache_hit_ratio") == pytest.approx(0.4)
+    assert _value(registry, "qwenserve_engine_preemptions_total") == 2
+
+    metrics.update_engine_gauges(
+        _stats(running=0, kv_blocks_used=120, kv_blocks_free=0, preemptions=7), registry
+    )
+    assert _value(registry, "qwenserve_engine_running_requests") == 0
+    assert _value(registry, "qwenserve_kv_blocks_usage_ratio") == 1.0
+    assert _value(registry, "qwenserve_engine_preemptions_total") == 7  # cumulative 2 -> 7 adds 5
+
+    engine.update_from_stats(_stats(preemptions=1))  # the engine restarted its count
+    assert _value(registry, "qwenserve_engine_preemptions_total") == 8
+
+
+def test_engine_stats_may_omit_fields_and_ratio_survives_an_empty_pool(registry):
+    engine = engine_metrics(registry)
+    engine.update_from_stats(SimpleNamespace(running=1, waiting=0, kv_blocks_used=10, kv_blocks_free=30))
+    assert _value(registry, "qwenserve_kv_blocks_usage_ratio") == pytest.approx(0.25)
+    assert _value(registry, "qwenserve_engine_preemptions_total") == 0
+    engine.update_from_stats(SimpleNamespace(kv_blocks_used=0, kv_blocks_free=0, kv_blocks_total=0))
+    assert _value(registry, "qwenserve_kv_blocks_usage_ratio") == 0.0
+    assert _value(registry, "qwenserve_engine_running_requests") == 1  # untouched by the second snapshot
+
+
+def test_engine_step_handoff_and_tokenizer_recorders(registry):
+    engine_metrics(registry).observe_step(batch_size=6, tokens=300, seconds=0.012)
+    handoff = handoff_metrics(registry)
+    handoff.record_transfer("shm", 1 << 20, 0.002)
+    handoff.record_transfer("shm", 1 << 20, 0.004)
+    handoff.leases_outstanding.inc()
+    tokenizer_metrics(registry).record_rpc("TokenizeBatch", "OK", 0.003, texts=4, tokens=57)
+    tokenizer_metrics(registry).record_rpc("Tokenize", "INVALID_ARGUMENT", 0.0001)
+    assert _value(registry, "qwenserve_engine_batch_size_sum") == 6
+    assert _value(registry, "qwenserve_engine_step_tokens_bucket", le="512.0") == 1
+    assert _value(registry, "qwenserve_handoff_bytes_total", transport="shm") == 2 << 20
+    assert _value(registry, "qwenserve_handoff_seconds_count", transport="shm") == 2
+    assert _value(registry, "qwenserve_handoff_leases_outstanding") == 1
+    assert _value(registry, "qwenserve_tokenizer_requests_total", rpc="TokenizeBatch", code="OK") == 1
+    assert (
+        _value(registry, "qwenserve_tokenizer_requests_total", rpc="Tokenize", code="INVALID_ARGUMENT") == 1
+    )
+    assert _value(registry, "qwenserve_tokenizer_texts_total") == 4
+    assert _value(registry, "qwenserve_tokenizer_tokens_total") == 57
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_metrics_server_serves_parseable_metrics_and_probes(registry):
+    router_metrics(registry).record_finished("ok", "length")
+    state = {"ready": False}
+    server = serve_metrics(0, "127.0.0.1", registry, ready=lambda: state["ready"])
+    try:
+        assert server.port > 0
+        status, body = _get(f"{server.url}/metrics")
+        assert status == 200
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body)
+            for s in family.samples
+        }
+        assert (
+            samples[("qwenserve_router_requests_total", (("finish_reason", "length"), ("outcome", "ok")))]
+            == 1
+        )
+        assert _get(f"{server.url}/healthz")[0] == 200
+        assert _get(f"{server.url}/readyz")[0] == 503
+        state["ready"] = True
+        assert _get(f"{server.url}/readyz")[0] == 200
+        server.live = lambda: False
+        assert _get(f"{server.url}/healthz")[0] == 503
+        assert _get(f"{server.url}/nope")[0] == 404
+    finally:
+        server.close()
+
+
+def test_start_metrics_server_returns_the_bound_port(registry):
+    engine_metrics(registry).running.set(4)
+    port = start_metrics_server(0, "127.0.0.1", registry, ready=lambda: True)
+    try:
+        assert port > 0
+        status, body = _get(f"http://127.0.0.1:{port}/metrics")
+        assert status == 200 and "qwenserve_engine_running_requests 4.0" in body
+        assert _get(f"http://127.0.0.1:{port}/readyz")[0] == 200
+    finally:
+        for server in [s for s in metrics._servers if s.port == port]:
+            server.close()
+
+
+def test_readiness_probe_that_raises_reports_not_ready(registry):
+    def broken() -> bool:
+        raise RuntimeError("health object gone")
+
+    server = serve_metrics(0, "127.0.0.1", registry, ready=broken)
+    try:
+        assert _get(f"{server.url}/readyz")[0] == 503
+    finally:
+        server.close()
