@@ -7,6 +7,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from qwenserve.engine.errors import KVLayoutMismatchError
+from qwenserve.engine.kv_layout import KVImport
+from qwenserve.kv_transfer.errors import KVTransferError
 from qwenserve.protocol import finish_reason_to_proto
 from qwenserve.v1 import common_pb2, decode_pb2
 from qwenserve.worker.errors import BadRequest, HandoffRefused
@@ -17,11 +20,9 @@ from qwenserve.worker.requests import checked_request
 class DecodeWorker:
     """Streams one request's tokens; coalesces several steps into one message when the reader lags."""
 
-    def __init__(self, engine: Any, importer: Any, kv_import_type: Any, handoff_errors: tuple[type, ...]) -> None:
+    def __init__(self, engine: Any, importer: Any) -> None:
         self.engine = engine
         self.importer = importer
-        self._kv_import_type = kv_import_type
-        self._handoff_errors = handoff_errors
 
     async def decode(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
         """Raises BadRequest / HandoffRefused before the first message; afterwards errors end the stream."""
@@ -30,10 +31,10 @@ class DecodeWorker:
             raise BadRequest("one of prefilled or local_prefill is required")
         resume = list(request.resume_token_ids)
         prompt, sampling = checked_request(
-            request.prompt_token_ids, request.sampling, vocab_size=self.engine.vocab_size,
+            request.prompt_token_ids, request.sampling, vocab_size=self.engine.model_config.vocab_size,
             max_model_len=self.engine.max_model_len, generated=len(resume) + (start == "prefilled"),
         )
-        bad = next((i for i in resume if i >= self.engine.vocab_size), None)
+        bad = next((i for i in resume if i >= self.engine.model_config.vocab_size), None)
         if bad is not None:
             raise BadRequest(f"resume token id {bad} is outside the vocabulary")
         kv_import = None
@@ -56,11 +57,11 @@ class DecodeWorker:
             raise HandoffRefused(f"the handoff holds {handle.num_tokens} tokens, the prompt has {prompt_len}")
         try:
             tensor = await self.importer.fetch(handle, self.engine.kv_layout())
-        except self._handoff_errors as e:
+        except (KVTransferError, KVLayoutMismatchError) as e:
             await self.importer.release(handle, "failed")
             raise HandoffRefused(str(e)) from e
         await self.importer.release(handle, "imported")
-        return self._kv_import_type(tensor=tensor, layout=self.engine.kv_layout())
+        return KVImport(kv=tensor, layout=self.engine.kv_layout())
 
 
 async def _coalesced(outputs: AsyncIterator[Any], cached_from_prefill: int) -> AsyncIterator[decode_pb2.DecodeResponse]:

@@ -22,7 +22,7 @@ class PrefillWorker:
         """Raises BadRequest for invalid input; a cancelled caller aborts the engine request and the slot."""
         prompt, sampling = checked_request(
             request.prompt_token_ids, request.sampling,
-            vocab_size=self.engine.vocab_size, max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.model_config.vocab_size, max_model_len=self.engine.max_model_len,
         )
         request_id = request.request_id or f"prefill-{uuid.uuid4().hex[:12]}"
         handoff_id = f"{request_id}-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,103 @@
+"""The Prefill stage: prompt in, first token and a KV handoff out (plus the KVTransfer service).
+
+`qwen-serve serve prefill --model PATH [--port N] [--kv-transfer shm|network]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from dataclasses import dataclass
+
+import grpc
+
+from qwenserve.engine.config import EngineConfig
+from qwenserve.engine.engine import LLMEngine
+from qwenserve.engine.errors import RequestError
+from qwenserve.flags import add_flag, print_config
+from qwenserve.grpc_server import GrpcServerConfig, serve
+from qwenserve.kv_transfer.exporter import ExporterConfig, KVExporter
+from qwenserve.kv_transfer.grpc_transport import add_kv_transfer_service
+from qwenserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
+from qwenserve.worker.errors import WorkerError
+from qwenserve.worker.prefill_worker import PrefillWorker
+from qwenserve_services.stage_common import add_engine_flags, engine_config, resolve_model, warm_up_engine
+
+SERVICES = [
+    prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
+    kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name,
+]
+
+
+@dataclass(frozen=True)
+class PrefillServiceConfig:
+    host: str
+    port: int
+    model: str
+    kv_transfer: str
+    lease_s: float
+    grace_s: float
+    engine: EngineConfig
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+
+    async def Prefill(  # noqa: N802 - gRPC method name
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        try:
+            return await self.worker.prefill(request)
+        except WorkerError as e:
+            await context.abort(e.grpc_code, str(e))
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        raise AssertionError("unreachable: context.abort raises")
+
+
+def parse_config(argv: list[str]) -> PrefillServiceConfig:
+    parser = argparse.ArgumentParser(prog="qwen-serve serve prefill", description=__doc__.splitlines()[0])
+    add_flag(parser, "--host", default="127.0.0.1")
+    add_flag(parser, "--port", type=int, default=50052)
+    add_flag(parser, "--model", default=None, help="checkpoint folder (default: the built-in model)")
+    add_flag(parser, "--kv-transfer", default="shm", choices=["shm", "network"], help="handoff transport")
+    add_flag(parser, "--lease-s", type=float, default=30.0, help="how long an unacknowledged handoff is kept")
+    add_flag(parser, "--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    add_engine_flags(parser)
+    args, _unknown = parser.parse_known_args(argv)
+    return PrefillServiceConfig(
+        host=args.host, port=args.port, model=resolve_model(args.model), kv_transfer=args.kv_transfer,
+        lease_s=args.lease_s, grace_s=args.grace_s, engine=engine_config(args),
+    )
+
+
+async def run(config: PrefillServiceConfig) -> None:
+    engine = LLMEngine.from_pretrained(config.model, config.engine)
+    transport = common_pb2.KV_TRANSPORT_SHM if config.kv_transfer == "shm" else common_pb2.KV_TRANSPORT_GRPC
+    server_config = GrpcServerConfig(host=config.host, port=config.port, grace_s=config.grace_s)
+    # The control endpoint must be the address decode workers reach us on.
+    exporter = KVExporter(ExporterConfig(
+        transport=transport, use_shm=config.kv_transfer == "shm",
+        control_endpoint=f"{config.host}:{config.port}",
+    )).start()
+    worker = PrefillWorker(engine, exporter, lease_s=config.lease_s)
+
+    def register(server: grpc.aio.Server) -> None:
+        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
+        add_kv_transfer_service(server, exporter)
+
+    try:
+        await serve(server_config, "prefill", SERVICES, register, warm_up=lambda: warm_up_engine(engine))
+    finally:
+        exporter.close()
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `qwen-serve serve prefill`."""
+    config = parse_config(sys.argv[1:] if argv is None else argv)
+    print_config("prefill", config)
+    asyncio.run(run(config))
+    return 0

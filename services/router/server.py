@@ -1,0 +1,135 @@
+"""The Router stage: gRPC `Generate` (and the OpenAI HTTP front) over the disaggregated workers.
+
+`qwen-serve serve router --tokenizer H:P --prefill H:P[,H:P] --decode H:P[,H:P] [--model PATH]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from qwenserve.flags import add_flag, address_list, print_config
+from qwenserve.grpc_server import GrpcServerConfig, serve
+from qwenserve.router.errors import RouterError
+from qwenserve.router.generation import Router, RouterConfig
+from qwenserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from qwenserve.v1 import router_pb2, router_pb2_grpc
+
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+@dataclass(frozen=True)
+class RouterServiceConfig:
+    host: str
+    port: int
+    http_port: int
+    metrics_port: int
+    model: str | None
+    model_name: str
+    tokenizer: str
+    prefill: list[str]
+    decode: list[str]
+    local_prefill_threshold: int
+    grace_s: float
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Maps RouterErrors to status codes; everything else is the library's."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        try:
+            prep = await self.router.prepare(request, deadline)
+        except RouterError as e:
+            await context.abort(e.grpc_code, f"{e.field}: {e.message}" if e.field else e.message)
+            return
+        async for msg in self.router.run(prep):
+            yield msg
+
+    async def ListModels(  # noqa: N802 - gRPC method name
+        self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListModelsResponse:
+        card = router_pb2.ModelCard(
+            id=self.router.config.model_name, max_model_len=self.router.config.max_model_len, owned_by="qwen-serve"
+        )
+        return router_pb2.ListModelsResponse(models=[card])
+
+
+def _load_tokenizer(model: str | None) -> tuple[Tokenizer, int, str]:
+    """The detokenizer's vocabulary, the context length and a model name, from the checkpoint."""
+    if model is None:
+        from qwenserve.default_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    folder = Path(model)
+    config = json.loads((folder / "config.json").read_text())
+    return Tokenizer.from_dir(folder), int(config.get("max_position_embeddings", 4096)), folder.name
+
+
+def parse_config(argv: list[str]) -> RouterServiceConfig:
+    parser = argparse.ArgumentParser(prog="qwen-serve serve router", description=__doc__.splitlines()[0])
+    add_flag(parser, "--host", default="127.0.0.1")
+    add_flag(parser, "--port", type=int, default=50050, help="gRPC port")
+    add_flag(parser, "--http-port", type=int, default=0, help="OpenAI-compatible HTTP port (0: off)")
+    add_flag(parser, "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    add_flag(parser, "--model", default=None, help="checkpoint folder (tokenizer files and config.json)")
+    add_flag(parser, "--model-name", default="", help="name clients use (default: the folder's name)")
+    add_flag(parser, "--tokenizer", default="127.0.0.1:50051", help="tokenizer service address")
+    add_flag(parser, "--prefill", default="", help="prefill workers, comma-separated host:port")
+    add_flag(parser, "--decode", default="", help="decode workers, comma-separated host:port")
+    add_flag(parser, "--local-prefill-threshold", type=int, default=0,
+             help="prompts shorter than this many tokens are prefilled on the decode worker")
+    add_flag(parser, "--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    args, _unknown = parser.parse_known_args(argv)
+    decode = address_list(args.decode)
+    if not decode:
+        parser.error("at least one --decode worker is required")
+    return RouterServiceConfig(
+        host=args.host, port=args.port, http_port=args.http_port, metrics_port=args.metrics_port,
+        model=args.model, model_name=args.model_name, tokenizer=args.tokenizer,
+        prefill=address_list(args.prefill), decode=decode,
+        local_prefill_threshold=args.local_prefill_threshold, grace_s=args.grace_s,
+    )
+
+
+async def run(config: RouterServiceConfig) -> None:
+    tokenizer, max_model_len, folder_name = _load_tokenizer(config.model)
+    router = Router(
+        RouterConfig(
+            tokenizer_address=config.tokenizer, prefill_addresses=config.prefill, decode_addresses=config.decode,
+            model_name=config.model_name or folder_name, max_model_len=max_model_len,
+            local_prefill_threshold=config.local_prefill_threshold,
+        ),
+        lambda skip: IncrementalDetokenizer(tokenizer, skip_special_tokens=skip),
+    )
+
+    def register(server: grpc.aio.Server) -> None:
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
+
+    try:
+        await serve(GrpcServerConfig(host=config.host, port=config.port, grace_s=config.grace_s), "router",
+                    [SERVICE_NAME], register, warm_up=router.start)
+    finally:
+        await router.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `qwen-serve serve router`."""
+    config = parse_config(sys.argv[1:] if argv is None else argv)
+    print_config("router", config)
+    asyncio.run(run(config))
+    return 0

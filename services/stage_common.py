@@ -1,0 +1,43 @@
+"""Flags and start-up steps shared by the two engine stages (prefill and decode)."""
+
+from __future__ import annotations
+
+import argparse
+
+from qwenserve.engine.config import EngineConfig
+from qwenserve.engine.engine import LLMEngine
+from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.flags import add_flag
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
+    add_flag(parser, "--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    add_flag(parser, "--max-num-seqs", type=int, default=256, help="running sequences at once")
+    add_flag(parser, "--admission-policy", default="short_first", choices=["short_first", "fcfs"])
+    add_flag(parser, "--threads", type=int, default=None, help="torch threads (default: all cores)")
+    add_flag(parser, "--dtype", default=None, help="float32 (CPU default), bfloat16, float16")
+    add_flag(parser, "--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        device=args.device, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_gb,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        admission_policy=args.admission_policy, num_threads=args.threads,
+    )
+
+
+def resolve_model(model: str | None) -> str:
+    """The checkpoint to serve: the given folder, or the built-in default (made on first use)."""
+    if model:
+        return model
+    from qwenserve.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+async def warm_up_engine(engine: LLMEngine) -> None:
+    """One real forward pass before health says SERVING, so the first request pays no start-up cost."""
+    async for _ in engine.generate("warm-up", [0, 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2)):
+        pass
