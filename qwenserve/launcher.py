@@ -44,6 +44,7 @@ class Child:
     name: str
     address: str
     argv: list[str]
+    metrics_port: int = 0
     process: subprocess.Popen | None = None
 
 
@@ -68,7 +69,11 @@ class LocalCluster:
         argv = [sys.executable, "-m", "qwenserve.cli", "serve", stage, "--host", self.host, "--port", str(port)]
         argv += ["--model", str(self.model), *extra]
         name = stage if stage in ("tokenizer", "router") else f"{stage}-{sum(c.name.startswith(stage) for c in self.children)}"
-        return Child(name, f"{self.host}:{port}", argv)
+        metrics_port = 0
+        if stage in ("prefill", "decode"):
+            metrics_port = free_port(self.host)
+            argv += ["--metrics-port", str(metrics_port)]
+        return Child(name, f"{self.host}:{port}", argv, metrics_port)
 
     def plan(self) -> list[Child]:
         """Decide ports and command lines (no processes yet)."""
@@ -101,8 +106,9 @@ class LocalCluster:
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 out = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - lives as long as the child
+            # Children's own output never mixes with the launcher's stdout (which carries the ready line).
             child.process = subprocess.Popen(
-                child.argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                child.argv, env=env, stdout=out or sys.stderr, stderr=subprocess.STDOUT if out else None,
                 preexec_fn=_die_with_parent,
             )
         try:

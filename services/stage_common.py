@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+from typing import Any
 
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.flags import add_flag
+from qwenserve.telemetry.metrics import engine_metrics, handoff_metrics, start_metrics_server
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -41,3 +44,27 @@ async def warm_up_engine(engine: LLMEngine) -> None:
     """One real forward pass before health says SERVING, so the first request pays no start-up cost."""
     async for _ in engine.generate("warm-up", [0, 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2)):
         pass
+
+
+def add_metrics_flag(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+
+
+async def publish_engine_metrics(engine: LLMEngine, exporter: Any = None, interval_s: float = 0.5) -> None:
+    """Copy the engine's (and exporter's) state into the Prometheus gauges, forever."""
+    gauges, handoff = engine_metrics(), handoff_metrics()
+    reclaimed_seen = 0
+    while True:
+        gauges.update_from_stats(engine.stats())
+        if exporter is not None:
+            counters = exporter.counters()
+            handoff.leases_outstanding.set(counters.outstanding)
+            handoff.leases_reclaimed.inc(counters.reclaimed - reclaimed_seen)
+            reclaimed_seen = counters.reclaimed
+        await asyncio.sleep(interval_s)
+
+
+def start_metrics(host: str, port: int) -> None:
+    """Serve /metrics when a port is given (ready once the gRPC server is serving)."""
+    if port:
+        start_metrics_server(port, host, ready=lambda: True)

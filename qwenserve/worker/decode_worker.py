@@ -37,10 +37,11 @@ class DecodeWorker:
         bad = next((i for i in resume if i >= self.engine.model_config.vocab_size), None)
         if bad is not None:
             raise BadRequest(f"resume token id {bad} is outside the vocabulary")
-        kv_import = None
+        kv_import, handle = None, None
         cached = 0
         if start == "prefilled":
-            kv_import = await self._import(request.prefilled, len(prompt))
+            handle = request.prefilled.kv_handle
+            kv_import = await self._import(handle, len(prompt))
             resume = [request.prefilled.first_token_id]
             cached = request.prefilled.cached_prompt_tokens
         request_id = request.request_id or f"decode-{uuid.uuid4().hex[:12]}"
@@ -48,11 +49,27 @@ class DecodeWorker:
             request_id, prompt, sampling, cache_salt=request.cache_salt or None,
             resume_token_ids=resume, kv_import=kv_import,
         )
+        if handle is not None:
+            outputs = self._release_after_first(outputs, handle)
         async for msg in _coalesced(outputs, cached):
             yield msg
 
-    async def _import(self, start: decode_pb2.PrefilledStart, prompt_len: int) -> Any:
-        handle = start.kv_handle
+    async def _release_after_first(self, outputs: AsyncIterator[Any], handle: Any) -> AsyncIterator[Any]:
+        """An shm import is a view of the exporter's memory: release it only once the engine has copied it
+        into its own blocks, which has happened by the time the first output exists."""
+        released = False
+        try:
+            async for out in outputs:
+                if not released:
+                    released = True
+                    await self.importer.release(handle, "imported")
+                yield out
+        finally:
+            if not released:
+                # Not awaited: this may run while the task is being cancelled.
+                asyncio.ensure_future(self.importer.release(handle, "cancelled"))
+
+    async def _import(self, handle: Any, prompt_len: int) -> KVImport:
         if handle.num_tokens != prompt_len:
             raise HandoffRefused(f"the handoff holds {handle.num_tokens} tokens, the prompt has {prompt_len}")
         try:
@@ -60,7 +77,6 @@ class DecodeWorker:
         except (KVTransferError, KVLayoutMismatchError) as e:
             await self.importer.release(handle, "failed")
             raise HandoffRefused(str(e)) from e
-        await self.importer.release(handle, "imported")
         return KVImport(kv=tensor, layout=self.engine.kv_layout())
 
 

@@ -22,7 +22,15 @@ from qwenserve.kv_transfer.importer import KVImporter
 from qwenserve.v1 import decode_pb2, decode_pb2_grpc
 from qwenserve.worker.decode_worker import DecodeWorker
 from qwenserve.worker.errors import WorkerError
-from qwenserve_services.stage_common import add_engine_flags, engine_config, resolve_model, warm_up_engine
+from qwenserve_services.stage_common import (
+    add_engine_flags,
+    add_metrics_flag,
+    engine_config,
+    publish_engine_metrics,
+    resolve_model,
+    start_metrics,
+    warm_up_engine,
+)
 
 SERVICES = [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
 
@@ -33,6 +41,7 @@ class DecodeServiceConfig:
     port: int
     model: str
     grace_s: float
+    metrics_port: int
     engine: EngineConfig
 
 
@@ -59,10 +68,11 @@ def parse_config(argv: list[str]) -> DecodeServiceConfig:
     add_flag(parser, "--model", default=None, help="checkpoint folder (default: the built-in model)")
     add_flag(parser, "--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     add_engine_flags(parser)
+    add_metrics_flag(parser)
     args, _unknown = parser.parse_known_args(argv)
     return DecodeServiceConfig(
         host=args.host, port=args.port, model=resolve_model(args.model), grace_s=args.grace_s,
-        engine=engine_config(args),
+        metrics_port=args.metrics_port, engine=engine_config(args),
     )
 
 
@@ -74,10 +84,13 @@ async def run(config: DecodeServiceConfig) -> None:
     def register(server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
 
+    start_metrics(config.host, config.metrics_port)
+    publisher = asyncio.create_task(publish_engine_metrics(engine, None))
     try:
         await serve(GrpcServerConfig(host=config.host, port=config.port, grace_s=config.grace_s), "decode",
                     SERVICES, register, warm_up=lambda: warm_up_engine(engine))
     finally:
+        publisher.cancel()
         await importer.close()
         engine.shutdown()
 

@@ -22,7 +22,15 @@ from qwenserve.kv_transfer.grpc_transport import add_kv_transfer_service
 from qwenserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
 from qwenserve.worker.errors import WorkerError
 from qwenserve.worker.prefill_worker import PrefillWorker
-from qwenserve_services.stage_common import add_engine_flags, engine_config, resolve_model, warm_up_engine
+from qwenserve_services.stage_common import (
+    add_engine_flags,
+    add_metrics_flag,
+    engine_config,
+    publish_engine_metrics,
+    resolve_model,
+    start_metrics,
+    warm_up_engine,
+)
 
 SERVICES = [
     prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
@@ -38,6 +46,7 @@ class PrefillServiceConfig:
     kv_transfer: str
     lease_s: float
     grace_s: float
+    metrics_port: int
     engine: EngineConfig
 
 
@@ -66,10 +75,11 @@ def parse_config(argv: list[str]) -> PrefillServiceConfig:
     add_flag(parser, "--lease-s", type=float, default=30.0, help="how long an unacknowledged handoff is kept")
     add_flag(parser, "--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     add_engine_flags(parser)
+    add_metrics_flag(parser)
     args, _unknown = parser.parse_known_args(argv)
     return PrefillServiceConfig(
         host=args.host, port=args.port, model=resolve_model(args.model), kv_transfer=args.kv_transfer,
-        lease_s=args.lease_s, grace_s=args.grace_s, engine=engine_config(args),
+        lease_s=args.lease_s, grace_s=args.grace_s, metrics_port=args.metrics_port, engine=engine_config(args),
     )
 
 
@@ -88,9 +98,12 @@ async def run(config: PrefillServiceConfig) -> None:
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
         add_kv_transfer_service(server, exporter)
 
+    start_metrics(config.host, config.metrics_port)
+    publisher = asyncio.create_task(publish_engine_metrics(engine, exporter))
     try:
         await serve(server_config, "prefill", SERVICES, register, warm_up=lambda: warm_up_engine(engine))
     finally:
+        publisher.cancel()
         exporter.close()
         engine.shutdown()
 
