@@ -22,6 +22,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from qwenserve.kv_transfer.shm import reap_orphaned_segments
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -152,6 +154,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 child.process.kill()
                 child.process.wait()
+        # A child killed with SIGKILL cannot clean up its shared memory; its supervisor does.
+        reap_orphaned_segments(min_age_s=0)
 
     def __enter__(self) -> LocalCluster:
         self.start()

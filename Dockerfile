@@ -1,0 +1,74 @@
+# syntax=docker/dockerfile:1
+# The qwen-serve image: every stage (`qwen-serve serve <stage>`) and the operator (`qwen-serve operator`).
+#
+#   docker build -t qwen-serve:0.1.0 .                      # CPU (default target)
+#   docker build --target cuda -t qwen-serve:0.1.0-cuda .   # CUDA + flash-attn
+#
+# Both targets install torch first, from the index that matches the hardware, so that `pip install .`
+# finds torch satisfied and never pulls a second (CUDA) build into the CPU image.
+
+ARG PYTHON_VERSION=3.11
+ARG TORCH_VERSION=2.13.0
+# Base images of the cuda target (ARGs used in FROM must come before the first FROM).
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
+ARG CUDA_RUNTIME_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+
+# --------------------------------------------------------------------------------------------- cuda
+# Build stage: the CUDA toolkit compiles flash-attn; only the virtual environment is kept.
+FROM ${CUDA_IMAGE} AS cuda-build
+ARG TORCH_VERSION
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    MAX_JOBS=8
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev git \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" && pip install packaging ninja wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY proto/ proto/
+COPY qwenserve/ qwenserve/
+COPY services/ services/
+COPY operator/ operator/
+RUN pip install ".[gpu]" --no-build-isolation
+
+FROM ${CUDA_RUNTIME_IMAGE} AS cuda
+ENV DEBIAN_FRONTEND=noninteractive PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp \
+    PATH=/opt/venv/bin:$PATH
+RUN apt-get update && apt-get install -y --no-install-recommends python3 \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 qwen && useradd --system --uid 10001 --gid qwen --home-dir /tmp qwen \
+    && mkdir -p /models && chown qwen:qwen /models
+COPY --from=cuda-build /opt/venv /opt/venv
+WORKDIR /tmp
+USER 10001:10001
+EXPOSE 50050 50051 50052 50053 8000 9090
+ENTRYPOINT ["qwen-serve"]
+CMD ["--help"]
+
+# ---------------------------------------------------------------------- cpu (last: the default target)
+FROM python:${PYTHON_VERSION}-slim AS cpu
+ARG TORCH_VERSION
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/tmp
+WORKDIR /src
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+# What the package build needs, and nothing else (.dockerignore keeps tests, charts and caches out).
+COPY pyproject.toml README.md ./
+COPY proto/ proto/
+COPY qwenserve/ qwenserve/
+COPY services/ services/
+COPY operator/ operator/
+RUN pip install . && rm -rf /src
+# A fixed non-root UID: the operator's pod securityContext (runAsUser 10001) matches it.
+RUN groupadd --system --gid 10001 qwen && useradd --system --uid 10001 --gid qwen --home-dir /tmp qwen \
+    && mkdir -p /models && chown qwen:qwen /models
+WORKDIR /tmp
+USER 10001:10001
+EXPOSE 50050 50051 50052 50053 8000 9090
+ENTRYPOINT ["qwen-serve"]
+CMD ["--help"]

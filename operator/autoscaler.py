@@ -1,0 +1,244 @@
+"""Per-stage autoscaling decisions: pure functions from metrics to replica counts.
+
+Signals (Prometheus text from each pod's `:9090/metrics`):
+- prefill pods: `qwenserve_engine_waiting_requests` (queued prompts);
+- decode pods: `qwenserve_engine_waiting_requests`, `qwenserve_engine_running_requests`,
+  `qwenserve_kv_blocks_usage_ratio`;
+- router pods: `qwenserve_router_ttft_seconds` (judges prefill) and
+  `qwenserve_router_inter_token_latency_seconds` (judges decode). These are cumulative histograms,
+  so a latency quantile is computed from the difference between two scrapes: the latency of the
+  last interval, not of the process's whole life.
+
+The policy, like the Horizontal Pod Autoscaler's, but with the latency SLO as a first-class signal:
+- a stage's recommendation is the largest of its load signals (queue per replica, running
+  requests per replica, KV usage), and at least one more replica while its latency breaches the
+  SLO; while latency is within 80 % of the target the stage never shrinks;
+- scaling up is immediate (at most `maxScaleUpStep` at once); scaling down goes only to the highest
+  recommendation seen during `scaleDownStabilizationSeconds`, against flapping;
+- min/max bounds always hold; then the prefill:decode ratio is kept by raising the smaller side.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+WAITING = "qwenserve_engine_waiting_requests"
+RUNNING = "qwenserve_engine_running_requests"
+KV_USAGE = "qwenserve_kv_blocks_usage_ratio"
+TTFT = "qwenserve_router_ttft_seconds"
+ITL = "qwenserve_router_inter_token_latency_seconds"
+HISTOGRAMS = (TTFT, ITL)
+# Latency below this share of the target is "comfortably within the SLO": only then may a stage shrink.
+HEADROOM = 0.8
+
+Buckets = dict[float, float]  # upper bound -> cumulative count
+
+
+@dataclass(frozen=True)
+class PodMetrics:
+    """What one pod's /metrics said (gauges summed over label sets; histograms by bucket)."""
+
+    gauges: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, Buckets] = field(default_factory=dict)
+
+
+def parse_metrics(text: str) -> PodMetrics:
+    """Parse Prometheus text exposition; unknown metrics are ignored."""
+    gauges: dict[str, float] = {}
+    histograms: dict[str, Buckets] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in (WAITING, RUNNING, KV_USAGE):
+            values = [s.value for s in family.samples if s.name == family.name]
+            if values:
+                # KV usage is a ratio: the busiest pool is what matters, never a sum.
+                gauges[family.name] = max(values) if family.name == KV_USAGE else sum(values)
+        elif family.name in HISTOGRAMS:
+            buckets: Buckets = {}
+            for sample in family.samples:
+                if sample.name == f"{family.name}_bucket":
+                    bound = float(sample.labels["le"])
+                    buckets[bound] = buckets.get(bound, 0.0) + sample.value
+            histograms[family.name] = buckets
+    return PodMetrics(gauges=gauges, histograms=histograms)
+
+
+def merge_histograms(pods: Iterable[PodMetrics], name: str) -> Buckets:
+    """One histogram summed over pods (e.g. every router replica)."""
+    total: Buckets = {}
+    for pod in pods:
+        for bound, count in pod.histograms.get(name, {}).items():
+            total[bound] = total.get(bound, 0.0) + count
+    return total
+
+
+def histogram_delta(now: Buckets, before: Buckets | None) -> Buckets:
+    """Observations between two scrapes; a counter that went down (a restart) counts from zero."""
+    if not before:
+        return {}
+    delta = {bound: count - before.get(bound, 0.0) for bound, count in now.items()}
+    if any(value < 0 for value in delta.values()):
+        return dict(now)
+    return delta
+
+
+def histogram_quantile(q: float, buckets: Buckets) -> float | None:
+    """The q-quantile of a cumulative histogram, interpolated inside the bucket as Prometheus does."""
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound  # above the highest finite bucket: report its bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return bounds[-1]
+
+
+@dataclass(frozen=True)
+class StageSignals:
+    """Load of one stage, summed over its scraped pods, plus its latency over the last interval."""
+
+    pods: int = 0
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0  # the busiest pod's ratio
+    latency: float | None = None
+
+
+def stage_signals(pods: Sequence[PodMetrics], latency: float | None) -> StageSignals:
+    """Sum one stage's pods into its signals."""
+    return StageSignals(
+        pods=len(pods),
+        waiting=sum(p.gauges.get(WAITING, 0.0) for p in pods),
+        running=sum(p.gauges.get(RUNNING, 0.0) for p in pods),
+        kv_usage=max((p.gauges.get(KV_USAGE, 0.0) for p in pods), default=0.0),
+        latency=latency,
+    )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One stage's autoscaling settings (from spec.stages.<stage>.autoscaling and spec.slo)."""
+
+    min_replicas: int
+    max_replicas: int
+    latency_target: float
+    target_queue_depth: float
+    target_running: float | None = None  # decode only
+    target_kv_usage: float | None = None  # decode only
+    stabilization_seconds: float = 300.0
+    max_step: int = 4
+
+    @classmethod
+    def from_spec(cls, spec: dict, stage: str) -> Policy:
+        """The policy of `stage` from a defaulted QwenDeployment spec."""
+        scaling = spec["stages"][stage]["autoscaling"]
+        slo = spec["slo"]
+        return cls(
+            min_replicas=scaling["minReplicas"],
+            max_replicas=scaling["maxReplicas"],
+            latency_target=slo["ttftSeconds"] if stage == "prefill" else slo["interTokenLatencySeconds"],
+            target_queue_depth=scaling["targetQueueDepth"],
+            target_running=scaling.get("targetRunningRequests"),
+            target_kv_usage=scaling.get("targetKVUsage"),
+            stabilization_seconds=scaling["scaleDownStabilizationSeconds"],
+            max_step=scaling["maxScaleUpStep"],
+        )
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """Replicas a stage wants right now and why, before stabilisation and bounds."""
+
+    replicas: int
+    reason: str
+
+
+def recommend(current: int, signals: StageSignals, policy: Policy) -> Recommendation:
+    """What the stage's load asks for (raw: no bounds, no window)."""
+    current = max(current, 1)
+    candidates: list[Recommendation] = [
+        Recommendation(math.ceil(signals.waiting / policy.target_queue_depth),
+                       f"{signals.waiting:g} waiting requests, target {policy.target_queue_depth:g}/replica"),
+    ]
+    if policy.target_running:
+        candidates.append(Recommendation(
+            math.ceil(signals.running / policy.target_running),
+            f"{signals.running:g} running requests, target {policy.target_running:g}/replica"))
+    if policy.target_kv_usage:
+        candidates.append(Recommendation(
+            math.ceil(current * signals.kv_usage / policy.target_kv_usage),
+            f"KV usage {signals.kv_usage:.0%}, target {policy.target_kv_usage:.0%}"))
+    if signals.latency is not None:
+        ratio = signals.latency / policy.latency_target
+        text = f"latency {signals.latency:.3g}s vs target {policy.latency_target:g}s"
+        if ratio > 1.0:
+            # Grow in proportion to the breach, and by at least one replica.
+            candidates.append(Recommendation(max(current + 1, math.ceil(current * min(ratio, 2.0))),
+                                             f"{text} (breach)"))
+        elif ratio > HEADROOM:
+            candidates.append(Recommendation(current, f"{text} (near the target: hold)"))
+    return max(candidates, key=lambda r: r.replicas)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The autoscaler's verdict for one stage."""
+
+    replicas: int
+    reason: str
+    history: tuple[tuple[float, int], ...]  # (time, recommendation) inside the stabilisation window
+
+    def changed(self, current: int) -> bool:
+        """Whether this decision scales the stage."""
+        return self.replicas != current
+
+
+def decide(current: int, signals: StageSignals, policy: Policy, history: Sequence[tuple[float, int]],
+           now: float) -> Decision:
+    """Replicas for one stage: recommendation, bounded, stabilised against flapping.
+
+    `history` is the previous decision's history; the new one is returned in the Decision.
+    """
+    raw = recommend(current, signals, policy)
+    wanted = max(policy.min_replicas, min(policy.max_replicas, raw.replicas))
+    window = tuple((t, r) for t, r in history if now - t < policy.stabilization_seconds) + ((now, wanted),)
+    if current > policy.max_replicas:
+        replicas, reason = policy.max_replicas, f"scale down: maxReplicas is {policy.max_replicas}"
+    elif current < policy.min_replicas:
+        replicas, reason = policy.min_replicas, f"scale up: minReplicas is {policy.min_replicas}"
+    elif wanted > current:
+        replicas, reason = min(wanted, current + policy.max_step), f"scale up: {raw.reason}"
+    elif wanted < current:
+        # Only as low as the highest recommendation of the window.
+        replicas = min(current, max(r for _, r in window))
+        reason = f"scale down: {raw.reason}" if replicas < current else f"hold (stabilising): {raw.reason}"
+    else:
+        replicas, reason = current, f"steady: {raw.reason}"
+    return Decision(replicas=replicas, reason=reason, history=window)
+
+
+def keep_ratio(prefill: int, decode: int, min_ratio: float, max_ratio: float,
+               prefill_max: int, decode_max: int) -> tuple[int, int]:
+    """Raise the smaller side until prefill/decode lies in [min_ratio, max_ratio], within the max bounds.
+
+    Only raising: cutting a stage to satisfy a ratio could cut streams or queue prompts.
+    """
+    if decode > 0 and prefill / decode < min_ratio:
+        prefill = min(prefill_max, max(prefill, math.ceil(decode * min_ratio)))
+    if decode > 0 and prefill / decode > max_ratio:
+        decode = min(decode_max, max(decode, math.ceil(prefill / max_ratio)))
+    return prefill, decode

@@ -1,0 +1,106 @@
+"""The kopf handlers: short functions that hand the object to the Reconciler.
+
+- create / update / resume: apply the children now;
+- a timer per QwenDeployment: autoscale, restore drift, refresh status;
+- events of the children: a Deployment changing (readiness) or any child deleted by hand triggers a
+  pass for its owner at once, instead of waiting for the timer.
+
+`make_registry` builds a fresh registry (no import-time globals), so tests run the real handlers
+against a mock API server with their own settings.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from qwenserve_operator.crd import GROUP, PLURAL, VERSION
+from qwenserve_operator.kube import KubeClient
+from qwenserve_operator.manifests import MANAGER
+from qwenserve_operator.reconciler import OperatorConfig, Reconciler
+
+OWNED = {"app.kubernetes.io/managed-by": MANAGER}
+
+
+@dataclass
+class Runtime:
+    """What the handlers share: settings, credentials (from login) and the reconciler (from startup)."""
+
+    config: OperatorConfig
+    connection: kopf.ConnectionInfo | None = None
+    reconciler: Reconciler | None = field(default=None, repr=False)
+
+    def require(self) -> Reconciler:
+        """The reconciler, made on first use (kopf logs in after the startup handlers)."""
+        if self.reconciler is None:
+            if self.connection is None:
+                raise kopf.TemporaryError("not logged in to Kubernetes yet", delay=1)
+            self.reconciler = Reconciler(KubeClient(self.connection), self.config)
+        return self.reconciler
+
+
+def login(settings: kopf.OperatorSettings, fixed: kopf.ConnectionInfo | None) -> kopf.ConnectionInfo | None:
+    """In-cluster service account first, then kubeconfig; `fixed` (tests) wins."""
+    if fixed is not None:
+        return fixed
+    return kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+
+
+def make_registry(config: OperatorConfig, connection: kopf.ConnectionInfo | None = None) -> kopf.OperatorRegistry:
+    """A registry with every handler of the operator."""
+    registry = kopf.OperatorRegistry()
+    runtime = Runtime(config=config)
+    crd = (GROUP, VERSION, PLURAL)
+
+    @kopf.on.login(registry=registry)
+    def on_login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
+        runtime.connection = login(settings, connection)
+        return runtime.connection
+
+    @kopf.on.startup(registry=registry)
+    def on_startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = f"{GROUP}/operator"
+        settings.posting.level = logging.INFO  # scale decisions are INFO events
+
+    @kopf.on.cleanup(registry=registry)
+    async def on_cleanup(**_: Any) -> None:
+        if runtime.reconciler is not None:
+            await runtime.reconciler.kube.close()
+
+    @kopf.on.resume(*crd, id="apply-on-resume", registry=registry)
+    @kopf.on.create(*crd, id="apply-on-create", registry=registry)
+    @kopf.on.update(*crd, id="apply-on-update", registry=registry)
+    async def apply(body: kopf.Body, **_: Any) -> None:
+        await runtime.require().reconcile(dict(body), autoscale=False)
+
+    @kopf.timer(*crd, interval=config.interval, registry=registry)
+    async def autoscale(body: kopf.Body, **_: Any) -> None:
+        await runtime.require().reconcile(dict(body), autoscale=True)
+
+    @kopf.on.delete(*crd, optional=True, registry=registry)
+    def forget(name: str, namespace: str, **_: Any) -> None:
+        if runtime.reconciler is not None:
+            runtime.reconciler.forget(namespace, name)
+
+    async def child_changed(event: kopf.RawEvent, labels: kopf.Labels, namespace: str | None,
+                            deletions_only: bool) -> None:
+        owner = labels.get("qwenserve.io/deployment")
+        if owner is None or namespace is None or (deletions_only and event.get("type") != "DELETED"):
+            return
+        await runtime.require().reconcile_by_name(namespace, owner)
+
+    @kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=registry)
+    async def deployment_changed(event: kopf.RawEvent, labels: kopf.Labels, namespace: str | None,
+                                 **_: Any) -> None:
+        await child_changed(event, labels, namespace, deletions_only=False)
+
+    @kopf.on.event("v1", "services", labels=OWNED, registry=registry)
+    @kopf.on.event("v1", "configmaps", labels=OWNED, registry=registry)
+    async def other_child_changed(event: kopf.RawEvent, labels: kopf.Labels, namespace: str | None,
+                                  **_: Any) -> None:
+        await child_changed(event, labels, namespace, deletions_only=True)
+
+    return registry

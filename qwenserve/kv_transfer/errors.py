@@ -1,0 +1,62 @@
+"""Errors of the KV handoff, each with a stable code for ErrorDetail and a retry hint.
+
+Services map these once at their edge: mismatches are FAILED_PRECONDITION (never decode
+garbage), a gone handoff or an unreachable exporter is retryable by prefilling again.
+"""
+
+from __future__ import annotations
+
+
+class KVTransferError(Exception):
+    """Base of every KV handoff error."""
+
+    #: Stable snake_case code, as carried in `qwenserve.v1.ErrorDetail.code`.
+    code: str = "kv_transfer_error"
+    #: True when the same request may succeed on another worker or after a fresh prefill.
+    retryable: bool = False
+
+
+class KVLayoutInvalid(KVTransferError, ValueError):
+    """A layout or size that no KV cache can have (unknown dtype, zero layers or tokens...)."""
+
+    code = "kv_layout_invalid"
+
+
+class KVLayoutMismatch(KVTransferError):
+    """The handle's layout or model fingerprint differs from what the importer expects."""
+
+    code = "kv_mismatch"
+
+
+class KVChecksumMismatch(KVTransferError):
+    """The bytes that arrived are not the bytes the exporter published."""
+
+    code = "kv_checksum_mismatch"
+    retryable = True
+
+
+class KVHandoffGone(KVTransferError):
+    """The handoff is unknown to its exporter: released, lease expired, or the exporter died."""
+
+    code = "kv_handoff_gone"
+    retryable = True
+
+
+class KVHandoffExists(KVTransferError):
+    """A handoff id was reserved twice on the same exporter."""
+
+    code = "kv_handoff_exists"
+
+
+class KVPoolExhausted(KVTransferError):
+    """The exporter has no room for another handoff until leases are released or expire."""
+
+    code = "kv_pool_exhausted"
+    retryable = True
+
+
+class KVTransportUnavailable(KVTransferError):
+    """The transport cannot be used: its library is missing or the exporter is unreachable."""
+
+    code = "kv_transport_unavailable"
+    retryable = True

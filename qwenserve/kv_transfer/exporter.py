@@ -1,0 +1,342 @@
+"""The prefill side of a handoff: reserve memory, let the engine write KV into it, publish a lease.
+
+    slot = exporter.reserve(handoff_id, layout, num_tokens)
+    engine.gather_kv(request, into=slot.tensor)       # the one copy
+    handle = slot.publish(lease_s=30)                   # checksum + lease; send handle to decode
+    ...                                                 # decode fetches, then releases
+The bytes stay until `release()` (the importer's ack, via KVTransfer.Release) or until the
+lease expires, when the background sweeper reclaims them. A reservation never published is
+reclaimed after `reserve_timeout_s`, so a crashed forward pass leaks nothing either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from qwenserve.kv_transfer.checksum import DEFAULT_ALGORITHM, compute_checksum
+from qwenserve.kv_transfer.errors import KVHandoffExists, KVHandoffGone, KVLayoutInvalid
+from qwenserve.kv_transfer.handle import MARKER_BYTES, MARKER_PAGE, KVHandle, KVTransport, handoff_marker
+from qwenserve.kv_transfer.layout import KVLayout, LayoutLike, as_layout
+from qwenserve.kv_transfer.mooncake_transport import MooncakeEndpoint
+from qwenserve.kv_transfer.pool import BufferPool, Extent, MemoryRegion, PrivateRegion
+from qwenserve.kv_transfer.shm import DEFAULT_PREFIX, ShmSegment, reap_orphaned_segments
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+@dataclass
+class ExporterConfig:
+    """Settings of a KVExporter; `from_env` reads QWENSERVE_KV_* variables."""
+
+    #: Transport written into handles: KV_TRANSPORT_SHM, _GRPC or _MOONCAKE.
+    transport: int = KVTransport.KV_TRANSPORT_SHM
+    #: "host:port" of this process's KVTransfer service (Release, and Fetch for gRPC).
+    control_endpoint: str = ""
+    #: Pre-faulted memory kept for handoffs; larger handoffs get a region of their own.
+    pool_bytes: int = 256 * MiB
+    #: Upper bound on memory held by unreleased handoffs.
+    max_bytes: int = 4096 * MiB
+    #: Memory in /dev/shm (needed for shm handoffs) or private to the process.
+    use_shm: bool = True
+    segment_prefix: str = DEFAULT_PREFIX
+    checksum: str = DEFAULT_ALGORITHM
+    #: A reservation not published within this time is reclaimed (the engine failed mid-write).
+    reserve_timeout_s: float = 60.0
+    sweep_interval_s: float = 0.5
+    #: Touch the pool's pages at start-up so that handoffs write at memcpy speed.
+    prefault: bool = True
+    #: Remove segments under segment_prefix left by processes that died (kill -9) at start-up.
+    reap_orphans: bool = True
+    #: Address Mooncake listens on and advertises.
+    mooncake_host: str = "127.0.0.1"
+    mooncake_protocol: str = "tcp"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ExporterConfig:
+        """Defaults overridden by QWENSERVE_KV_TRANSPORT (shm|grpc|mooncake), QWENSERVE_KV_POOL_MIB,
+        QWENSERVE_KV_MAX_MIB, QWENSERVE_KV_CHECKSUM and QWENSERVE_KV_CONTROL_ENDPOINT."""
+        env = os.environ if environ is None else environ
+        config = cls()
+        if "QWENSERVE_KV_TRANSPORT" in env:
+            config.transport = KVTransport.Value(f"KV_TRANSPORT_{env['QWENSERVE_KV_TRANSPORT'].upper()}")
+            config.use_shm = config.transport == KVTransport.KV_TRANSPORT_SHM
+        if "QWENSERVE_KV_POOL_MIB" in env:
+            config.pool_bytes = int(env["QWENSERVE_KV_POOL_MIB"]) * MiB
+        if "QWENSERVE_KV_MAX_MIB" in env:
+            config.max_bytes = int(env["QWENSERVE_KV_MAX_MIB"]) * MiB
+        config.checksum = env.get("QWENSERVE_KV_CHECKSUM", config.checksum)
+        config.control_endpoint = env.get("QWENSERVE_KV_CONTROL_ENDPOINT", config.control_endpoint)
+        return config
+
+
+@dataclass(frozen=True)
+class ExportCounters:
+    """A snapshot of an exporter's handoffs, for metrics and leak checks."""
+
+    outstanding: int  # reserved or published, not yet freed
+    outstanding_bytes: int
+    published: int
+    released: int  # acknowledged by an importer (or cancelled by the owner)
+    reclaimed: int  # freed by the sweeper: lease or reservation timed out
+    aborted: int
+    bytes_published: int
+
+
+@dataclass
+class _Handoff:
+    handoff_id: str
+    extent: Extent
+    layout: KVLayout
+    num_tokens: int
+    nbytes: int
+    deadline: float  # time.monotonic(): reservation timeout, then lease expiry
+    published: bool = False
+    freed: bool = False  # no longer fetchable; memory returns to the pool once unpinned
+    pins: int = 0
+    handle: KVHandle | None = field(default=None, repr=False)
+
+    @property
+    def data(self) -> torch.Tensor:
+        start = self.extent.offset + MARKER_PAGE
+        return self.extent.region.bytes[start : start + self.nbytes]
+
+
+class ExportSlot:
+    """Reserved memory for one handoff; the engine writes `tensor`, then publishes or aborts."""
+
+    def __init__(self, exporter: KVExporter, entry: _Handoff) -> None:
+        self._exporter = exporter
+        self._entry = entry
+        self.handoff_id = entry.handoff_id
+        self.nbytes = entry.nbytes
+        #: Writable [L, 2, T, H, D] tensor of the layout's dtype, directly over the transport's memory.
+        self.tensor = entry.data.view(entry.layout.torch_dtype).view(entry.layout.shape(entry.num_tokens))
+
+    def publish(self, lease_s: float = 30.0) -> KVHandle:
+        """Checksum the bytes, start a lease of `lease_s` seconds and return the handle for the importer."""
+        return self._exporter._publish(self._entry, lease_s)
+
+    def abort(self) -> None:
+        """Give the memory back without publishing (the forward pass failed or was cancelled)."""
+        self._exporter._abort(self._entry)
+
+
+class KVExporter:
+    """Owns a prefill process's handoff memory and leases; thread-safe."""
+
+    def __init__(self, config: ExporterConfig | None = None) -> None:
+        self.config = config or ExporterConfig()
+        transport = self.config.transport
+        if transport == KVTransport.KV_TRANSPORT_SHM and not self.config.use_shm:
+            raise ValueError("shared-memory handoffs need use_shm=True")
+        if transport in (KVTransport.KV_TRANSPORT_GRPC,) and not self.config.control_endpoint:
+            raise ValueError("gRPC handoffs need control_endpoint, the address of this KVTransfer service")
+        self._mooncake = (
+            MooncakeEndpoint(self.config.mooncake_host, self.config.mooncake_protocol)
+            if transport == KVTransport.KV_TRANSPORT_MOONCAKE
+            else None
+        )
+        self._pool = BufferPool(
+            self._new_region,
+            self.config.pool_bytes,
+            self.config.max_bytes,
+            on_region_added=self._mooncake.register if self._mooncake else None,
+            on_region_removed=self._mooncake.unregister if self._mooncake else None,
+        )
+        self._lock = threading.Lock()
+        self._handoffs: dict[str, _Handoff] = {}
+        self._counts = {"published": 0, "released": 0, "reclaimed": 0, "aborted": 0, "bytes_published": 0}
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    def _new_region(self, size: int, prefault: bool) -> MemoryRegion:
+        prefault = prefault and self.config.prefault
+        if self.config.use_shm:
+            return ShmSegment.create(size, self.config.segment_prefix, prefault)
+        return PrivateRegion(size, prefault)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> KVExporter:
+        """Reap orphans, pre-fault the pool and start the lease sweeper. Returns self."""
+        if self.config.reap_orphans and self.config.use_shm:
+            for name in reap_orphaned_segments(self.config.segment_prefix):
+                log.warning("removed shared-memory segment %s left by a process that died", name)
+        self._pool.start()
+        if self._sweeper is None:
+            self._sweeper = threading.Thread(target=self._sweep_forever, name="kv-lease-sweeper", daemon=True)
+            self._sweeper.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the sweeper and free every handoff and region (importers' mappings stay valid)."""
+        self._stop.set()
+        if self._sweeper is not None:
+            self._sweeper.join()
+        with self._lock:
+            self._handoffs.clear()
+        self._pool.close()
+
+    def __enter__(self) -> KVExporter:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- the engine's side -----------------------------------------------------------------
+
+    def reserve(self, handoff_id: str, layout: LayoutLike, num_tokens: int) -> ExportSlot:
+        """Reserve memory for `num_tokens` tokens of KV; write it through `slot.tensor`."""
+        layout = as_layout(layout)
+        if num_tokens < 1:
+            raise KVLayoutInvalid(f"a KV handoff needs at least one token, got {num_tokens}")
+        nbytes = layout.nbytes(num_tokens)
+        with self._lock:
+            if handoff_id in self._handoffs:
+                raise KVHandoffExists(f"handoff id {handoff_id!r} is already reserved on this exporter")
+        extent = self._pool.allocate(MARKER_PAGE + nbytes)
+        entry = _Handoff(
+            handoff_id, extent, layout, num_tokens, nbytes, time.monotonic() + self.config.reserve_timeout_s
+        )
+        with self._lock:
+            if handoff_id in self._handoffs:
+                self._pool.free(extent)
+                raise KVHandoffExists(f"handoff id {handoff_id!r} is already reserved on this exporter")
+            self._handoffs[handoff_id] = entry
+        return ExportSlot(self, entry)
+
+    def _publish(self, entry: _Handoff, lease_s: float) -> KVHandle:
+        with self._lock:
+            if entry.freed or entry.published:
+                state = "already published" if entry.published and not entry.freed else "freed"
+                raise KVHandoffGone(f"cannot publish handoff {entry.handoff_id}: it is {state}")
+        checksum = compute_checksum(entry.data, self.config.checksum)
+        header = entry.extent.region.bytes[entry.extent.offset : entry.extent.offset + MARKER_BYTES]
+        header.copy_(torch.frombuffer(bytearray(handoff_marker(entry.handoff_id, entry.nbytes)), dtype=torch.uint8))
+        handle = KVHandle(
+            handoff_id=entry.handoff_id,
+            transport=self.config.transport,
+            layout=entry.layout.to_proto(),
+            num_tokens=entry.num_tokens,
+            length=entry.nbytes,
+            checksum=checksum,
+            lease_expires_unix_ms=int((time.time() + lease_s) * 1000),
+            control_endpoint=self.config.control_endpoint,
+        )
+        data_offset = entry.extent.offset + MARKER_PAGE
+        if self.config.transport == KVTransport.KV_TRANSPORT_SHM:
+            handle.location, handle.offset = entry.extent.region.name, data_offset
+        elif self.config.transport == KVTransport.KV_TRANSPORT_GRPC:
+            handle.location, handle.offset = self.config.control_endpoint, 0
+        else:
+            handle.location = self._mooncake.session
+            handle.offset = entry.extent.region.bytes.data_ptr() + data_offset
+            handle.attributes["mooncake_marker_offset"] = str(MARKER_PAGE)
+        with self._lock:
+            if entry.freed:
+                raise KVHandoffGone(f"handoff {entry.handoff_id} was reclaimed before it was published")
+            entry.published, entry.handle = True, handle
+            entry.deadline = time.monotonic() + lease_s
+            self._counts["published"] += 1
+            self._counts["bytes_published"] += entry.nbytes
+        return handle
+
+    def _abort(self, entry: _Handoff) -> None:
+        if self._free(entry.handoff_id, expect=entry):
+            with self._lock:
+                self._counts["aborted"] += 1
+
+    # --- the importer's side ---------------------------------------------------------------
+
+    def release(self, handoff_id: str, reason: str = "imported") -> bool:
+        """Free a handoff now. Idempotent: False when it was unknown, released or expired."""
+        freed = self._free(handoff_id)
+        if freed:
+            with self._lock:
+                self._counts["released"] += 1
+            log.debug("released handoff %s (%s)", handoff_id, reason)
+        return freed
+
+    @contextlib.contextmanager
+    def pinned(self, handoff_id: str) -> Iterator[memoryview]:
+        """The published bytes of a handoff, kept from being freed until the block exits.
+
+        Raises KVHandoffGone when the handoff is unknown, unpublished, released or expired.
+        """
+        with self._lock:
+            entry = self._handoffs.get(handoff_id)
+            if entry is None or not entry.published or entry.freed:
+                raise KVHandoffGone(
+                    f"handoff {handoff_id} is not available on this exporter (never published, "
+                    "released, or its lease expired)"
+                )
+            entry.pins += 1
+        try:
+            yield memoryview(entry.data.numpy())
+        finally:
+            with self._lock:
+                entry.pins -= 1
+                give_back = entry.freed and entry.pins == 0
+            if give_back:
+                self._give_back(entry)
+
+    # --- leases ----------------------------------------------------------------------------
+
+    def sweep(self, now: float | None = None) -> int:
+        """Reclaim expired leases and stale reservations (the sweeper calls this); returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [e for e in self._handoffs.values() if e.deadline <= now and not e.freed]
+        reclaimed = 0
+        for entry in expired:
+            if self._free(entry.handoff_id, expect=entry):
+                reclaimed += 1
+                log.info("reclaimed handoff %s: its %s expired", entry.handoff_id,
+                         "lease" if entry.published else "reservation")
+        with self._lock:
+            self._counts["reclaimed"] += reclaimed
+        return reclaimed
+
+    def _sweep_forever(self) -> None:
+        while not self._stop.wait(self.config.sweep_interval_s):
+            self.sweep()
+
+    def _free(self, handoff_id: str, expect: _Handoff | None = None) -> bool:
+        with self._lock:
+            entry = self._handoffs.get(handoff_id)
+            if entry is None or entry.freed or (expect is not None and entry is not expect):
+                return False
+            entry.freed = True
+            del self._handoffs[handoff_id]
+            give_back = entry.pins == 0
+        if give_back:
+            self._give_back(entry)
+        return True
+
+    def _give_back(self, entry: _Handoff) -> None:
+        # Wipe the marker first: a direct reader that checks it afterwards knows the bytes moved on.
+        offset = entry.extent.offset
+        entry.extent.region.bytes[offset : offset + MARKER_BYTES].zero_()
+        self._pool.free(entry.extent)
+
+    # --- observability ---------------------------------------------------------------------
+
+    def counters(self) -> ExportCounters:
+        """Current counts (outstanding handoffs and bytes, and totals since start)."""
+        with self._lock:
+            live = list(self._handoffs.values())
+            return ExportCounters(
+                outstanding=len(live),
+                outstanding_bytes=sum(e.nbytes for e in live),
+                **self._counts,
+            )

@@ -1,0 +1,114 @@
+"""The KVTransfer gRPC service (exporter side) and its client calls (importer side).
+
+Every exporter serves Release; Fetch streams a handoff's bytes for importers on other hosts.
+Add the servicer to the prefill process's grpc.aio server:
+
+    add_kv_transfer_service(server, exporter)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from qwenserve.kv_transfer.errors import KVChecksumMismatch, KVHandoffGone, KVTransportUnavailable
+from qwenserve.kv_transfer.exporter import KVExporter
+from qwenserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+MiB = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 * MiB
+MIN_CHUNK_BYTES = 64 * 1024
+MAX_CHUNK_BYTES = 32 * MiB
+#: Channel options an importer needs to receive the largest chunks.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + MiB),
+    ("grpc.max_send_message_length", MAX_CHUNK_BYTES + MiB),
+]
+
+
+class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
+    """Serves an exporter's handoffs: Fetch streams bytes, Release frees them."""
+
+    def __init__(self, exporter: KVExporter, default_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self._exporter = exporter
+        self._default_chunk = default_chunk_bytes
+
+    async def Fetch(  # noqa: N802 (the RPC's name)
+        self, request: kv_transfer_pb2.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kv_transfer_pb2.KVChunk]:
+        chunk = min(max(request.chunk_bytes or self._default_chunk, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
+        try:
+            # The pin holds the bytes even if the lease expires mid-stream; a cancelled stream
+            # closes this generator, which unpins.
+            with self._exporter.pinned(request.handoff_id) as view:
+                for offset in range(0, len(view), chunk):
+                    yield kv_transfer_pb2.KVChunk(offset=offset, data=bytes(view[offset : offset + chunk]))
+        except KVHandoffGone as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+
+    async def Release(  # noqa: N802 (the RPC's name)
+        self, request: kv_transfer_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.ReleaseResponse:
+        released = self._exporter.release(request.handoff_id, request.reason or "unspecified")
+        return kv_transfer_pb2.ReleaseResponse(released=released)
+
+
+def add_kv_transfer_service(server: grpc.aio.Server, exporter: KVExporter) -> KVTransferServicer:
+    """Register the KVTransfer service for `exporter` on a grpc.aio server (before it starts)."""
+    servicer = KVTransferServicer(exporter)
+    kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
+    return servicer
+
+
+def _as_transfer_error(error: grpc.aio.AioRpcError, handoff_id: str, endpoint: str) -> Exception:
+    if error.code() == grpc.StatusCode.NOT_FOUND:
+        return KVHandoffGone(f"exporter at {endpoint} no longer has handoff {handoff_id}: {error.details()}")
+    return KVTransportUnavailable(
+        f"KVTransfer at {endpoint} failed for handoff {handoff_id}: {error.code().name} {error.details()}"
+    )
+
+
+async def fetch_over_grpc(
+    channel: grpc.aio.Channel,
+    handoff_id: str,
+    into: memoryview,
+    *,
+    endpoint: str = "",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    timeout_s: float | None = None,
+) -> None:
+    """Stream a handoff's bytes into `into` (a writable byte view of exactly its length)."""
+    stub = kv_transfer_pb2_grpc.KVTransferStub(channel)
+    request = kv_transfer_pb2.FetchRequest(handoff_id=handoff_id, chunk_bytes=chunk_bytes)
+    received = 0
+    try:
+        async for chunk in stub.Fetch(request, timeout=timeout_s):
+            end = chunk.offset + len(chunk.data)
+            if chunk.offset != received or end > len(into):
+                raise KVChecksumMismatch(
+                    f"exporter at {endpoint} sent bytes [{chunk.offset}, {end}) of handoff {handoff_id} "
+                    f"out of order (expected offset {received} of {len(into)})"
+                )
+            into[chunk.offset : end] = chunk.data
+            received = end
+    except grpc.aio.AioRpcError as e:
+        raise _as_transfer_error(e, handoff_id, endpoint) from e
+    if received != len(into):
+        raise KVChecksumMismatch(
+            f"exporter at {endpoint} sent {received} of {len(into)} bytes of handoff {handoff_id}"
+        )
+
+
+async def release_over_grpc(
+    channel: grpc.aio.Channel, handoff_id: str, reason: str, *, endpoint: str = "", timeout_s: float = 5.0
+) -> bool:
+    """Ask the exporter to free a handoff; True when it was still held."""
+    stub = kv_transfer_pb2_grpc.KVTransferStub(channel)
+    try:
+        response = await stub.Release(
+            kv_transfer_pb2.ReleaseRequest(handoff_id=handoff_id, reason=reason), timeout=timeout_s
+        )
+    except grpc.aio.AioRpcError as e:
+        raise _as_transfer_error(e, handoff_id, endpoint) from e
+    return response.released

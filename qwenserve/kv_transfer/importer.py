@@ -1,0 +1,242 @@
+"""The decode side of a handoff: fetch and verify the KV a handle names, then release the lease.
+
+    kv = await importer.fetch(handle, expected=my_layout)   # [L, 2, T, H, D], verified
+    engine.scatter_kv(request, kv)                          # read once
+    await importer.release(handle, "imported")              # the exporter frees the bytes
+
+For shared memory, `fetch` returns a view of the exporter's pages (zero copy): it stays valid
+until `release` or lease expiry, so consume it first, or pass `out=` to get a private copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from qwenserve.kv_transfer.checksum import verify_checksum
+from qwenserve.kv_transfer.errors import (
+    KVHandoffGone,
+    KVLayoutInvalid,
+    KVLayoutMismatch,
+    KVTransportUnavailable,
+)
+from qwenserve.kv_transfer.grpc_transport import (
+    CHANNEL_OPTIONS,
+    DEFAULT_CHUNK_BYTES,
+    fetch_over_grpc,
+    release_over_grpc,
+)
+from qwenserve.kv_transfer.handle import (
+    MARKER_BYTES,
+    MARKER_PAGE,
+    KVHandle,
+    KVTransport,
+    describe,
+    handoff_marker,
+    lease_remaining_s,
+)
+from qwenserve.kv_transfer.layout import KVLayout, LayoutLike, as_layout, check_layout_matches
+from qwenserve.kv_transfer.mooncake_transport import MooncakeEndpoint
+from qwenserve.kv_transfer.shm import SHM_DIR, map_segment
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ImporterConfig:
+    """Settings of a KVImporter."""
+
+    #: Refuse handles published without a checksum ("none:"); disable only for benchmarks.
+    require_checksum: bool = True
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    fetch_timeout_s: float = 60.0
+    release_timeout_s: float = 2.0
+    #: Release attempts before giving up and leaving the bytes to lease expiry.
+    release_attempts: int = 3
+    #: Shared-memory segments kept mapped between fetches.
+    max_mapped_segments: int = 16
+    mooncake_host: str = "127.0.0.1"
+    mooncake_protocol: str = "tcp"
+
+
+class KVImporter:
+    """Fetches handoffs over whichever transport their handle names; one per decode process."""
+
+    def __init__(self, config: ImporterConfig | None = None) -> None:
+        self.config = config or ImporterConfig()
+        self._segments: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._mooncake: MooncakeEndpoint | None = None
+
+    async def fetch(
+        self,
+        handle: KVHandle,
+        expected: LayoutLike,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The handoff's KV as an [L, 2, T, H, D] tensor, after checking layout and checksum.
+
+        Raises KVLayoutMismatch (layout or model differs), KVChecksumMismatch (bytes corrupted),
+        KVHandoffGone (released, expired, exporter gone) or KVTransportUnavailable.
+        With `out` (a contiguous CPU tensor of the right shape and dtype) the bytes land there.
+        """
+        layout = self._check_layout(handle, as_layout(expected))
+        shape = layout.shape(handle.num_tokens)
+        if out is not None and (
+            tuple(out.shape) != shape or out.dtype != layout.torch_dtype or not out.is_contiguous()
+            or out.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"out must be a contiguous CPU tensor of shape {shape} and dtype {layout.dtype}, "
+                f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+        if lease_remaining_s(handle) <= 0:
+            raise KVHandoffGone(f"{describe(handle)}: its lease expired before the fetch")
+        if handle.transport == KVTransport.KV_TRANSPORT_SHM:
+            data = await self._fetch_shm(handle, out)
+        elif handle.transport == KVTransport.KV_TRANSPORT_GRPC:
+            data = await self._fetch_grpc(handle, out)
+        elif handle.transport == KVTransport.KV_TRANSPORT_MOONCAKE:
+            data = await self._fetch_mooncake(handle, out)
+        else:
+            raise KVTransportUnavailable(
+                f"{describe(handle)}: this importer cannot read transport {handle.transport}"
+            )
+        return data.view(layout.torch_dtype).view(shape)
+
+    async def release(self, handle: KVHandle, reason: str = "imported") -> bool:
+        """Tell the exporter it may free the bytes. Idempotent; never raises for transport trouble.
+
+        Returns True when the exporter still held the handoff. When the exporter cannot be reached
+        after a few attempts this returns False and the lease's expiry frees the bytes instead.
+        """
+        released = False
+        if handle.control_endpoint:
+            channel = self._channel(handle.control_endpoint)
+            for attempt in range(self.config.release_attempts):
+                try:
+                    released = await release_over_grpc(
+                        channel, handle.handoff_id, reason,
+                        endpoint=handle.control_endpoint, timeout_s=self.config.release_timeout_s,
+                    )
+                    break
+                except KVTransportUnavailable as e:
+                    if attempt + 1 == self.config.release_attempts:
+                        log.warning("%s; its lease will free it instead", e)
+                    else:
+                        await asyncio.sleep(0.05 * 2**attempt)
+        self._forget_unlinked_segments()
+        return released
+
+    async def close(self) -> None:
+        """Close channels and drop mappings (tensors already returned stay valid)."""
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._segments.clear()
+
+    # --- checks ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_layout(handle: KVHandle, expected: KVLayout) -> KVLayout:
+        try:
+            actual = KVLayout.from_proto(handle.layout)
+        except KVLayoutInvalid as e:
+            raise KVLayoutMismatch(f"{describe(handle)} carries an invalid layout: {e}") from e
+        check_layout_matches(actual, expected)
+        if handle.num_tokens < 1 or handle.length != actual.nbytes(handle.num_tokens):
+            raise KVLayoutMismatch(
+                f"{describe(handle)}: {handle.length} bytes cannot hold {handle.num_tokens} tokens of this "
+                f"layout ({actual.nbytes(max(handle.num_tokens, 0))} bytes)"
+            )
+        return actual
+
+    async def _verify(self, handle: KVHandle, data: torch.Tensor) -> None:
+        # Hashing a gigabyte takes tens of milliseconds: keep it off the event loop.
+        await asyncio.to_thread(
+            verify_checksum, data, handle.checksum, allow_none=not self.config.require_checksum
+        )
+
+    @staticmethod
+    def _check_marker(handle: KVHandle, marker: torch.Tensor) -> None:
+        if bytes(marker.numpy()) != handoff_marker(handle.handoff_id, handle.length):
+            raise KVHandoffGone(
+                f"{describe(handle)}: the exporter freed these bytes (released or lease expired)"
+            )
+
+    # --- transports ------------------------------------------------------------------------
+
+    async def _fetch_shm(self, handle: KVHandle, out: torch.Tensor | None) -> torch.Tensor:
+        segment = self._segment(handle.location)
+        start, end = handle.offset, handle.offset + handle.length
+        if start < MARKER_PAGE or end > segment.numel():
+            raise KVHandoffGone(
+                f"{describe(handle)}: bytes [{start}, {end}) are outside segment {handle.location} "
+                f"({segment.numel()} bytes)"
+            )
+        marker = segment[start - MARKER_PAGE : start - MARKER_PAGE + MARKER_BYTES]
+        self._check_marker(handle, marker)
+        data = segment[start:end]
+        if out is not None:
+            data = out.view(-1).view(torch.uint8).copy_(data)
+        await self._verify(handle, data)
+        # Checked again after reading: had the exporter reused the bytes meanwhile, the checksum
+        # might still have matched stale data by chance; this says why it failed plainly.
+        self._check_marker(handle, marker)
+        return data
+
+    def _segment(self, name: str) -> torch.Tensor:
+        segment = self._segments.get(name)
+        if segment is None:
+            segment = map_segment(name)
+            self._segments[name] = segment
+            while len(self._segments) > self.config.max_mapped_segments:
+                # Dropping our reference is enough: tensors handed out keep their mapping alive.
+                self._segments.popitem(last=False)
+        self._segments.move_to_end(name)
+        return segment
+
+    def _forget_unlinked_segments(self) -> None:
+        # An exporter's overflow segments are one-shot; don't keep their pages alive here.
+        for name in [n for n in self._segments if not os.path.exists(SHM_DIR / n)]:
+            del self._segments[name]
+
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+            self._channels[endpoint] = channel
+        return channel
+
+    async def _fetch_grpc(self, handle: KVHandle, out: torch.Tensor | None) -> torch.Tensor:
+        data = torch.empty(handle.length, dtype=torch.uint8) if out is None else out.view(-1).view(torch.uint8)
+        await fetch_over_grpc(
+            self._channel(handle.location), handle.handoff_id, memoryview(data.numpy()),
+            endpoint=handle.location, chunk_bytes=self.config.chunk_bytes,
+            timeout_s=self.config.fetch_timeout_s,
+        )
+        await self._verify(handle, data)
+        return data
+
+    async def _fetch_mooncake(self, handle: KVHandle, out: torch.Tensor | None) -> torch.Tensor:
+        if self._mooncake is None:
+            self._mooncake = await asyncio.to_thread(
+                MooncakeEndpoint, self.config.mooncake_host, self.config.mooncake_protocol
+            )
+        marker_address = handle.offset - int(handle.attributes.get("mooncake_marker_offset", MARKER_PAGE))
+        marker = torch.empty(MARKER_BYTES, dtype=torch.uint8)
+        data = torch.empty(handle.length, dtype=torch.uint8) if out is None else out.view(-1).view(torch.uint8)
+        await asyncio.to_thread(self._mooncake.read, handle.location, marker_address, marker)
+        self._check_marker(handle, marker)
+        await asyncio.to_thread(self._mooncake.read, handle.location, handle.offset, data)
+        await self._verify(handle, data)
+        await asyncio.to_thread(self._mooncake.read, handle.location, marker_address, marker)
+        self._check_marker(handle, marker)
+        return data

@@ -1,0 +1,218 @@
+"""Manifest builders: pure functions from a spec to the children, over many specs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from qwenserve_operator import manifests
+from qwenserve_operator.crd import STAGES
+
+K8S_VERSION = "1.37.0"
+UID = "0b7d1c2e-0000-4000-8000-000000000001"
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "minimal": {},
+    "shm": {"kvTransfer": {"mode": "shm"}},
+    "pvc": {"model": {"source": "pvc", "pvc": {"claimName": "weights", "subPath": "Qwen3-0.6B"}}},
+    "hostpath": {"model": {"source": "hostPath", "hostPath": "/srv/models/qwen"}},
+    "gpu": {"stages": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 1}},
+                                  "nodeSelector": {"gpu": "true"},
+                                  "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                                  "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                                      "nodeSelectorTerms": [{"matchExpressions": [
+                                          {"key": "zone", "operator": "In", "values": ["a"]}]}]}}}}}},
+    "secrets": {"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "apiKeysSecret": {"name": "keys"},
+                "telemetry": {"otlpEndpoint": "http://otel:4317"}, "image": {"pullSecrets": ["regcred"]}},
+    "extra": {"stages": {"router": {"args": ["--log-requests"], "env": [{"name": "X", "value": "1"}]}},
+              "routerService": {"type": "LoadBalancer", "annotations": {"a": "b"}}},
+}
+
+
+def _children(spec: dict[str, Any], replicas: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    return manifests.children("demo", "ns1", UID, spec, replicas or {s: 1 for s in STAGES})
+
+
+def _by(children: list[dict[str, Any]], kind: str, stage: str) -> dict[str, Any]:
+    return next(c for c in children if c["kind"] == kind and c["metadata"]["name"] == f"demo-{stage}")
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_child_is_a_valid_kubernetes_object(make_spec, variant: str) -> None:
+    children = _children(make_spec(**VARIANTS[variant]))
+    assert len(children) == 1 + 2 * len(STAGES)
+    for child in children:
+        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+        assert child["metadata"]["ownerReferences"][0]["uid"] == UID
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == manifests.MANAGER
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_pods_run_as_non_root_with_a_read_only_root_and_no_capabilities(make_spec, variant: str) -> None:
+    for stage in STAGES:
+        pod = _by(_children(make_spec(**VARIANTS[variant])), "Deployment", stage)["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+        context = pod["containers"][0]["securityContext"]
+        assert context["readOnlyRootFilesystem"] is True and context["capabilities"] == {"drop": ["ALL"]}
+        assert context["allowPrivilegeEscalation"] is False
+
+
+def test_stage_arguments_follow_the_container_contract(make_spec) -> None:
+    spec = make_spec(kvTransfer={"mode": "shm"})
+    assert manifests.stage_args("demo", "ns1", "tokenizer", spec) == [
+        "serve", "tokenizer", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090",
+        "--model", "/models/model"]
+    assert manifests.stage_args("demo", "ns1", "prefill", spec)[-6:] == [
+        "--model", "/models/model", "--kv-transfer", "shm", "--shm-dir", "/dev/shm"]
+    assert manifests.stage_args("demo", "ns1", "decode", spec)[-4:] == [
+        "--model", "/models/model", "--kv-transfer", "shm"]
+    assert manifests.stage_args("demo", "ns1", "router", spec)[:4] == ["serve", "router", "--host", "0.0.0.0"]
+
+
+def test_router_is_configured_with_the_service_dns_names(make_spec) -> None:
+    children = _children(make_spec(redis={"url": "redis://r:6379/0"}))
+    config = next(c for c in children if c["kind"] == "ConfigMap")["data"]
+    assert config["QWENSERVE_TOKENIZER"] == "demo-tokenizer.ns1.svc.cluster.local:50051"
+    assert config["QWENSERVE_PREFILL"] == "demo-prefill.ns1.svc.cluster.local:50052"
+    assert config["QWENSERVE_DECODE"] == "demo-decode.ns1.svc.cluster.local:50053"
+    assert config["QWENSERVE_REDIS_URL"] == "redis://r:6379/0"
+    router = _by(children, "Deployment", "router")
+    assert router["spec"]["template"]["spec"]["containers"][0]["envFrom"] == [
+        {"configMapRef": {"name": "demo-config"}}]
+    digest = router["spec"]["template"]["metadata"]["annotations"]["qwenserve.io/config-hash"]
+    assert digest == manifests.config_hash(next(c for c in children if c["kind"] == "ConfigMap"))
+
+
+def test_a_config_change_rolls_the_router(make_spec) -> None:
+    def digest(spec: dict[str, Any]) -> str:
+        return _by(_children(spec), "Deployment", "router")["spec"]["template"]["metadata"]["annotations"][
+            "qwenserve.io/config-hash"]
+
+    assert digest(make_spec()) != digest(make_spec(rateLimits={"requestsPerMinute": 10}))
+
+
+def test_worker_services_are_headless_and_the_router_service_is_not(make_spec) -> None:
+    children = _children(make_spec(routerService={"type": "LoadBalancer"}))
+    for stage in ("tokenizer", "prefill", "decode"):
+        assert _by(children, "Service", stage)["spec"]["clusterIP"] == "None"
+    router = _by(children, "Service", "router")["spec"]
+    assert router["type"] == "LoadBalancer" and "clusterIP" not in router
+    assert {p["name"] for p in router["ports"]} == {"grpc", "http", "metrics"}
+
+
+def test_probes_are_native_grpc_on_each_stage_port(make_spec) -> None:
+    for stage in STAGES:
+        container = _by(_children(make_spec()), "Deployment", stage)["spec"]["template"]["spec"]["containers"][0]
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            assert container[probe]["grpc"] == {"port": manifests.GRPC_PORTS[stage]}
+
+
+def test_shm_mode_colocates_decode_with_prefill_through_the_node_shm(make_spec) -> None:
+    children = _children(make_spec(kvTransfer={"mode": "shm"}))
+    decode = _by(children, "Deployment", "decode")["spec"]["template"]["spec"]
+    prefill = _by(children, "Deployment", "prefill")["spec"]["template"]["spec"]
+    required = decode["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert required == [{"labelSelector": {"matchLabels": {"qwenserve.io/deployment": "demo",
+                                                           "qwenserve.io/stage": "prefill"}},
+                         "topologyKey": "kubernetes.io/hostname"}]
+    assert prefill["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    for pod in (decode, prefill):
+        shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+        assert shm["hostPath"] == {"path": "/dev/shm", "type": "Directory"}
+        assert "topologySpreadConstraints" not in pod
+
+
+def test_network_mode_spreads_and_uses_a_private_shm(make_spec) -> None:
+    children = _children(make_spec(kvTransfer={"mode": "network"}))
+    for stage in ("prefill", "decode"):
+        pod = _by(children, "Deployment", stage)["spec"]["template"]["spec"]
+        assert "affinity" not in pod
+        assert pod["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+        assert next(v for v in pod["volumes"] if v["name"] == "shm")["emptyDir"] == {"medium": "Memory"}
+        assert not any("hostPath" in v for v in pod["volumes"])
+
+
+def test_user_affinity_is_kept_beside_the_colocation_terms(make_spec) -> None:
+    spec = make_spec(kvTransfer={"mode": "shm"}, **VARIANTS["gpu"])
+    decode = _by(_children(spec), "Deployment", "decode")["spec"]["template"]["spec"]
+    assert decode["affinity"]["nodeAffinity"] == VARIANTS["gpu"]["stages"]["decode"]["affinity"]["nodeAffinity"]
+    assert decode["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert spec["stages"]["decode"]["affinity"].get("podAffinity") is None  # the spec is not mutated
+
+
+def test_decode_gets_a_drain_grace_and_a_pre_stop_pause(make_spec) -> None:
+    spec = make_spec(stages={"decode": {"terminationGracePeriodSeconds": 600}})
+    pod = _by(_children(spec), "Deployment", "decode")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 600
+    assert pod["containers"][0]["lifecycle"]["preStop"] == {"sleep": {"seconds": 5}}
+    strategy = _by(_children(spec), "Deployment", "decode")["spec"]["strategy"]["rollingUpdate"]
+    assert strategy["maxUnavailable"] == 0
+
+
+@pytest.mark.parametrize(("source", "extra", "mount"), [
+    ("image", {"path": "/opt/m"}, None),
+    ("pvc", {"pvc": {"claimName": "w", "subPath": "q"}}, {"name": "model", "mountPath": "/models/Qwen3-0.6B",
+                                                          "readOnly": True, "subPath": "q"}),
+    ("hostPath", {"hostPath": "/srv/q"}, {"name": "model", "mountPath": "/models/Qwen3-0.6B", "readOnly": True}),
+])
+def test_model_source_becomes_a_volume_and_the_model_flag(make_spec, source, extra, mount) -> None:
+    spec = make_spec(model={"source": source, **extra})
+    children = _children(spec)
+    for stage in ("tokenizer", "prefill", "decode"):
+        container = _by(children, "Deployment", stage)["spec"]["template"]["spec"]["containers"][0]
+        model_mounts = [m for m in container["volumeMounts"] if m["name"] == "model"]
+        assert model_mounts == ([mount] if mount else [])
+        assert container["args"][container["args"].index("--model") + 1] == manifests.model_dir(spec)
+    router = _by(children, "Deployment", "router")["spec"]["template"]["spec"]
+    assert not any(v["name"] == "model" for v in router["volumes"])
+
+
+def test_api_keys_and_redis_secret_reach_only_the_router(make_spec) -> None:
+    children = _children(make_spec(**VARIANTS["secrets"]))
+    router = _by(children, "Deployment", "router")["spec"]["template"]["spec"]
+    args = router["containers"][0]["args"]
+    assert args[args.index("--api-keys-file") + 1] == "/etc/qwen-serve/api-keys/api-keys.yaml"
+    env = {e["name"]: e for e in router["containers"][0]["env"]}
+    assert env["QWENSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "url"}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel:4317"
+    decode = _by(children, "Deployment", "decode")["spec"]["template"]["spec"]
+    assert "QWENSERVE_REDIS_URL" not in {e["name"] for e in decode["containers"][0]["env"]}
+    assert decode["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+@pytest.mark.parametrize(("autoscaling", "autoscaled", "expected"), [
+    ({"enabled": False}, {"decode": 7}, 2),  # off: the spec's replicas, whatever the autoscaler said
+    ({"enabled": True, "minReplicas": 1, "maxReplicas": 5}, {"decode": 4}, 4),
+    ({"enabled": True, "minReplicas": 1, "maxReplicas": 5}, {"decode": 9}, 5),  # bounds hold
+    ({"enabled": True, "minReplicas": 3, "maxReplicas": 5}, {}, 3),  # first time: spec replicas, raised to min
+])
+def test_replicas_come_from_the_spec_or_the_autoscaler_within_bounds(make_spec, autoscaling, autoscaled,
+                                                                     expected) -> None:
+    spec = make_spec(stages={"decode": {"replicas": 2, "autoscaling": autoscaling}})
+    assert manifests.spec_replicas(spec, "decode", autoscaled) == expected
+
+
+def test_tokenizer_and_router_always_use_the_spec_replicas(make_spec) -> None:
+    spec = make_spec(stages={"router": {"replicas": 3}})
+    assert manifests.spec_replicas(spec, "router", {"router": 9}) == 3
+
+
+@pytest.mark.parametrize(("spec", "problem"), [
+    ({"model": {"name": "m", "source": "pvc"}}, "pvc.claimName"),
+    ({"model": {"name": "m", "source": "hostPath"}}, "hostPath"),
+    ({"model": {"name": "m"}, "stages": {"prefill": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}}},
+     "minReplicas"),
+    ({"model": {"name": "m"}, "prefillDecodeRatio": {"min": 3, "max": 1}}, "prefillDecodeRatio"),
+    ({"model": {}}, "model.name"),
+])
+def test_validate_spec_names_the_problem(spec, problem) -> None:
+    from qwenserve_operator.crd import with_defaults
+
+    problems = manifests.validate_spec(with_defaults(spec))
+    assert problems and problem in problems[0]
+
+
+def test_a_valid_spec_has_no_problems(make_spec) -> None:
+    assert manifests.validate_spec(make_spec(**VARIANTS["pvc"])) == []
