@@ -43,7 +43,7 @@ SHM_DIR = "/dev/shm"
 MODELS_DIR = "/models"
 API_KEYS_DIR = "/etc/qwen-serve/api-keys"
 MANAGER = "qwen-serve-operator"
-STAGES_WITH_MODEL = ("tokenizer", "prefill", "decode")
+STAGES_WITH_MODEL = ("tokenizer", "prefill", "decode", "router")  # the router detokenizes locally
 # The headless stages: the router resolves every pod behind them through DNS.
 HEADLESS_STAGES = ("tokenizer", "prefill", "decode")
 
@@ -144,7 +144,7 @@ def stage_args(name: str, namespace: str, stage: str, spec: Spec) -> list[str]:
     elif stage == "decode":
         args += ["--model", model_dir(spec), "--kv-transfer", mode]
     else:  # the router takes its worker addresses from the ConfigMap's environment
-        args += ["--http-port", str(HTTP_PORT)]
+        args += ["--model", model_dir(spec), "--http-port", str(HTTP_PORT)]
         if spec.get("apiKeysSecret"):
             args += ["--api-keys-file", f"{API_KEYS_DIR}/{spec['apiKeysSecret']['key']}"]
     return args + list(spec["stages"][stage].get("args", []))

@@ -21,7 +21,9 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, default: Any = None,
     if env is not None:
         default = type(env) if type is not bool else env.lower() in ("1", "true", "yes", "on")
     if type is bool:
-        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=bool(default),
+        # BooleanOptionalAction reads any "--no-..." spelling as False, so negative names are plain switches.
+        action = "store_true" if flag.startswith("--no-") else argparse.BooleanOptionalAction
+        parser.add_argument(flag, action=action, default=bool(default),
                             help=f"{help} [env {env_name(flag)}]", **kwargs)
         return
     parser.add_argument(flag, type=type, default=default, help=f"{help} [env {env_name(flag)}]", **kwargs)

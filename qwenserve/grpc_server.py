@@ -39,6 +39,7 @@ class GrpcServerConfig:
     max_message_bytes: int = 64 << 20  # largest request or response message
     grace_s: float = 5.0  # how long in-flight calls may run on after SIGTERM
     max_concurrent_rpcs: int | None = None  # beyond this, calls fail fast with RESOURCE_EXHAUSTED
+    credentials: grpc.ServerCredentials | None = None  # TLS; None: plaintext (the local default)
 
 
 Register = Callable[[grpc.aio.Server], None]
@@ -76,7 +77,10 @@ class StageServer:
     async def start(self) -> int:
         """Bind and start; every service reports NOT_SERVING until `set_serving`. Returns the bound port."""
         address = f"{self.config.host}:{self.config.port}"
-        self.port = self.server.add_insecure_port(address)
+        if self.config.credentials is not None:
+            self.port = self.server.add_secure_port(address, self.config.credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"{self.name}: cannot bind {address} (in use, or not a local address?)")
         await self._set_all(NOT_SERVING)

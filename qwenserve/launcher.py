@@ -34,6 +34,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2.0)
+        return s.connect_ex((host, port)) == 0
+
+
 def _die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -88,7 +94,11 @@ class LocalCluster:
             self.children.append(self._stage("decode", free_port(self.host), worker_args))
         self.router_port = self.router_port or free_port(self.host)
         self.http_port = self.http_port or free_port(self.host)
+        keys_given = "--api-keys-file" in self.extra_router_args or any(
+            k in {**os.environ, **self.env} for k in ("QWENSERVE_API_KEYS_FILE", "QWENSERVE_API_KEYS")
+        )
         router_args = [
+            *([] if keys_given or "--no-auth" in self.extra_router_args else ["--no-auth"]),
             "--http-port", str(self.http_port),
             "--tokenizer", self.children[0].address,
             "--prefill", ",".join(c.address for c in self.children if c.name.startswith("prefill")),
@@ -136,6 +146,9 @@ class LocalCluster:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{child.name} at {child.address} not healthy after {timeout_s:.0f}s")
                     time.sleep(0.2)
+        # The router's HTTP front opens during its warm-up, before health says SERVING.
+        if self.http_port and not _port_open(self.host, self.http_port):
+            raise RuntimeError(f"the router's HTTP port {self.http_port} is not open")
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)

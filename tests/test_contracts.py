@@ -6,8 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qwenserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
-from qwenserve.v1 import tokenizer_pb2_grpc
+from qwenserve.v1 import (
+    common_pb2,
+    decode_pb2_grpc,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    tokenizer_pb2_grpc,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

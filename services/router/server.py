@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import json
 import sys
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,18 @@ import grpc
 
 from qwenserve.flags import add_flag, address_list, print_config
 from qwenserve.grpc_server import GrpcServerConfig, serve
-from qwenserve.router.errors import RouterError
+from qwenserve.router import grpc_front
+from qwenserve.router.admission import Gatekeeper
+from qwenserve.router.front import (
+    FrontConfig,
+    add_front_flags,
+    close_gatekeeper,
+    make_gatekeeper,
+    start_http_front,
+)
 from qwenserve.router.generation import Router, RouterConfig
+from qwenserve.router.tls import grpc_server_credentials
+from qwenserve.telemetry.metrics import router_metrics, start_metrics_server
 from qwenserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from qwenserve.v1 import router_pb2, router_pb2_grpc
 
@@ -39,25 +48,20 @@ class RouterServiceConfig:
     decode: list[str]
     local_prefill_threshold: int
     grace_s: float
+    front: FrontConfig
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """Maps RouterErrors to status codes; everything else is the library's."""
+    """Generate goes through the front door (auth, limits, metering); the rest is the library's."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, gatekeeper: Gatekeeper) -> None:
         self.router = router
+        self.gatekeeper = gatekeeper
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
-        try:
-            prep = await self.router.prepare(request, deadline)
-        except RouterError as e:
-            await context.abort(e.grpc_code, f"{e.field}: {e.message}" if e.field else e.message)
-            return
-        async for msg in self.router.run(prep):
+        async for msg in grpc_front.generate(self.router, self.gatekeeper, request, context):
             yield msg
 
     async def ListModels(  # noqa: N802 - gRPC method name
@@ -94,6 +98,7 @@ def parse_config(argv: list[str]) -> RouterServiceConfig:
     add_flag(parser, "--local-prefill-threshold", type=int, default=0,
              help="prompts shorter than this many tokens are prefilled on the decode worker")
     add_flag(parser, "--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    add_front_flags(parser)
     args, _unknown = parser.parse_known_args(argv)
     decode = address_list(args.decode)
     if not decode:
@@ -103,6 +108,7 @@ def parse_config(argv: list[str]) -> RouterServiceConfig:
         model=args.model, model_name=args.model_name, tokenizer=args.tokenizer,
         prefill=address_list(args.prefill), decode=decode,
         local_prefill_threshold=args.local_prefill_threshold, grace_s=args.grace_s,
+        front=FrontConfig.from_args(args),
     )
 
 
@@ -116,14 +122,34 @@ async def run(config: RouterServiceConfig) -> None:
         ),
         lambda skip: IncrementalDetokenizer(tokenizer, skip_special_tokens=skip),
     )
+    metrics = router_metrics()
+    if config.metrics_port:
+        start_metrics_server(config.metrics_port, config.host, ready=lambda: True)
+    gatekeeper = make_gatekeeper(config.front, metrics)
+    runners = []
+
+    async def warm_up() -> None:
+        await router.start()
+        if config.http_port:
+            runners.append(await start_http_front(
+                router, gatekeeper, config.front, router.config.model_name, config.host, config.http_port,
+                tokenizer.token_bytes,
+            ))
 
     def register(server: grpc.aio.Server) -> None:
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, gatekeeper), server)
 
+    tls = config.front.tls
+    server_config = GrpcServerConfig(
+        host=config.host, port=config.port, grace_s=config.grace_s,
+        credentials=grpc_server_credentials(tls) if tls is not None else None,
+    )
     try:
-        await serve(GrpcServerConfig(host=config.host, port=config.port, grace_s=config.grace_s), "router",
-                    [SERVICE_NAME], register, warm_up=router.start)
+        await serve(server_config, "router", [SERVICE_NAME], register, warm_up=warm_up)
     finally:
+        for runner in runners:
+            await runner.cleanup()
+        await close_gatekeeper(gatekeeper)
         await router.close()
 
 

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 import grpc
 
 from qwenserve.grpc_server import GrpcServerConfig, serve
+from qwenserve.telemetry.metrics import start_metrics_server, tokenizer_metrics
 from qwenserve.tokenizer import (
     BuiltinVocab,
     ChatTemplateError,
@@ -61,6 +63,7 @@ class TokenizerServiceConfig:
     max_batch: int = InputLimits.max_batch
     max_message_bytes: int = 64 << 20
     grace_s: float = 5.0
+    metrics_port: int = 0  # Prometheus /metrics; 0: off
 
 
 def load_tokenizer(config: TokenizerServiceConfig) -> Tokenizer:
@@ -78,6 +81,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self.config = config
         self.limits = InputLimits(max_text_bytes=config.max_input_bytes, max_batch=config.max_batch)
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tokenize")
+        self.metrics = tokenizer_metrics()
 
     # ---- RPCs -------------------------------------------------------------------------
 
@@ -85,7 +89,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
         inline = request.ByteSize() <= INLINE_BYTES
-        return await self._guard(context, lambda: self._tokenize(request, "request"), inline)
+        return await self._guard(context, lambda: self._tokenize(request, "request"), inline, "Tokenize")
 
     async def TokenizeBatch(
         self, request: tokenizer_pb2.TokenizeBatchRequest, context: grpc.aio.ServicerContext
@@ -96,7 +100,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 responses=[self._tokenize(r, f"requests[{i}]") for i, r in enumerate(request.requests)]
             )
 
-        return await self._guard(context, work, inline=False)
+        return await self._guard(context, work, inline=False, rpc="TokenizeBatch")
 
     async def CountTokens(
         self, request: tokenizer_pb2.CountTokensRequest, context: grpc.aio.ServicerContext
@@ -108,7 +112,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             counts = [len(ids) for ids in self.tokenizer.encode_batch(texts)]
             return tokenizer_pb2.CountTokensResponse(counts=counts, total=sum(counts))
 
-        return await self._guard(context, work, inline=request.ByteSize() <= INLINE_BYTES)
+        return await self._guard(context, work, inline=request.ByteSize() <= INLINE_BYTES, rpc="CountTokens")
 
     async def Detokenize(
         self,
@@ -149,14 +153,20 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     # ---- the work ----------------------------------------------------------------------
 
-    async def _guard(self, context: grpc.aio.ServicerContext, work: Callable[[], T], inline: bool) -> T:
+    async def _guard(
+        self, context: grpc.aio.ServicerContext, work: Callable[[], T], inline: bool, rpc: str
+    ) -> T:
         """Run `work` (on the loop or in the pool); a caller's mistake becomes INVALID_ARGUMENT."""
+        started, code = time.perf_counter(), "OK"
         try:
             if inline:
                 return work()
             return await asyncio.get_running_loop().run_in_executor(self.pool, work)
         except (InvalidInput, ChatTemplateError) as err:
+            code = "INVALID_ARGUMENT"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        finally:
+            self.metrics.record_rpc(rpc, code, time.perf_counter() - started)
         raise AssertionError("unreachable: context.abort raises")
 
     def _check_batch(self, size: int, field: str) -> None:
@@ -252,6 +262,8 @@ def parse_config(argv: list[str]) -> TokenizerServiceConfig:
     p.add_argument("--max-batch", type=int, default=_env("MAX_BATCH", d.max_batch))
     p.add_argument("--max-message-bytes", type=int, default=_env("MAX_MESSAGE_BYTES", d.max_message_bytes))
     p.add_argument("--grace-s", type=float, default=_env("GRACE_S", d.grace_s), help="drain time on SIGTERM")
+    p.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", d.metrics_port),
+                   help="Prometheus /metrics port, 0: off (QWENSERVE_METRICS_PORT)")
     args = p.parse_args(argv)
     return TokenizerServiceConfig(**vars(args))
 
@@ -260,6 +272,8 @@ async def run(config: TokenizerServiceConfig) -> None:
     """Load the tokenizer, then serve until SIGTERM / SIGINT."""
     tokenizer = load_tokenizer(config)
     servicer = TokenizerServicer(tokenizer, config)
+    if config.metrics_port:
+        start_metrics_server(config.metrics_port, config.host, ready=lambda: True)
 
     async def warm_up() -> None:
         # Compiles the chat template and touches the encoder before health says SERVING.

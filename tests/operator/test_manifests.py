@@ -160,13 +160,12 @@ def test_decode_gets_a_drain_grace_and_a_pre_stop_pause(make_spec) -> None:
 def test_model_source_becomes_a_volume_and_the_model_flag(make_spec, source, extra, mount) -> None:
     spec = make_spec(model={"source": source, **extra})
     children = _children(spec)
-    for stage in ("tokenizer", "prefill", "decode"):
+    # Every stage reads the checkpoint: the router too, for its detokenizer and context length.
+    for stage in ("tokenizer", "prefill", "decode", "router"):
         container = _by(children, "Deployment", stage)["spec"]["template"]["spec"]["containers"][0]
         model_mounts = [m for m in container["volumeMounts"] if m["name"] == "model"]
         assert model_mounts == ([mount] if mount else [])
         assert container["args"][container["args"].index("--model") + 1] == manifests.model_dir(spec)
-    router = _by(children, "Deployment", "router")["spec"]["template"]["spec"]
-    assert not any(v["name"] == "model" for v in router["volumes"])
 
 
 def test_api_keys_and_redis_secret_reach_only_the_router(make_spec) -> None:

@@ -1,0 +1,608 @@
+"""The OpenAI-compatible HTTP front of the router: /v1/chat/completions, /v1/completions, /v1/models.
+
+One request: authenticate (401 before any work) -> parse and check the body (400/404/413) ->
+`Router.prepare()` (exact prompt tokens) -> `Gatekeeper.admit()` (429 before prefill) -> `n`
+generations per prompt, concurrently -> a JSON answer or an SSE stream -> `Gatekeeper.finish()`
+(refund the unused budget, meter the usage), whatever way the request ends.
+
+Streaming follows OpenAI's format: each choice opens with a chunk carrying the role, content
+deltas follow, each choice ends with a chunk carrying its `finish_reason`; with
+`stream_options.include_usage` a last chunk with empty `choices` carries the usage (as OpenAI
+sends it), and with the qwen-serve extension `stream_options.continuous_usage_stats` every chunk
+carries the running usage; then `data: [DONE]`.
+
+A failure after the stream started cannot change the HTTP status, so the affected choice ends
+with a chunk whose `finish_reason` is "error" and whose `error` object (a qwen-serve field on the
+choice) says what happened. It is not sent as a top-level `error` event: the official clients
+raise on that and drop the text already streamed and the usage; a terminal chunk keeps both and
+never has empty `choices`. Without streaming, such a failure is an HTTP 500/503 error.
+
+A client that disconnects cancels its generations, so the decode workers free the KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import re
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from qwenserve.protocol import FINISH_REASON_NAMES
+from qwenserve.router.admission import Gatekeeper, Ticket, api_key_from_headers
+from qwenserve.router.errors import InvalidRequest, RouterError
+from qwenserve.router.front_errors import (
+    BodyTooLarge,
+    MethodNotAllowed,
+    ModelNotFound,
+    NotFound,
+    error_headers,
+)
+from qwenserve.router.generation import PreparedRequest, Router
+from qwenserve.router.openai_request import ParsedRequest, parse_chat, parse_completion, parse_json_body
+from qwenserve.telemetry.metrics import StreamTimer
+from qwenserve.tenancy.tenants import Tenant
+from qwenserve.v1 import common_pb2, router_pb2
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+# How often a request checks whether its client is still connected (between writes).
+DISCONNECT_POLL_S = 0.2
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+# Terminal error codes of a generation (ErrorDetail.code) that mean "try again", for the HTTP status.
+RETRYABLE_CODES = {"unavailable", "no_decode_worker", "resource_exhausted", "deadline_exceeded"}
+
+TokenBytes = Callable[[int], bytes]
+MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """Limits of the HTTP front."""
+
+    model_name: str
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+# -- the application ---------------------------------------------------------------------------
+
+
+def build_app(
+    router: Router,
+    gatekeeper: Gatekeeper,
+    model_name: str,
+    *,
+    token_bytes: TokenBytes | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> web.Application:
+    """The aiohttp application; `token_bytes(id)` (the tokenizer's) names tokens in logprobs."""
+    front = OpenAIFront(router, gatekeeper, HttpConfig(model_name, max_body_bytes), token_bytes)
+    # aiohttp enforces the body limit while reading; a little slack lets our own check say 413 first.
+    app = web.Application(middlewares=[_error_middleware], client_max_size=max_body_bytes + 1)
+    app[MAX_BODY_KEY] = max_body_bytes
+    app.router.add_post("/v1/chat/completions", front.chat_completions)
+    app.router.add_post("/v1/completions", front.completions)
+    app.router.add_get("/v1/models", front.list_models)
+    app.router.add_get("/v1/models/{model:.+}", front.get_model)
+    app.router.add_get("/health", front.health)
+    return app
+
+
+async def serve_http(app: web.Application, host: str, port: int,
+                     ssl_context: ssl.SSLContext | None = None) -> web.AppRunner:
+    """Start serving `app` on host:port (TLS with `ssl_context`); stop with `await runner.cleanup()`.
+
+    Handlers are cancelled when their client disconnects (the stream's watcher would notice
+    within DISCONNECT_POLL_S anyway; cancelling frees the decode worker at once).
+    """
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+    return runner
+
+
+@web.middleware
+async def _error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    """Every error becomes OpenAI's error shape with the status its type maps to."""
+    try:
+        return await handler(request)
+    except RouterError as e:
+        return error_response(e)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[MAX_BODY_KEY]
+        return error_response(BodyTooLarge(f"the request body is larger than the limit of {limit} bytes", "body"))
+    except web.HTTPNotFound:
+        return error_response(NotFound(f"no route {request.method} {request.path}; see /v1/models"))
+    except web.HTTPMethodNotAllowed as e:
+        return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.path}; "
+                                               f"use {', '.join(sorted(e.allowed_methods))}"))
+    except web.HTTPException as e:
+        return _error_json(e.status, e.reason, "http_error", None)
+    except (ConnectionError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return _error_json(500, "internal server error; the request id is in the logs", "internal_error", None)
+
+
+def error_response(error: RouterError, param: str | None = None) -> web.Response:
+    """OpenAI's error body for a RouterError, with its status and headers (Retry-After on a 429)."""
+    field_name = param if param is not None else (error.field or None)
+    limited_by = getattr(error, "limited_by", None)
+    # OpenAI's 429 names the limit as its type: "requests" or "tokens".
+    kind = limited_by[0] if limited_by else None
+    response = _error_json(error.http_status, error.message, error.code, field_name, kind)
+    response.headers.update(error_headers(error))
+    return response
+
+
+def _error_json(status: int, message: str, code: str, param: str | None, kind: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind or _error_type(status), "param": param, "code": code}}
+    return web.json_response(body, status=status)
+
+
+def _error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+class OpenAIFront:
+    """The handlers: everything between an HTTP request and the router's generations."""
+
+    def __init__(self, router: Router, gatekeeper: Gatekeeper, config: HttpConfig,
+                 token_bytes: TokenBytes | None) -> None:
+        self.router = router
+        self.gatekeeper = gatekeeper
+        self.config = config
+        self.token_bytes = token_bytes
+        self.created = int(time.time())
+
+    # -- simple endpoints ------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Liveness of the HTTP front itself (no auth)."""
+        return web.json_response({"status": "ok"})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        """`GET /v1/models`: the one model this deployment serves."""
+        self._tenant(request)
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        """`GET /v1/models/{model}`."""
+        self._tenant(request)
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "qwen-serve",
+            "max_model_len": self.router.config.max_model_len,
+        }
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise ModelNotFound(
+                f"the model {model!r} does not exist; this server serves {self.config.model_name!r}", "model"
+            )
+
+    def _tenant(self, request: web.Request) -> Tenant:
+        key = api_key_from_headers(request.headers.get("Authorization"), request.headers.get("X-Api-Key"))
+        return self.gatekeeper.authenticate(key)
+
+    # -- completions -----------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """`POST /v1/chat/completions`."""
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """`POST /v1/completions` (the legacy text API)."""
+        return await self._generate(request, "completion")
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise BodyTooLarge(f"the request body is {request.content_length} bytes; the limit is {limit}", "body")
+        raw = await request.read()
+        if len(raw) > limit:
+            raise BodyTooLarge(f"the request body is larger than the limit of {limit} bytes", "body")
+        return raw
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        arrived = time.monotonic()
+        tenant = self._tenant(request)
+        body = parse_json_body(await self._read_body(request))
+        parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+        self._check_model(parsed.model)
+        if parsed.logprobs and self.token_bytes is None:
+            raise InvalidRequest("logprobs are not available: this server was started without a vocabulary",
+                                 "logprobs")
+        request_id = _request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
+        preps: list[PreparedRequest] = []
+        for i, req in enumerate(parsed.prompts):
+            req.request_id = request_id if len(parsed.prompts) == 1 else f"{request_id}-p{i}"
+            try:
+                self.gatekeeper.check_request(tenant, req)
+                preps.append(await self.router.prepare(req))
+            except InvalidRequest as e:
+                raise _with_openai_param(e, kind) from e
+        ticket = await self.gatekeeper.admit(tenant, preps, copies=parsed.n)
+        answer = _Answer(parsed, request_id, self.config.model_name, preps, self.token_bytes)
+        generations = _Generations(self.router, answer.runs(), self._timer(arrived))
+        watcher = asyncio.create_task(_watch_disconnect(request, generations))
+        outcome = "cancelled"
+        try:
+            if parsed.stream:
+                response = await self._stream(request, answer, generations, ticket)
+            else:
+                response = await self._respond(answer, generations, ticket)
+            outcome = "cancelled" if generations.disconnected else answer.outcome()
+            return response
+        finally:
+            watcher.cancel()
+            await generations.cancel()
+            await self.gatekeeper.finish(ticket, answer.usage())
+            self._record(generations, outcome, answer)
+            log.info("%s tenant=%s %s n=%d prompt=%d completion=%d finish=%s %.3fs", request_id,
+                     tenant.id, kind, parsed.n, answer.prompt_tokens, answer.completion_tokens(),
+                     ",".join(c.finish_reason or "-" for c in answer.choices), time.monotonic() - arrived)
+
+    def _timer(self, arrived: float) -> StreamTimer | None:
+        metrics = self.gatekeeper.metrics
+        if metrics is None:
+            return None
+        metrics.in_flight.inc()
+        return metrics.stream_timer(arrived)
+
+    def _record(self, generations: _Generations, outcome: str, answer: _Answer) -> None:
+        metrics = self.gatekeeper.metrics
+        if metrics is None or generations.timer is None:
+            return
+        metrics.in_flight.dec()
+        generations.timer.finish()
+        for choice in answer.choices:
+            metrics.record_finished(outcome, choice.finish_reason or "")
+
+    async def _respond(self, answer: _Answer, generations: _Generations, ticket: Ticket) -> web.Response:
+        """Collect every choice, then answer once."""
+        async for index, msg in generations.events():
+            answer.choices[index].add(msg)
+        if generations.disconnected:
+            return web.Response(status=499, text="client closed the request")  # nobody reads it
+        failed = next((c for c in answer.choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            detail = failed.error or common_pb2.ErrorDetail(code="internal_error", message="generation failed")
+            status = 503 if detail.retryable or detail.code in RETRYABLE_CODES else 500
+            response = _error_json(status, f"generation failed: {detail.message}", detail.code or "internal_error",
+                                   None)
+        else:
+            response = web.json_response(answer.full_body())
+        response.headers.update(ticket.headers())
+        response.headers["X-Request-Id"] = answer.request_id
+        return response
+
+    async def _stream(self, request: web.Request, answer: _Answer, generations: _Generations,
+                      ticket: Ticket) -> web.StreamResponse:
+        """Server-sent events as the tokens arrive."""
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Request-Id": answer.request_id,
+            **ticket.headers(),
+        })
+        await response.prepare(request)
+        try:
+            if answer.parsed.kind == "chat":
+                for choice in answer.choices:
+                    await _send(response, answer.chunk([choice.opening()]))
+            async for index, msg in generations.events():
+                choice = answer.choices[index]
+                choice.add(msg)
+                if msg.text or msg.logprobs:
+                    await _send(response, answer.chunk([choice.delta(msg)]))
+                if msg.finish_reason:
+                    await _send(response, answer.chunk([choice.closing()]))
+            if generations.disconnected:
+                return response
+            # Settled before [DONE], so a client's next request already sees the refund.
+            await self.gatekeeper.finish(ticket, answer.usage())
+            if answer.parsed.include_usage:
+                await _send(response, answer.chunk([], usage=answer.usage_json()))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionError:
+            log.info("%s: the client disconnected mid-stream", answer.request_id)
+        return response
+
+
+async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _watch_disconnect(request: web.Request, generations: _Generations) -> None:
+    """Cancel the generations when the client goes away, even while nothing is being written."""
+    while True:
+        await asyncio.sleep(DISCONNECT_POLL_S)
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            generations.disconnect()
+            return
+
+
+def _request_id(request: web.Request, prefix: str) -> str:
+    given = request.headers.get("X-Request-Id", "")
+    return given if REQUEST_ID.match(given) else f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _with_openai_param(error: InvalidRequest, kind: str) -> InvalidRequest:
+    """The router names fields as in the proto ("sampling.top_p"); OpenAI clients expect "top_p"."""
+    name = error.field.removeprefix("sampling.")
+    if name == "input":
+        name = "messages" if kind == "chat" else "prompt"
+    error.field = name
+    return error
+
+
+# -- running the generations -------------------------------------------------------------------
+
+
+class _Generations:
+    """The request's generations as concurrent tasks, merged into one stream of (choice index, message)."""
+
+    def __init__(self, router: Router, runs: Sequence[tuple[int, PreparedRequest]],
+                 timer: StreamTimer | None = None) -> None:
+        self._router = router
+        self.timer = timer
+        self._queue: asyncio.Queue[tuple[int, router_pb2.GenerateResponse | None]] = asyncio.Queue()
+        self._open = len(runs)
+        self.disconnected = False
+        self._tasks = [asyncio.create_task(self._pump(index, prep)) for index, prep in runs]
+
+    async def _pump(self, index: int, prep: PreparedRequest) -> None:
+        stream = self._router.run(prep)
+        try:
+            async for msg in stream:
+                self._queue.put_nowait((index, msg))
+                if msg.finish_reason:
+                    return
+            raise RuntimeError("the router's stream ended without a finish reason")
+        except Exception as e:  # any failure still ends this choice with exactly one terminal message
+            log.exception("%s: generation failed", prep.request_id)
+            self._queue.put_nowait((index, router_pb2.GenerateResponse(
+                request_id=prep.request_id,
+                finish_reason=common_pb2.FINISH_REASON_ERROR,
+                error=common_pb2.ErrorDetail(code="internal_error", message=str(e) or type(e).__name__),
+            )))
+        finally:
+            await stream.aclose()  # closes the decode stream now, not when the generator is collected
+
+    def disconnect(self) -> None:
+        """The client went away: stop `events()` at once (the caller then cancels the tasks)."""
+        self.disconnected = True
+        self._queue.put_nowait((-1, None))
+
+    async def events(self) -> AsyncIterator[tuple[int, router_pb2.GenerateResponse]]:
+        """Messages as they arrive, until every choice has its terminal message or the client left."""
+        while self._open:
+            index, msg = await self._queue.get()
+            if msg is None:
+                return
+            if msg.finish_reason:
+                self._open -= 1
+            if msg.token_ids and self.timer is not None:
+                self.timer.token()
+            yield index, msg
+
+    async def cancel(self) -> None:
+        """Stop whatever still runs (a disconnect, or an error on our side) and wait for it to stop."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+# -- shaping the answer ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One answer being assembled: text, logprobs, token counts, finish reason."""
+
+    index: int
+    prompt_index: int
+    kind: str
+    token_bytes: TokenBytes | None
+    top_logprobs: int
+    want_logprobs: bool
+    text: list[str] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    finish_reason: str | None = None
+    error: common_pb2.ErrorDetail | None = None
+
+    def add(self, msg: router_pb2.GenerateResponse) -> None:
+        self.text.append(msg.text)
+        self.logprobs.extend(msg.logprobs)
+        self.completion_tokens += len(msg.token_ids)
+        if msg.finish_reason:
+            self.finish_reason = FINISH_REASON_NAMES.get(msg.finish_reason, "error")
+            if msg.HasField("usage"):
+                self.completion_tokens = msg.usage.completion_tokens
+                self.cached_prompt_tokens = msg.usage.cached_prompt_tokens
+            if msg.HasField("error"):
+                self.error = msg.error
+
+    def opening(self) -> dict[str, Any]:
+        """The first chunk of a streamed chat choice: the role."""
+        return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def delta(self, msg: router_pb2.GenerateResponse) -> dict[str, Any]:
+        """A streamed chunk's choice for one message's text and logprobs."""
+        logprobs = self._logprobs(msg.logprobs) if self.want_logprobs else None
+        if self.kind == "chat":
+            return {"index": self.index, "delta": {"content": msg.text}, "logprobs": logprobs, "finish_reason": None}
+        return {"index": self.index, "text": msg.text, "logprobs": logprobs, "finish_reason": None}
+
+    def closing(self) -> dict[str, Any]:
+        """The last chunk of a streamed choice: its finish reason (and the error, if it failed)."""
+        if self.kind == "chat":
+            out: dict[str, Any] = {"index": self.index, "delta": {}, "logprobs": None,
+                                   "finish_reason": self.finish_reason}
+        else:
+            out = {"index": self.index, "text": "", "logprobs": None, "finish_reason": self.finish_reason}
+        if self.finish_reason == "error":
+            detail = self.error or common_pb2.ErrorDetail(code="internal_error", message="generation failed")
+            out["error"] = {"message": detail.message, "type": "server_error", "param": None,
+                            "code": detail.code or "internal_error"}
+        return out
+
+    def full(self) -> dict[str, Any]:
+        """The choice of a non-streamed answer."""
+        text = "".join(self.text)
+        logprobs = self._logprobs(self.logprobs) if self.want_logprobs else None
+        if self.kind == "chat":
+            return {"index": self.index, "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs, "finish_reason": self.finish_reason}
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+
+    def _logprobs(self, items: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any]:
+        name = self._token
+        if self.kind == "chat":
+            content = []
+            for lp in items:
+                token, raw = name(lp.token_id)
+                content.append({
+                    "token": token, "logprob": lp.logprob, "bytes": list(raw),
+                    "top_logprobs": [
+                        {"token": t, "logprob": top.logprob, "bytes": list(b)}
+                        for top in lp.top[: self.top_logprobs]
+                        for t, b in [name(top.token_id)]
+                    ],
+                })
+            return {"content": content, "refusal": None}
+        tokens = [name(lp.token_id)[0] for lp in items]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": [{name(t.token_id)[0]: t.logprob for t in lp.top[: self.top_logprobs]}
+                             for lp in items] if self.top_logprobs else None,
+            "text_offset": offsets,
+        }
+
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        """A token as OpenAI shows it: its text (invalid UTF-8 replaced) and its exact bytes."""
+        raw = self.token_bytes(token_id) if self.token_bytes is not None else b""
+        return raw.decode("utf-8", errors="replace"), raw
+
+
+class _Answer:
+    """The whole response: choices, ids, usage, chunk envelopes."""
+
+    def __init__(self, parsed: ParsedRequest, request_id: str, model: str, preps: Sequence[PreparedRequest],
+                 token_bytes: TokenBytes | None) -> None:
+        self.parsed = parsed
+        self.request_id = request_id
+        self.model = model
+        self.preps = list(preps)
+        self.created = int(time.time())
+        self.object = "chat.completion" if parsed.kind == "chat" else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if parsed.kind == "chat" else "text_completion"
+        # OpenAI bills a prompt once however many answers it gets.
+        self.prompt_tokens = sum(len(p.prompt_ids) for p in preps)
+        self.choices = [
+            _Choice(index=p * parsed.n + j, prompt_index=p, kind=parsed.kind, token_bytes=token_bytes,
+                    top_logprobs=parsed.top_logprobs, want_logprobs=parsed.logprobs)
+            for p in range(len(preps))
+            for j in range(parsed.n)
+        ]
+
+    def runs(self) -> list[tuple[int, PreparedRequest]]:
+        """(choice index, prepared request) for every generation; copies get their own seeds and ids."""
+        runs = []
+        for choice in self.choices:
+            prep = self.preps[choice.prompt_index]
+            copy = choice.index % self.parsed.n
+            runs.append((choice.index, prep if copy == 0 else _copy_for_choice(prep, copy)))
+        return runs
+
+    def outcome(self) -> str:
+        """"error" when any choice failed, else "ok" (the metrics' outcome label)."""
+        return "error" if any(c.finish_reason == "error" for c in self.choices) else "ok"
+
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    def usage(self) -> common_pb2.Usage:
+        """Usage so far: each prompt once; cached tokens counted once per prompt (the least of its copies)."""
+        cached = 0
+        for p in range(len(self.preps)):
+            copies = [c.cached_prompt_tokens for c in self.choices if c.prompt_index == p]
+            cached += min(copies) if copies else 0
+        completion = self.completion_tokens()
+        return common_pb2.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                                cached_prompt_tokens=cached, total_tokens=self.prompt_tokens + completion)
+
+    def usage_json(self) -> dict[str, Any]:
+        usage = self.usage()
+        return {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+        }
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
+                               "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        elif self.parsed.continuous_usage:
+            out["usage"] = self.usage_json()
+        elif self.parsed.include_usage:
+            out["usage"] = None
+        return out
+
+    def full_body(self) -> dict[str, Any]:
+        return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [c.full() for c in self.choices], "usage": self.usage_json()}
+
+
+def _copy_for_choice(prep: PreparedRequest, copy: int) -> PreparedRequest:
+    """Choice `copy` (> 0) of a prompt: its own request id, and a seed derived from the request's."""
+    sampling, wire = prep.sampling, prep.wire_sampling
+    if sampling.seed is not None:
+        seed = _mix64(sampling.seed, copy)
+        sampling = dataclasses.replace(sampling, seed=seed)
+        wire = common_pb2.SamplingParams()
+        wire.CopyFrom(prep.wire_sampling)
+        wire.seed = seed
+    return dataclasses.replace(prep, request_id=f"{prep.request_id}-{copy}", sampling=sampling, wire_sampling=wire)
+
+
+def _mix64(seed: int, stream: int) -> int:
+    """A well-spread 64-bit seed for answer `stream` (splitmix64), so that answer 1 of seed s does
+    not equal answer 0 of seed s + 1 as a plain `seed + i` would make it."""
+    z = (seed + 0x9E3779B97F4A7C15 * stream) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)

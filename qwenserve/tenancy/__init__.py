@@ -1,0 +1,27 @@
+"""Tenants: API keys -> tenants with limits (`keys`), and per-tenant usage metering (`usage`)."""
+
+from qwenserve.tenancy.keys import KeyStore, Unauthenticated, bearer_token, key_digest, load_key_store
+from qwenserve.tenancy.tenants import TenancyConfigError, Tenant, TenantLimits
+from qwenserve.tenancy.usage import (
+    InProcessUsageMeter,
+    RedisUsageMeter,
+    Usage,
+    UsageMeter,
+    UsageMeterUnavailable,
+)
+
+__all__ = [
+    "InProcessUsageMeter",
+    "KeyStore",
+    "RedisUsageMeter",
+    "TenancyConfigError",
+    "Tenant",
+    "TenantLimits",
+    "Unauthenticated",
+    "Usage",
+    "UsageMeter",
+    "UsageMeterUnavailable",
+    "bearer_token",
+    "key_digest",
+    "load_key_store",
+]

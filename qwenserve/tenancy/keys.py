@@ -1,0 +1,275 @@
+"""API keys -> tenants: loading the key file and environment, and authenticating a request.
+
+The key file (YAML or JSON, same schema; a Kubernetes Secret mounted as a file works as is):
+
+    # api-keys.yaml
+    default_tenant: local            # optional; the tenant of --no-auth mode ("default")
+    default_limits:                  # optional; limits of tenants named only in QWENSERVE_API_KEYS
+      requests_per_minute: 60
+      tokens_per_minute: 100000
+    tenants:                         # tenant id -> limits; an omitted or null limit is unlimited
+      acme:
+        requests_per_minute: 600
+        tokens_per_minute: 200000
+        max_tokens: 4096             # cap on one request's output budget
+    keys:
+      - tenant: acme
+        sha256: "5e8848..."          # hex SHA-256 of the key: the file then holds no secret
+        name: acme-prod              # optional label for logs
+      - tenant: acme
+        key: "sk-acme-dev"           # or the key itself
+
+A directory (a Secret mounted as a volume) loads every `*.yaml`, `*.yml` and `*.json` in it,
+skipping Kubernetes' hidden `..data` entries; a tenant defined twice is an error.
+
+Environment: `QWENSERVE_API_KEYS_FILE` (the file or directory), `QWENSERVE_API_KEYS`
+("key1:tenantA,key2:tenantB"; the tenant follows the last ':'), `QWENSERVE_NO_AUTH=1`.
+
+Only SHA-256 digests of keys are kept in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from qwenserve.tenancy.tenants import (
+    TenancyConfigError,
+    Tenant,
+    TenantLimits,
+    check_tenant_id,
+    parse_limits,
+)
+
+DEFAULT_TENANT = "default"
+
+
+class Unauthenticated(Exception):
+    """No API key, or one that matches no tenant (HTTP 401 / gRPC UNAUTHENTICATED)."""
+
+
+def key_digest(api_key: str) -> bytes:
+    """SHA-256 of a key: what the key store holds and compares instead of the key."""
+    return hashlib.sha256(api_key.encode("utf-8")).digest()
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The key from an `Authorization: Bearer <key>` header value (HTTP, or gRPC metadata)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+@dataclass
+class KeyFileContents:
+    """What one key file (or the environment) declares, before merging."""
+
+    tenants: dict[str, Tenant] = field(default_factory=dict)
+    keys: list[tuple[bytes, str]] = field(default_factory=list)  # (sha256 digest, tenant id)
+    default_tenant: str | None = None
+    default_limits: TenantLimits | None = None
+
+
+def parse_key_file(data: object, where: str) -> KeyFileContents:
+    """Validate a decoded key file (see the module docstring for the schema)."""
+    if data is None:
+        return KeyFileContents()
+    if not isinstance(data, Mapping):
+        raise TenancyConfigError(f"{where}: expected a mapping at the top level")
+    unknown = set(data) - {"tenants", "keys", "default_tenant", "default_limits"}
+    if unknown:
+        raise TenancyConfigError(f"{where}: unknown field(s) {sorted(unknown)}")
+    out = KeyFileContents()
+    if data.get("default_tenant") is not None:
+        out.default_tenant = check_tenant_id(data["default_tenant"], f"{where}: default_tenant")
+    if data.get("default_limits") is not None:
+        out.default_limits = parse_limits(data["default_limits"], f"{where}: default_limits")
+    tenants = data.get("tenants") or {}
+    if not isinstance(tenants, Mapping):
+        raise TenancyConfigError(f"{where}: 'tenants' must map tenant ids to limits")
+    for tenant_id, limits in tenants.items():
+        check_tenant_id(tenant_id, f"{where}: tenants")
+        out.tenants[tenant_id] = Tenant(tenant_id, parse_limits(limits, f"{where}: tenants.{tenant_id}"))
+    keys = data.get("keys") or []
+    if not isinstance(keys, list):
+        raise TenancyConfigError(f"{where}: 'keys' must be a list")
+    for i, entry in enumerate(keys):
+        here = f"{where}: keys[{i}]"
+        if not isinstance(entry, Mapping):
+            raise TenancyConfigError(f"{here}: expected a mapping with 'tenant' and 'key' or 'sha256'")
+        unknown = set(entry) - {"tenant", "key", "sha256", "name"}
+        if unknown:
+            raise TenancyConfigError(f"{here}: unknown field(s) {sorted(unknown)}")
+        tenant_id = check_tenant_id(entry.get("tenant"), f"{here}.tenant")
+        if ("key" in entry) == ("sha256" in entry):
+            raise TenancyConfigError(f"{here}: give exactly one of 'key' or 'sha256'")
+        if "key" in entry:
+            if not isinstance(entry["key"], str) or not entry["key"]:
+                raise TenancyConfigError(f"{here}.key: expected a non-empty string")
+            digest = key_digest(entry["key"])
+        else:
+            try:
+                digest = bytes.fromhex(str(entry["sha256"]))
+            except ValueError:
+                digest = b""
+            if len(digest) != 32:
+                raise TenancyConfigError(f"{here}.sha256: expected 64 hex digits")
+        out.keys.append((digest, tenant_id))
+    return out
+
+
+def parse_api_keys_env(value: str) -> list[tuple[str, str]]:
+    """("key", "tenant") pairs from "key1:tenantA,key2:tenantB" (keys may contain ':')."""
+    pairs = []
+    for i, item in enumerate(part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        key, sep, tenant_id = item.rpartition(":")
+        if not sep or not key:
+            raise TenancyConfigError(f"QWENSERVE_API_KEYS item {i + 1}: expected 'key:tenant'")
+        pairs.append((key, check_tenant_id(tenant_id, f"QWENSERVE_API_KEYS item {i + 1}")))
+    return pairs
+
+
+def read_key_files(path: str | Path) -> list[KeyFileContents]:
+    """Parse a key file, or each key file in a directory (a mounted Kubernetes Secret)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(
+            p
+            for p in path.iterdir()
+            if not p.name.startswith(".") and p.suffix in (".yaml", ".yml", ".json") and p.is_file()
+        )
+        if not files:
+            raise TenancyConfigError(f"{path}: no *.yaml, *.yml or *.json key files in this directory")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise TenancyConfigError(f"{path}: API key file not found")
+    contents = []
+    for file in files:
+        text = file.read_text(encoding="utf-8")
+        try:
+            data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as exc:
+            raise TenancyConfigError(f"{file}: not valid {file.suffix.lstrip('.').upper()}: {exc}") from exc
+        contents.append(parse_key_file(data, str(file)))
+    return contents
+
+
+class KeyStore:
+    """Maps API keys to tenants, holding only key digests."""
+
+    def __init__(
+        self,
+        tenants: Iterable[Tenant],
+        keys: Iterable[tuple[bytes, str]],
+        *,
+        no_auth: bool = False,
+        default_tenant: str = DEFAULT_TENANT,
+    ) -> None:
+        self._tenants = {t.id: t for t in tenants}
+        # Indexed by the first 8 bytes of the digest; the full digest is compared in constant time.
+        self._by_prefix: dict[bytes, list[tuple[bytes, Tenant]]] = {}
+        self._count = 0
+        for digest, tenant_id in keys:
+            if tenant_id not in self._tenants:
+                raise TenancyConfigError(f"an API key names tenant {tenant_id!r}, which is not defined")
+            bucket = self._by_prefix.setdefault(digest[:8], [])
+            previous = next((t for d, t in bucket if d == digest), None)
+            if previous is not None:
+                if previous.id != tenant_id:
+                    raise TenancyConfigError(
+                        f"one API key is given to two tenants ({previous.id!r} and {tenant_id!r})"
+                    )
+                continue
+            bucket.append((digest, self._tenants[tenant_id]))
+            self._count += 1
+        self.no_auth = no_auth
+        self.default_tenant = self._tenants.get(default_tenant) or Tenant(default_tenant)
+
+    def authenticate(self, api_key: str | None) -> Tenant:
+        """The tenant of `api_key`; raises `Unauthenticated` when it is missing or unknown.
+
+        In no-auth mode every request, with or without a key, belongs to the default tenant.
+        """
+        if self.no_auth:
+            return self.default_tenant
+        if not api_key:
+            raise Unauthenticated(
+                "missing API key: send 'Authorization: Bearer <key>' (gRPC: 'authorization' metadata)"
+            )
+        digest = key_digest(api_key)
+        # Timing can reveal at most which 8-byte digest prefix exists, and an attacker cannot choose
+        # keys by digest prefix; the secret-dependent part, the full digest, is compared in constant time.
+        tenant = None
+        for stored, candidate in self._by_prefix.get(digest[:8], ()):
+            if hmac.compare_digest(stored, digest):
+                tenant = candidate
+        if tenant is None:
+            raise Unauthenticated("invalid API key")
+        return tenant
+
+    def tenant(self, tenant_id: str) -> Tenant:
+        """A tenant by id (KeyError when unknown)."""
+        if tenant_id == self.default_tenant.id:
+            return self._tenants.get(tenant_id, self.default_tenant)
+        return self._tenants[tenant_id]
+
+    @property
+    def tenants(self) -> list[Tenant]:
+        """All configured tenants."""
+        return list(self._tenants.values())
+
+    def __len__(self) -> int:
+        """Number of API keys."""
+        return self._count
+
+
+def load_key_store(
+    path: str | Path | None = None,
+    *,
+    no_auth: bool | None = None,
+    env: Mapping[str, str] | None = None,
+) -> KeyStore:
+    """Build the key store from a key file/directory and the environment (see the module docstring).
+
+    Explicit arguments win over `QWENSERVE_API_KEYS_FILE` and `QWENSERVE_NO_AUTH`. Raises
+    `TenancyConfigError` with the file and field at fault.
+    """
+    env = os.environ if env is None else env
+    if path is None and env.get("QWENSERVE_API_KEYS_FILE"):
+        path = env["QWENSERVE_API_KEYS_FILE"]
+    if no_auth is None:
+        no_auth = env.get("QWENSERVE_NO_AUTH", "").strip().lower() in ("1", "true", "yes", "on")
+    parts = read_key_files(path) if path is not None else []
+    tenants: dict[str, Tenant] = {}
+    keys: list[tuple[bytes, str]] = []
+    default_tenant, default_limits = DEFAULT_TENANT, TenantLimits()
+    for part in parts:
+        for tenant_id, tenant in part.tenants.items():
+            if tenant_id in tenants and tenants[tenant_id] != tenant:
+                raise TenancyConfigError(f"tenant {tenant_id!r} is defined twice with different limits")
+            tenants[tenant_id] = tenant
+        keys.extend(part.keys)
+        default_tenant = part.default_tenant or default_tenant
+        default_limits = part.default_limits or default_limits
+    for key, tenant_id in parse_api_keys_env(env.get("QWENSERVE_API_KEYS", "")):
+        tenants.setdefault(tenant_id, Tenant(tenant_id, default_limits))
+        keys.append((key_digest(key), tenant_id))
+    if not keys and not no_auth:
+        raise TenancyConfigError(
+            "no API keys configured: set QWENSERVE_API_KEYS_FILE or QWENSERVE_API_KEYS, or run with --no-auth"
+        )
+    tenants.setdefault(default_tenant, Tenant(default_tenant, default_limits))
+    return KeyStore(tenants.values(), keys, no_auth=no_auth, default_tenant=default_tenant)

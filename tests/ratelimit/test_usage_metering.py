@@ -1,0 +1,101 @@
+"""Usage metering per tenant, in-process and in Redis, and the `qwen-serve usage show` CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from prometheus_client import REGISTRY
+from ratelimit_checks import free_port
+
+from qwenserve.ratelimit.redis_client import connect
+from qwenserve.tenancy import InProcessUsageMeter, RedisUsageMeter, Tenant, Usage, UsageMeter
+from qwenserve.tenancy.cli import main as usage_cli
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def meter(request: pytest.FixtureRequest):
+    if request.param == "memory":
+        made: UsageMeter = InProcessUsageMeter()
+    else:
+        made = RedisUsageMeter(connect(request.getfixturevalue("redis_url")))
+    yield made
+    await made.close()
+
+
+async def test_concurrent_records_add_up_per_tenant(meter: UsageMeter) -> None:
+    before = (
+        REGISTRY.get_sample_value("qwenserve_tenant_tokens_total", {"tenant": "acme", "kind": "completion"})
+        or 0
+    )
+    acme = Tenant("acme")
+    await asyncio.gather(
+        *(
+            meter.record(acme, Usage(prompt_tokens=100, cached_prompt_tokens=64, completion_tokens=i))
+            for i in range(50)
+        ),
+        *(meter.record("globex", Usage(prompt_tokens=7, completion_tokens=3)) for _ in range(10)),
+    )
+    assert await meter.read(acme) == {
+        "requests": 50,
+        "prompt_tokens": 5000,
+        "cached_prompt_tokens": 3200,
+        "completion_tokens": sum(range(50)),
+    }
+    assert await meter.read(None) == {
+        "acme": await meter.read("acme"),
+        "globex": {"requests": 10, "prompt_tokens": 70, "cached_prompt_tokens": 0, "completion_tokens": 30},
+    }
+    assert await meter.read("nobody") == dict.fromkeys(
+        ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens"), 0
+    )
+    after = REGISTRY.get_sample_value(
+        "qwenserve_tenant_tokens_total", {"tenant": "acme", "kind": "completion"}
+    )
+    assert after == before + sum(range(50))
+
+
+def test_usage_rejects_impossible_counts() -> None:
+    with pytest.raises(ValueError):
+        Usage(prompt_tokens=-1)
+    with pytest.raises(ValueError):
+        Usage(prompt_tokens=10, cached_prompt_tokens=11)
+
+
+async def test_cli_shows_what_the_routers_recorded(redis_url: str, capsys: pytest.CaptureFixture) -> None:
+    meter = RedisUsageMeter(connect(redis_url))
+    await meter.record("acme", Usage(prompt_tokens=1200, cached_prompt_tokens=1024, completion_tokens=345))
+    await meter.record("zeta", Usage(prompt_tokens=1, completion_tokens=2))
+    await meter.close()
+    # The CLI runs its own event loop, as it does from the shell.
+    code = await asyncio.to_thread(usage_cli, ["show", "--redis-url", redis_url])
+    table = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert table[0].split() == [
+        "tenant",
+        "requests",
+        "prompt_tokens",
+        "cached_prompt_tokens",
+        "completion_tokens",
+    ]
+    assert table[1].split() == ["acme", "1", "1200", "1024", "345"]
+    assert table[2].split() == ["zeta", "1", "1", "0", "2"]
+    code = await asyncio.to_thread(
+        usage_cli, ["show", "--redis-url", redis_url, "--tenant", "zeta", "--json"]
+    )
+    assert code == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "zeta": {"requests": 1, "prompt_tokens": 1, "cached_prompt_tokens": 0, "completion_tokens": 2}
+    }
+
+
+def test_cli_without_redis_says_where_usage_lives(capsys: pytest.CaptureFixture, monkeypatch) -> None:
+    monkeypatch.delenv("QWENSERVE_REDIS_URL", raising=False)
+    assert usage_cli(["show"]) == 2
+    assert "--redis-url" in capsys.readouterr().err
+
+
+def test_cli_reports_an_unreachable_redis(capsys: pytest.CaptureFixture) -> None:
+    assert usage_cli(["show", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--timeout", "0.2"]) == 1
+    assert "could not read usage" in capsys.readouterr().err
