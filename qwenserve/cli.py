@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("qwenserve.default_model:main", "write the built-in default checkpoint"),
     "operator": ("qwenserve_operator.main:main", "run the Kubernetes operator (kopf)"),
     "bench": ("qwenserve.loadgen:main", "load generator and SLO report"),
+    "usage": ("qwenserve.tenancy.cli:main", "per-tenant usage (requests and tokens)"),
 }
 
 # `qwen-serve serve <stage>`: the container entrypoint of each stage.

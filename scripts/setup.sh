@@ -17,12 +17,15 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "$torch_spec"
 pip install -e ".[${extras}]"
 
-# The tests talk to a real Redis server.
-if ! command -v redis-server >/dev/null 2>&1; then
+# The tests talk to a real Redis server; Mooncake's engine loads libibverbs even over TCP.
+debs=()
+command -v redis-server >/dev/null 2>&1 || debs+=(redis-server)
+ldconfig -p | grep -q libibverbs.so.1 || debs+=(libibverbs1 librdmacm1 libnuma1)
+if [ ${#debs[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${debs[@]}" >/dev/null
   else
-    echo "setup: redis-server is missing; install Debian's redis-server package" >&2
+    echo "setup: missing Debian packages: ${debs[*]}" >&2
   fi
 fi
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
