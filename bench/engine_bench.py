@@ -1,0 +1,233 @@
+"""Engine benchmark: our engine vs transformers on the same random checkpoint, plus physical bounds.
+
+Run by hand (not a test):
+    .venv/bin/python bench/engine_bench.py --small                  # quick shape, all baselines
+    .venv/bin/python bench/engine_bench.py                          # Qwen3-0.6B shape (slow on 2 cores)
+    .venv/bin/python bench/engine_bench.py --bounds-only            # memcpy / matmul bounds, batch-1/64 steps
+Options: --requests N, --hf-requests N (subset for transformers baselines, scaled), --skip-transformers.
+
+All figures are measured in the same process run; ratios compare against those figures only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from qwenserve.engine.config import EngineConfig
+from qwenserve.engine.engine import LLMEngine
+from qwenserve.engine.sampling_params import SamplingParams
+
+SHAPES = {
+    # Qwen3-0.6B: hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, vocab 151936, tied.
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=32, vocab_size=8192, tie_word_embeddings=True),
+}
+
+
+def make_checkpoint(shape: str) -> Path:
+    """A random Qwen3 checkpoint of `shape`, written once under /tmp with transformers' save_pretrained."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = Path(f"/tmp/qwenserve-bench/{shape}")
+    if (folder / "config.json").is_file():
+        return folder
+    torch.manual_seed(0)
+    cfg = Qwen3Config(max_position_embeddings=4096, **SHAPES[shape])
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(cfg)
+    model.save_pretrained(folder)
+    return folder
+
+
+def percentiles(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return f"p50 {q[49] * 1e3:.1f} ms, p90 {q[89] * 1e3:.1f} ms, p99 {q[98] * 1e3:.1f} ms"
+
+
+def measure_memcpy_gbps() -> float:
+    src = torch.randn(64 * 2**20)  # 256 MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return src.numel() * 4 / best / 1e9
+
+
+def measure_matmul_gflops(hidden: int, inter: int, batch: int = 64) -> float:
+    """Best-of rate of the model's largest projection (gate+up) on `batch` rows."""
+    x = torch.randn(batch, hidden)
+    w = torch.randn(2 * inter, hidden)
+    for _ in range(3):
+        torch.nn.functional.linear(x, w)
+    best = float("inf")
+    for _ in range(20):
+        t = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        best = min(best, time.perf_counter() - t)
+    return 2 * batch * hidden * 2 * inter / best / 1e9
+
+
+def workload(n: int, seed: int = 0, prompt_range=(64, 512), out_range=(32, 256), vocab: int = 151936):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
+    outputs = [rng.randint(*out_range) for _ in range(n)]
+    return prompts, outputs
+
+
+def run_engine(engine: LLMEngine, prompts, out_lens) -> dict:
+    """Submit all requests at once; returns throughput, TTFT and ITL."""
+    import asyncio
+
+    async def one(i: int, t0: float, ttft: list, itl: list) -> int:
+        sampling = SamplingParams(temperature=0.0, max_tokens=out_lens[i], ignore_eos=True)
+        last, n = None, 0
+        async for out in engine.generate(f"bench-{i}-{t0}", prompts[i], sampling):
+            now = time.perf_counter()
+            if last is None:
+                ttft.append(now - t0)
+            else:
+                itl.append(now - last)
+            last, n = now, n + len(out.new_token_ids)
+        return n
+
+    async def main() -> dict:
+        ttft, itl = [], []
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(i, t0, ttft, itl) for i in range(len(prompts))))
+        wall = time.perf_counter() - t0
+        return dict(tokens=sum(counts), wall=wall, tok_s=sum(counts) / wall, ttft=ttft, itl=itl)
+
+    return asyncio.run(main())
+
+
+def decode_step_seconds(engine: LLMEngine, batch: int, context: int = 64, steps: int = 8) -> float:
+    """Median inter-token latency with `batch` requests all decoding (a decode step, sampling included)."""
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(context)] for i in range(batch)]
+    result = run_engine(engine, prompts, [steps + 4] * batch)
+    itl = sorted(result["itl"])
+    return itl[len(itl) // 2]
+
+
+def transformers_baselines(folder: Path, prompts, out_lens, hf_requests: int) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    res = {}
+    sub_p, sub_o = prompts[:hf_requests], out_lens[:hf_requests]
+    with torch.inference_mode():
+        t = time.perf_counter()
+        n = 0
+        for p, o in zip(sub_p, sub_o, strict=True):
+            model.generate(torch.tensor([p]), max_new_tokens=o, min_new_tokens=o, do_sample=False, pad_token_id=0)
+            n += o
+        res["sequential"] = n / (time.perf_counter() - t)
+        for bs in (8, 32):
+            if bs > len(sub_p):
+                continue
+            bp, bo = sub_p[:bs], sub_o[:bs]
+            width = max(len(p) for p in bp)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in bp])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in bp])
+            t = time.perf_counter()
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(bo), min_new_tokens=max(bo),
+                           do_sample=False, pad_token_id=0)
+            # Only each request's own output length is useful work.
+            res[f"padded_batch_{bs}"] = sum(bo) / (time.perf_counter() - t)
+        gen = GenerationConfig(max_new_tokens=max(sub_o), min_new_tokens=max(sub_o), do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        try:
+            t = time.perf_counter()
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+            # Size its KV cache for this workload: left to itself on CPU it claims most of the RAM.
+            need = sum(len(p) for p in sub_p) + len(sub_p) * max(sub_o)
+            cb = ContinuousBatchingConfig(num_blocks=need // 256 + 2 * len(sub_p), max_batch_tokens=512)
+            outs = model.generate_batch(inputs=sub_p, generation_config=gen, continuous_batching_config=cb,
+                                        warmup=False)
+            produced = sum(len(o.generated_tokens) for o in outs.values())
+            res["continuous_batching"] = produced / (time.perf_counter() - t)
+        except Exception as exc:  # report, do not hide: the baseline is optional in old transformers
+            res["continuous_batching_error"] = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--hf-requests", type=int, default=8)
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--bounds-only", action="store_true")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv-gb", type=float, default=4.0, help="KV cache size (allocated up front)")
+    args = ap.parse_args()
+    shape = "small" if args.small else "0.6b"
+    spec = SHAPES[shape]
+    folder = make_checkpoint(shape)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"shape {shape}: {json.dumps(spec)}; torch threads {torch.get_num_threads()}")
+    # Bounds are measured before the engine thread exists, so no second thread pool competes for the cores.
+    memcpy = measure_memcpy_gbps()
+    matmul = measure_matmul_gflops(spec["hidden_size"], spec["intermediate_size"])
+    config = EngineConfig(num_threads=args.threads, kv_cache_memory_gb=args.kv_gb, max_num_batched_tokens=2048,
+                          max_num_seqs=128)
+    engine = LLMEngine.from_pretrained(folder, config)
+    params = sum(p.numel() for p in engine.runner.model.parameters())
+    weight_bytes = params * 4
+    # Every decode step reads all matrices once: layers + the (tied) LM head; the embedding lookup is tiny.
+    layer_params = params - spec["vocab_size"] * spec["hidden_size"] * (1 if spec["tie_word_embeddings"] else 2)
+    step_flops_per_token = 2 * (layer_params + spec["vocab_size"] * spec["hidden_size"])
+    print(f"weights {weight_bytes / 1e9:.2f} GB; memcpy {memcpy:.1f} GB/s; fp32 matmul (64 rows) {matmul:.1f} GFLOP/s")
+
+    run_engine(engine, [[1, 2, 3]], [4])  # warm-up
+    step1 = decode_step_seconds(engine, 1)
+    bound1 = weight_bytes / (memcpy * 1e9)
+    print(f"decode step, batch 1: {step1 * 1e3:.1f} ms; bound weights/memcpy {bound1 * 1e3:.1f} ms "
+          f"-> {bound1 / step1:.0%} of bound (target >= 80%)")
+    step64 = decode_step_seconds(engine, 64)
+    rate64 = 64 * step_flops_per_token / step64 / 1e9
+    print(f"decode step, batch 64: {step64 * 1e3:.1f} ms = {rate64:.1f} GFLOP/s "
+          f"-> {rate64 / matmul:.0%} of measured matmul rate (target >= 60%)")
+    if args.bounds_only:
+        engine.shutdown()
+        return
+
+    vocab = spec["vocab_size"]
+    prompts, out_lens = workload(args.requests, vocab=vocab)
+    ours = run_engine(engine, prompts, out_lens)
+    stats = engine.stats()
+    print(f"\nours: {args.requests} requests together, {ours['tokens']} output tokens in {ours['wall']:.1f} s "
+          f"= {ours['tok_s']:.1f} tok/s; preemptions {stats.preemptions}")
+    print(f"  TTFT {percentiles(ours['ttft'])}")
+    print(f"  ITL  {percentiles(ours['itl'])}")
+    engine.shutdown()
+    if not args.skip_transformers:
+        hf = transformers_baselines(folder, prompts, out_lens, min(args.hf_requests, args.requests))
+        print(f"\ntransformers on the first {min(args.hf_requests, args.requests)} requests "
+              "(tok/s of that subset; rate compared directly):")
+        for k, v in hf.items():
+            if isinstance(v, float):
+                print(f"  {k:22s} {v:8.2f} tok/s   ours/them = {ours['tok_s'] / v:.1f}x")
+            else:
+                print(f"  {k}: {v}")
+    print(f"\npeak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Portable attention over the paged KV cache with plain PyTorch ops (CPU and CUDA).
+
+Decode rows (one query token) are attended as one padded batch: their blocks are gathered with a single
+index into [batch, max_context, kv_heads, head_dim] and masked by length. Prefill chunks are attended one
+sequence at a time, which costs nothing extra because each chunk is already a large matrix product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qwenserve.engine.attention.base import AttentionBatch
+
+
+@dataclass(slots=True)
+class TorchAttentionMeta:
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool: key is real
+    prefills: list[tuple[int, int, int, torch.Tensor | None]]  # (token start, query len, context len, block ids)
+
+
+class TorchAttentionBackend:
+    """Default backend: SDPA over blocks gathered from the pool."""
+
+    name = "torch"
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def prepare(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMeta:
+        """Pad the decode rows' block tables and build their length mask; list the prefill segments."""
+        nd = batch.num_decodes
+        table = mask = None
+        if nd:
+            max_blocks = max(len(t) for t in batch.block_tables[:nd])
+            padded = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables[:nd]]
+            table = torch.tensor(padded, dtype=torch.long, device=device)
+            lens = torch.tensor(batch.context_lens[:nd], dtype=torch.long, device=device)
+            keys = torch.arange(max_blocks * self.block_size, device=device)
+            mask = (keys[None, :] < lens[:, None])[:, None, None, :]
+        prefills = []
+        start = nd
+        for i in range(nd, len(batch.query_lens)):
+            qlen, ctx = batch.query_lens[i], batch.context_lens[i]
+            # A chunk that starts at position 0 attends only to itself: no gather needed.
+            blocks = None
+            if ctx != qlen:
+                used = batch.block_tables[i][: (ctx + self.block_size - 1) // self.block_size]
+                blocks = torch.tensor(used, dtype=torch.long, device=device)
+            prefills.append((start, qlen, ctx, blocks))
+            start += qlen
+        return TorchAttentionMeta(batch.slot_mapping, nd, table, mask, prefills)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TorchAttentionMeta,
+    ) -> torch.Tensor:
+        """Store k/v into the cache, then attend (see AttentionBackend.forward)."""
+        num_tokens, num_heads, head_dim = q.shape
+        kv_heads = k.shape[1]
+        flat_k = k_cache.view(-1, kv_heads, head_dim)
+        flat_v = v_cache.view(-1, kv_heads, head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        gqa = num_heads != kv_heads
+        nd = meta.num_decodes
+        if nd:
+            table = meta.decode_block_table
+            keys = k_cache[table].view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+            values = v_cache[table].view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+            out[:nd] = F.scaled_dot_product_attention(
+                q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=gqa
+            ).squeeze(2)
+        for start, qlen, ctx, blocks in meta.prefills:
+            qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0)
+            if blocks is None:
+                ks = k[start : start + qlen].transpose(0, 1).unsqueeze(0)
+                vs = v[start : start + qlen].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+            else:
+                ks = k_cache[blocks].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
+                vs = v_cache[blocks].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
+                # Query i sits at absolute position ctx - qlen + i and sees keys up to it.
+                qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+                causal = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=causal, enable_gqa=gqa)
+            out[start : start + qlen] = o.squeeze(0).transpose(0, 1)
+        return out.view(num_tokens, num_heads * head_dim)

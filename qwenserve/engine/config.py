@@ -1,0 +1,69 @@
+"""Engine settings: one dataclass, defaults that suit the device, `QWENSERVE_*` environment fallbacks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+
+def _env(name: str, default: object) -> object:
+    raw = os.environ.get(f"QWENSERVE_{name.upper()}")
+    if raw is None:
+        return default
+    if isinstance(default, bool):
+        return raw.lower() in ("1", "true", "yes")
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    return raw
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine runs a model. `None` means "derive from the model and the device"."""
+
+    device: str | None = None  # "cpu", "cuda", "cuda:1"; default cuda when available
+    dtype: str | None = None  # "float32", "bfloat16", "float16"; default fp32 on CPU, bf16 on CUDA
+    max_model_len: int | None = None  # default: the model's max_position_embeddings (capped at 32768)
+    # Block size in tokens. Default 16 for the torch backend (finer prefix sharing) and 256 where
+    # flash-attn's paged kernels run (their minimum page size).
+    block_size: int | None = None
+    num_kv_blocks: int | None = None  # default: kv_cache_memory_gb worth of blocks
+    kv_cache_memory_gb: float = 4.0
+    max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
+    max_num_seqs: int = 256  # running sequences at once
+    enable_prefix_caching: bool = True
+    # "short_first" protects the TTFT of short prompts in a burst (see scheduler.py); "fcfs" is plain order.
+    admission_policy: str = "short_first"
+    # A waiting request older than this is admitted before any shorter one (no starvation).
+    max_queue_delay_s: float = 2.0
+    # Fraction of the pool kept free when admitting, so running requests can grow without preemption.
+    admission_watermark: float = 0.01
+    attention_backend: str = "auto"  # "auto", "torch", "flash_attn"
+    num_threads: int | None = None  # torch intra-op threads on CPU; default: all cores
+    seed: int = 0  # for unseeded sampling
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> EngineConfig:
+        """Defaults, overridden by `QWENSERVE_<FIELD>` environment variables, overridden by `overrides`."""
+        values = {f.name: _env(f.name, f.default) for f in fields(cls)}
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+    def torch_device(self) -> torch.device:
+        """The device to run on."""
+        if self.device:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def torch_dtype(self) -> torch.dtype:
+        """The serving dtype: fp32 on CPU (bf16 matmuls are far slower there), bf16 on CUDA."""
+        if self.dtype:
+            try:
+                return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+            except KeyError:
+                raise ValueError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16") from None
+        return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32

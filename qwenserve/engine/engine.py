@@ -1,0 +1,433 @@
+"""LLMEngine: the async front of the engine and the compute loop behind it.
+
+The loop runs on its own thread: it drains a command queue (add / abort / stop), asks the scheduler for a
+step, runs the model, samples, and pushes each request's outputs back to that request's consumer
+(an asyncio queue on the caller's event loop, or a plain queue for `generate_sync`). Nothing on the event
+loop ever waits for a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from qwenserve.engine.attention import default_block_size, select_backend
+from qwenserve.engine.block_pool import BlockPool
+from qwenserve.engine.config import EngineConfig
+from qwenserve.engine.errors import (
+    ContextLengthExceededError,
+    DuplicateRequestError,
+    EmptyPromptError,
+    EngineShutdownError,
+    InvalidTokenError,
+    KVLayoutMismatchError,
+    RequestError,
+    RequestTooLargeError,
+)
+from qwenserve.engine.kv_layout import KVExportSink, KVImport, KVLayout
+from qwenserve.engine.model_runner import ModelRunner
+from qwenserve.engine.outputs import EngineStats, RequestOutput, Usage
+from qwenserve.engine.sampler import Sampler, SamplingRow
+from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.engine.scheduler import Scheduler, SchedulerLimits
+from qwenserve.engine.sequence import Sequence, SequenceStatus
+from qwenserve.engine.weights import load_checkpoint
+from qwenserve.models import ModelConfig, model_class
+
+log = logging.getLogger("qwenserve.engine")
+
+_STOP = object()
+
+
+class LLMEngine:
+    """A Qwen model served with continuous batching on a paged KV cache. Thread-safe; `generate` may be
+    called from many coroutines (and event loops) at once."""
+
+    def __init__(self, model_cfg: ModelConfig, config: EngineConfig, checkpoint: str | Path) -> None:
+        self.config = config
+        self.model_config = model_cfg
+        device, dtype = config.torch_device(), config.torch_dtype()
+        if device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.max_model_len = min(config.max_model_len or min(model_cfg.max_position_embeddings, 32768),
+                                 model_cfg.max_position_embeddings)
+        self.eos_token_ids: list[int] = list(model_cfg.eos_token_ids)
+        with torch.device(device):
+            model = model_class(model_cfg)(model_cfg, dtype, self.max_model_len)
+        fingerprint = load_checkpoint(model, checkpoint)
+        model.eval()
+        block_size = config.block_size or default_block_size(device, dtype)
+        bytes_per_block = (
+            model_cfg.num_layers * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim
+            * torch.empty((), dtype=dtype).element_size()
+        )
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30 // bytes_per_block))
+        backend = select_backend(config.attention_backend, device, dtype, block_size)
+        self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype)
+        self.pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerLimits(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                admission_policy=config.admission_policy,
+                max_queue_delay_s=config.max_queue_delay_s,
+                watermark_blocks=int(config.admission_watermark * num_blocks),
+            ),
+            self.pool,
+        )
+        self.sampler = Sampler(config.seed)
+        self._layout = KVLayout(
+            dtype=str(dtype).removeprefix("torch."),
+            block_size=block_size,
+            num_layers=model_cfg.num_layers,
+            num_kv_heads=model_cfg.num_kv_heads,
+            head_dim=model_cfg.head_dim,
+            model_fingerprint=fingerprint,
+        )
+        self._commands: queue.Queue[object] = queue.Queue()
+        self._lock = threading.Lock()
+        self._active: dict[str, Sequence] = {}  # request id -> sequence, until its terminal output
+        self._pending = 0  # submitted, not yet seen by the loop
+        self._finished = 0
+        self._closed = False
+        self._idle = threading.Event()
+        self._idle.set()
+        log.info(
+            "engine: %s on %s/%s, attention=%s, block_size=%d, kv_blocks=%d (%.2f GiB), max_model_len=%d, %s",
+            model_cfg.model_type, device, self._layout.dtype, backend.name, block_size, num_blocks,
+            num_blocks * bytes_per_block / 2**30, self.max_model_len, config,
+        )
+        self._thread = threading.Thread(target=self._loop, name="qwenserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+        """Load a Hugging Face checkpoint folder (config.json + safetensors) and start the compute loop."""
+        return cls(ModelConfig.from_folder(path), config or EngineConfig(), path)
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        resume_token_ids: Seq[int] = (),
+        kv_import: KVImport | None = None,
+        kv_export: KVExportSink | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request; the last has finished=True. Raises a RequestError subclass
+        for an invalid request. Stopping the iteration early (or cancelling) aborts the request.
+
+        resume_token_ids: tokens already generated elsewhere; they count as output (penalties, max_tokens,
+        seed positions) and are not emitted again. kv_import: KV for the first tokens, computed elsewhere.
+        kv_export: prefill-only; after the first token, the KV of every computed token is written into the
+        tensor the sink returns and the request finishes with finish_reason "export".
+        """
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def emit(out: RequestOutput) -> None:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+            except RuntimeError:
+                log.debug("request %s: consumer's event loop is closed; output dropped", request_id)
+
+        seq = self._new_sequence(
+            request_id, prompt_token_ids, sampling, cache_salt, resume_token_ids, kv_import, kv_export, emit
+        )
+        self._submit(seq)
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def generate_sync(
+        self,
+        prompts: Seq[list[int]],
+        sampling: SamplingParams | Seq[SamplingParams],
+        **kwargs: object,
+    ) -> list[list[int]]:
+        """Run prompts to completion from a plain thread; returns the generated token ids of each."""
+        results = self.generate_sync_outputs(prompts, sampling, **kwargs)
+        return [[t for o in outs for t in o.new_token_ids] for outs in results]
+
+    def generate_sync_outputs(
+        self,
+        prompts: Seq[list[int]],
+        sampling: SamplingParams | Seq[SamplingParams],
+        **kwargs: object,
+    ) -> list[list[RequestOutput]]:
+        """Like generate_sync, but returns every RequestOutput of each request (logprobs, usage...)."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        inbox: queue.Queue[RequestOutput] = queue.Queue()
+        ids = [f"sync-{id(inbox)}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self._submit(self._new_sequence(rid, list(prompt), p, emit=inbox.put, **kwargs))  # type: ignore[arg-type]
+        collected: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
+        remaining = len(ids)
+        while remaining:
+            out = inbox.get()
+            collected[out.request_id].append(out)
+            remaining -= out.finished
+        return [collected[rid] for rid in ids]
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its blocks; its stream ends with finish_reason "abort".
+        Unknown or already finished ids are ignored."""
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """A snapshot of load, KV usage and prefix-cache effectiveness."""
+        s, pool = self.scheduler, self.pool
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting) + self._pending,
+            kv_blocks_used=pool.num_used,
+            kv_blocks_free=pool.num_free,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_cached=pool.num_cached_free,
+            prefix_cache_hit_tokens=s.prefix_hit_tokens,
+            prefix_cache_query_tokens=s.prefix_query_tokens,
+            preemptions=s.num_preemptions,
+            finished=self._finished,
+        )
+
+    def kv_layout(self) -> KVLayout:
+        """How this engine's KV is shaped and which weights produced it (for export / import)."""
+        return self._layout
+
+    def wait_until_idle(self, timeout: float = 30.0) -> bool:
+        """Block until no request is queued or running (tests, drains); False on timeout."""
+        return self._idle.wait(timeout)
+
+    def shutdown(self) -> None:
+        """Abort everything in flight and stop the compute loop."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._commands.put(_STOP)
+        self._thread.join(timeout=60)
+
+    # ---- request intake ---------------------------------------------------------------------------
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        cache_salt: str | None = None,
+        resume_token_ids: Seq[int] = (),
+        kv_import: KVImport | None = None,
+        kv_export: KVExportSink | None = None,
+        emit: Callable[[RequestOutput], None] | None = None,
+    ) -> Sequence:
+        if self._closed:
+            raise EngineShutdownError("the engine has been shut down")
+        if not prompt_token_ids:
+            raise EmptyPromptError("the prompt has no tokens; send at least one token id")
+        tokens = [int(t) for t in prompt_token_ids] + [int(t) for t in resume_token_ids]
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidTokenError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        prompt_len = len(prompt_token_ids)
+        if prompt_len >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"prompt has {prompt_len} tokens; max_model_len is {self.max_model_len} (room for output needed)"
+            )
+        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else self.max_model_len - prompt_len
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds max_model_len ({self.max_model_len}); "
+                "shorten the prompt or lower max_tokens"
+            )
+        if len(resume_token_ids) >= max_tokens:
+            raise RequestError(f"{len(resume_token_ids)} resume tokens already reach max_tokens ({max_tokens})")
+        blocks = math.ceil((prompt_len + max_tokens) / self.pool.block_size)
+        if blocks > self.pool.num_blocks:
+            raise RequestTooLargeError(
+                f"request needs up to {blocks} KV blocks but the pool has {self.pool.num_blocks}; "
+                "lower max_tokens or give the engine more KV memory"
+            )
+        if kv_import is not None:
+            self._check_import(kv_import, len(tokens))
+        return Sequence(
+            request_id=request_id,
+            prompt_len=prompt_len,
+            token_ids=tokens,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            emit=emit or (lambda out: None),
+            cache_salt=cache_salt,
+            kv_import=kv_import,
+            kv_export=kv_export,
+        )
+
+    def _check_import(self, kv_import: KVImport, num_tokens: int) -> None:
+        self._layout.check_compatible(kv_import.layout)
+        kv = kv_import.kv
+        expected = self._layout.token_shape(kv.shape[2] if kv.dim() == 5 else -1)
+        if kv.dim() != 5 or tuple(kv.shape) != expected:
+            raise KVLayoutMismatchError(
+                f"imported KV has shape {list(kv.shape)}; expected [num_layers, 2, num_tokens, num_kv_heads, "
+                f"head_dim] = {list(expected)}"
+            )
+        if kv.dtype != self._layout.torch_dtype():
+            raise KVLayoutMismatchError(f"imported KV has dtype {kv.dtype}; this engine serves {self._layout.dtype}")
+        if kv.shape[2] > num_tokens:
+            raise KVLayoutMismatchError(
+                f"imported KV covers {kv.shape[2]} tokens but the request has only {num_tokens}"
+            )
+
+    def _submit(self, seq: Sequence) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineShutdownError("the engine has been shut down")
+            if seq.request_id in self._active:
+                raise DuplicateRequestError(f"request id {seq.request_id!r} is already in flight")
+            self._active[seq.request_id] = seq
+            self._pending += 1
+            self._idle.clear()
+        self._commands.put(("add", seq))
+
+    # ---- compute loop -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                if not self._drain_commands(block=not self.scheduler.has_work()):
+                    break
+                if self.scheduler.has_work():
+                    self._step()
+                if not self.scheduler.has_work() and self._pending == 0:
+                    self._idle.set()
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(seq, "abort")
+        # Requests submitted while stopping never reached the scheduler; their streams still need an end.
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd is not _STOP and cmd[0] == "add":  # type: ignore[index]
+                self._finish(cmd[1], "abort")  # type: ignore[index]
+        self._idle.set()
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; False once asked to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is _STOP:
+                return False
+            kind, arg = cmd  # type: ignore[misc]
+            if kind == "add":
+                with self._lock:
+                    self._pending -= 1
+                self.scheduler.add(arg)
+            elif kind == "abort":
+                seq = self._active.get(arg)
+                if seq is not None and seq.status is not SequenceStatus.FINISHED:
+                    self._finish(seq, "abort")
+
+    def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            # Only possible while the pool is briefly full of cached blocks being released; wait for news.
+            time.sleep(0.001)
+            return
+        try:
+            for seq in plan.imports:
+                self.runner.import_kv(seq, seq.kv_import.kv, seq.num_computed_tokens)
+                seq.kv_import = None
+            logits, sampling = self.runner.execute(plan.scheduled)
+        except Exception as exc:  # a failed step fails its requests, never the engine
+            log.exception("engine step failed")
+            for item in plan.scheduled:
+                self._finish(item.seq, "error", error=f"{type(exc).__name__}: {exc}")
+            return
+        self.scheduler.on_step_computed(plan.scheduled)
+        if not sampling:
+            return
+        rows = [
+            SamplingRow(
+                params=item.seq.sampling,
+                prompt_token_ids=item.seq.prompt_token_ids,
+                output_token_ids=item.seq.output_token_ids,
+                banned_token_ids=self._banned_until_min_tokens(item.seq.sampling),
+            )
+            for item in sampling
+        ]
+        tokens, logprobs = self.sampler(logits, rows)
+        for item, token, lp in zip(sampling, tokens, logprobs, strict=True):
+            seq = item.seq
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is None and seq.kv_export is not None:
+                reason = self._export(seq)
+            new = RequestOutput(seq.request_id, [token], [lp] if lp is not None else None, False, None, self._usage(seq))
+            if reason is None:
+                seq.emit(new)
+            else:
+                self._finish(seq, reason, last=new)
+
+    def _banned_until_min_tokens(self, p: SamplingParams) -> tuple[int, ...]:
+        if not p.min_tokens:
+            return ()
+        return tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.sampling
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _export(self, seq: Sequence) -> str:
+        num_tokens = seq.num_computed_tokens
+        try:
+            out = seq.kv_export(self._layout, num_tokens)
+            self.runner.export_kv(seq, num_tokens, out)
+        except Exception as exc:  # the sink belongs to the caller; its failure fails only this request
+            log.exception("request %s: KV export failed", seq.request_id)
+            seq.kv_export = None
+            self._finish(seq, "error", error=f"KV export failed: {type(exc).__name__}: {exc}")
+            return "error"
+        return "export"
+
+    def _usage(self, seq: Sequence) -> Usage:
+        return Usage(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens)
+
+    def _finish(self, seq: Sequence, reason: str, last: RequestOutput | None = None, error: str | None = None) -> None:
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        self.scheduler.finish(seq)
+        with self._lock:
+            self._active.pop(seq.request_id, None)
+            self._finished += 1
+        new_tokens = last.new_token_ids if last else []
+        logprobs = last.logprobs if last else None
+        seq.emit(RequestOutput(seq.request_id, new_tokens, logprobs, True, reason, self._usage(seq), error))

@@ -1,0 +1,48 @@
+"""Errors the engine raises, each with a message a caller can act on. Services map them to gRPC / HTTP
+statuses once, at their edge: the RequestError family is the client's fault (INVALID_ARGUMENT / 400)."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class CheckpointError(EngineError):
+    """The checkpoint folder cannot be loaded; `tensor` names the offending tensor when there is one."""
+
+    def __init__(self, message: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
+class RequestError(EngineError, ValueError):
+    """A request was rejected before it ran."""
+
+
+class EmptyPromptError(RequestError):
+    """The prompt has no tokens."""
+
+
+class InvalidTokenError(RequestError):
+    """A prompt or resume token id lies outside the model's vocabulary."""
+
+
+class ContextLengthExceededError(RequestError):
+    """prompt + already-generated + max_tokens does not fit in max_model_len."""
+
+
+class RequestTooLargeError(RequestError):
+    """The request needs more KV blocks than the whole pool holds, so it could never run."""
+
+
+class DuplicateRequestError(RequestError):
+    """A request with this id is already running."""
+
+
+class KVLayoutMismatchError(RequestError):
+    """Imported KV was computed with a different layout (model, dtype, heads, ...) than this engine's."""
+
+
+class EngineShutdownError(EngineError):
+    """The engine has been shut down and takes no more requests."""

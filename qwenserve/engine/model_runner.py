@@ -1,0 +1,95 @@
+"""Turns a scheduled step into one forward pass over the flattened tokens, and owns the KV cache tensor.
+
+The cache is one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]; a block id
+indexes the same slot range in every layer. Only the rows that are sampled reach the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qwenserve.engine.attention.base import AttentionBackend, AttentionBatch, ForwardContext
+from qwenserve.engine.scheduler import ScheduledSequence
+from qwenserve.engine.sequence import Sequence
+from qwenserve.models import QwenForCausalLM
+
+
+class ModelRunner:
+    """Runs the model on the engine thread; everything here assumes torch.inference_mode."""
+
+    def __init__(
+        self,
+        model: QwenForCausalLM,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+        )
+
+    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[ScheduledSequence]]:
+        """Forward the step; returns fp32 CPU logits [num_sampling_rows, vocab] and the rows' sequences
+        in the same order."""
+        items = sorted(scheduled, key=lambda s: s.num_tokens != 1)  # one-token rows first (stable)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_index: list[int] = []
+        sampling: list[ScheduledSequence] = []
+        for item in items:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            if item.samples:
+                sample_index.append(len(input_ids) - 1)
+                sampling.append(item)
+        batch = AttentionBatch(
+            query_lens=[s.num_tokens for s in items],
+            context_lens=[s.seq.num_computed_tokens + s.num_tokens for s in items],
+            block_tables=[s.seq.block_table for s in items],
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True),
+            num_decodes=sum(1 for s in items if s.num_tokens == 1),
+        )
+        ctx = ForwardContext(self.backend, self.backend.prepare(batch, self.device), self.kv_cache)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True),
+            torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True),
+            ctx,
+        )
+        if not sampling:
+            return torch.empty(0), sampling
+        rows = hidden[torch.tensor(sample_index, device=self.device)]
+        return self.model.compute_logits(rows).cpu(), sampling
+
+    def _token_slots(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
+        bs, table = self.block_size, seq.block_table
+        return torch.tensor([table[p // bs] * bs + p % bs for p in range(num_tokens)], device=self.device)
+
+    def _flat_cache(self) -> torch.Tensor:
+        layers, _, blocks, bs, heads, dim = self.kv_cache.shape
+        return self.kv_cache.view(layers, 2, blocks * bs, heads, dim)
+
+    def import_kv(self, seq: Sequence, kv: torch.Tensor, num_tokens: int) -> None:
+        """Scatter the first `num_tokens` tokens of token-major `kv` [L, 2, T, H, D] into the sequence's blocks."""
+        src = kv[:, :, :num_tokens].to(self.device, self.kv_cache.dtype, non_blocking=True)
+        self._flat_cache().index_copy_(2, self._token_slots(seq, num_tokens), src)
+
+    def export_kv(self, seq: Sequence, num_tokens: int, out: torch.Tensor) -> None:
+        """Gather the sequence's first `num_tokens` tokens of KV into `out` [L, 2, T, H, D] with one copy."""
+        slots = self._token_slots(seq, num_tokens)
+        if out.is_contiguous() and out.device == self.kv_cache.device and out.dtype == self.kv_cache.dtype:
+            torch.index_select(self._flat_cache(), 2, slots, out=out)
+        else:
+            out.copy_(torch.index_select(self._flat_cache(), 2, slots))

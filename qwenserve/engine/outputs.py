@@ -1,0 +1,63 @@
+"""What the engine hands back: per-step request outputs and engine-wide statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability of a generated token (from the model's raw distribution, before sampling
+    transforms) and the `top_logprobs` most likely alternatives as (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts. completion_tokens includes tokens passed as `resume_token_ids`, so the last output of
+    a resumed request reports the whole request; cached_prompt_tokens are prefix-cache hits."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One step's news for one request. Exactly one output per request has finished=True; its
+    finish_reason is "stop", "length", "abort", "error" or "export"."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None
+    usage: Usage
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's load. prefix_cache_hit_rate = tokens hit / prompt tokens looked up."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    kv_blocks_cached: int  # free blocks that still hold reusable prefix KV
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+    preemptions: int
+    finished: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0

@@ -1,0 +1,211 @@
+"""Which sequences run in the next step, and how many tokens each computes.
+
+Every step has a token budget (max_num_batched_tokens) shared by decodes (one token each) and prefill
+chunks, so a long prompt is computed a chunk at a time and never stalls decoding for more than one step.
+
+Admission reserves KV blocks for the sequence's whole known length (prompt, or prompt + output after a
+preemption) minus what the prefix cache already holds; decoding then allocates one block at a time. When
+a running sequence needs a block and none is free, the newest running sequence is preempted: its blocks
+are freed and it goes back to the front of the queue to be recomputed (its full blocks usually survive in
+the prefix cache, so recomputation is cheap).
+
+Admission policies:
+- "fcfs": decodes, then in-flight prefill chunks, then new requests in arrival order.
+- "short_first" (default): decodes, then waiting requests whose whole remaining prompt fits in what is
+  left of this step's budget, shortest first, then in-flight prefill chunks, then the rest. In a burst a
+  short prompt gets its first token in the next step instead of queueing behind long prompts' chunks.
+  A request that has waited longer than max_queue_delay_s jumps ahead of shorter ones, so none starves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from qwenserve.engine.block_pool import BlockPool, chain_hash, root_hash
+from qwenserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """A sequence computing `num_tokens` tokens this step; `samples` when that completes its tokens."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The step's work; `imports` are newly admitted sequences whose KV must be scattered in first."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    imports: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class SchedulerLimits:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    admission_policy: str = "short_first"
+    max_queue_delay_s: float = 2.0
+    watermark_blocks: int = 0
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch; the block pool backs its decisions."""
+
+    def __init__(self, limits: SchedulerLimits, pool: BlockPool) -> None:
+        if limits.admission_policy not in ("fcfs", "short_first"):
+            raise ValueError(f"admission_policy {limits.admission_policy!r}: use fcfs or short_first")
+        self.limits = limits
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request."""
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence wherever it is and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's work (see the module docstring for the order)."""
+        out = SchedulerOutput()
+        budget = self.limits.max_num_batched_tokens
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        budget = self._schedule_running(decoding, budget, out)
+        if self.limits.admission_policy == "short_first":
+            budget = self._admit(budget, out, only_whole=True)
+            budget = self._schedule_running(prefilling, budget, out)
+        else:
+            budget = self._schedule_running(prefilling, budget, out)
+        self._admit(budget, out, only_whole=False)
+        return out
+
+    def _schedule_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
+        for seq in seqs:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(seq.num_uncomputed_tokens, budget)
+            need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+            while need > self.pool.num_free:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if need > 0:
+                seq.block_table += self.pool.allocate(need)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+        return budget
+
+    def _admission_order(self) -> list[Sequence]:
+        if self.limits.admission_policy == "fcfs":
+            return list(self.waiting)
+        deadline = time.monotonic() - self.limits.max_queue_delay_s
+        # Preempted sequences (already admitted once) and starving ones keep their place at the front.
+        urgent = [s for s in self.waiting if s.admitted_once or s.arrival_time < deadline]
+        urgent_ids = {id(s) for s in urgent}
+        rest = sorted((s for s in self.waiting if id(s) not in urgent_ids), key=lambda s: s.num_uncomputed_tokens)
+        return urgent + rest
+
+    def _admit(self, budget: int, out: SchedulerOutput, only_whole: bool) -> int:
+        for seq in self._admission_order():
+            if budget == 0 or len(self.running) >= self.limits.max_num_seqs:
+                break
+            if only_whole and seq.num_tokens > budget and not seq.admitted_once:
+                continue
+            if not self._try_reserve(seq):
+                break  # the pool is full: later (larger or equal) requests would not fit either
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if seq.kv_import is not None:
+                out.imports.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+        return budget
+
+    def _try_reserve(self, seq: Sequence) -> bool:
+        """Take cached prefix blocks and fresh blocks covering the sequence's tokens, if they fit."""
+        bs = self.block_size
+        hashes: list[bytes] = []
+        if seq.kv_import is None:
+            # The last token is always computed: its logits are needed to sample.
+            parent = root_hash(seq.cache_salt)
+            for b in range((seq.num_tokens - 1) // bs):
+                parent = chain_hash(parent, seq.token_ids[b * bs : (b + 1) * bs])
+                hashes.append(parent)
+        hits, idle_hits = self.pool.count_prefix_hits(hashes)
+        need_new = self._blocks_for(seq.num_tokens) - hits
+        reserve = self.limits.watermark_blocks if self.running else 0
+        if need_new + idle_hits > self.pool.num_free - reserve:
+            return False
+        seq.block_table = self.pool.lookup_prefix(hashes[:hits]) + self.pool.allocate(need_new)
+        seq.block_hashes = hashes[:hits]
+        seq.num_computed_tokens = hits * bs
+        if seq.kv_import is not None:
+            seq.num_computed_tokens = min(seq.kv_import.num_tokens, seq.num_tokens - 1)
+        if not seq.admitted_once:
+            seq.admitted_once = True
+            seq.num_cached_tokens = min(hits * bs, seq.prompt_len)
+            self.prefix_hit_tokens += seq.num_cached_tokens
+            self.prefix_query_tokens += seq.prompt_len
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.block_table, seq.block_hashes = [], []
+        seq.num_computed_tokens = 0
+        seq.kv_import = None  # recomputed from tokens; imported KV may be gone by then
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        out.imports = [s for s in out.imports if s is not seq]
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def on_step_computed(self, scheduled: list[ScheduledSequence]) -> None:
+        """Advance computed counts and publish newly filled blocks to the prefix cache."""
+        bs = self.block_size
+        for item in scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.cache_salt)
+            for b in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+                parent = chain_hash(parent, seq.token_ids[b * bs : (b + 1) * bs])
+                self.pool.register(seq.block_table[b], parent)
+                seq.block_hashes.append(parent)

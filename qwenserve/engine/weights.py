@@ -1,0 +1,93 @@
+"""Load a Hugging Face safetensors checkpoint into a model, checking every tensor by name and shape.
+
+Files are memory-mapped by safetensors; each tensor is copied once, straight into the (possibly fused)
+parameter view the model declares for it, and cast to the serving dtype on the way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from qwenserve.engine.errors import CheckpointError
+from qwenserve.models import ModelConfig, QwenForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some checkpoints carry that carry no weights we need.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Elements sampled per tensor for the fingerprint: enough to tell two weight sets apart, cheap to read.
+FINGERPRINT_SAMPLES = 64
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those named by the index file, else every *.safetensors."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{INDEX_FILE} names {f.name}, which is not in {folder}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
+    """Fill `model` from the checkpoint in `folder`; returns the model fingerprint (hex).
+
+    Raises CheckpointError naming the tensor when one is missing, unexpected or of the wrong shape.
+    """
+    folder = Path(folder)
+    targets = model.checkpoint_targets()
+    optional = model.optional_checkpoint_tensors()
+    seen: set[str] = set()
+    samples: dict[str, bytes] = {}
+    with torch.inference_mode():
+        for path in checkpoint_files(folder):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    if name.endswith(IGNORED_SUFFIXES) or (name in optional and name not in targets):
+                        continue
+                    dst = targets.get(name)
+                    if dst is None:
+                        raise CheckpointError(
+                            f"unexpected tensor {name!r} in {path.name}: the config.json "
+                            f"({model.cfg.model_type}, {model.cfg.num_layers} layers) has no place for it",
+                            name,
+                        )
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != tuple(dst.shape):
+                        raise CheckpointError(
+                            f"tensor {name!r} in {path.name} has shape {list(shape)} but config.json implies "
+                            f"{list(dst.shape)}",
+                            name,
+                        )
+                    tensor = f.get_tensor(name)
+                    dst.copy_(tensor)
+                    step = max(1, tensor.numel() // FINGERPRINT_SAMPLES)
+                    samples[name] = tensor.reshape(-1)[::step][:FINGERPRINT_SAMPLES].float().numpy().tobytes()
+                    seen.add(name)
+    missing = sorted(set(targets) - seen)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"tensor {missing[0]!r}{more} is missing from the checkpoint in {folder}", missing[0])
+    return model_fingerprint(model.cfg, {n: tuple(t.shape) for n, t in targets.items()}, samples)
+
+
+def model_fingerprint(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], samples: dict[str, bytes]) -> str:
+    """Hash of the normalised config, tensor names and shapes, and a sample of every tensor's values."""
+    h = hashlib.sha256()
+    config = {k: v for k, v in asdict(cfg).items() if k != "raw"}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name in sorted(shapes):
+        h.update(f"{name}:{shapes[name]}".encode())
+        h.update(samples.get(name, b""))
+    return h.hexdigest()[:32]

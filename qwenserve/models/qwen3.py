@@ -1,0 +1,164 @@
+"""Qwen3 (and, through its options, Qwen2): a decoder-only transformer over flattened variable-length batches.
+
+Tokens of every sequence in a step are concatenated into one [num_tokens, hidden] matrix, so each linear
+layer runs once per step whatever the batch looks like; only attention needs to know the sequence bounds,
+and the ForwardContext carries them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwenserve.engine.attention.base import ForwardContext
+from qwenserve.models.config import ModelConfig
+from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+
+
+class QwenAttention(nn.Module):
+    """Grouped-query attention with fused q/k/v, optional q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        qkv_out = self.q_size + 2 * self.kv_size
+        self.qkv_proj = nn.Parameter(torch.empty(qkv_out, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.qkv_bias = (
+            nn.Parameter(torch.empty(qkv_out, dtype=dtype), requires_grad=False) if cfg.attention_bias else None
+        )
+        self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, self.q_size, dtype=dtype), requires_grad=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Self-attention of [num_tokens, hidden] against each sequence's cached context."""
+        n = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ctx.attention(self.layer_idx, q, k, v)
+        return F.linear(out, self.o_proj)
+
+    def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name -> the view of our fused parameter it fills."""
+        qs, ks = self.q_size, self.kv_size
+        w = self.qkv_proj.data
+        targets = {
+            f"{prefix}.q_proj.weight": w[:qs],
+            f"{prefix}.k_proj.weight": w[qs : qs + ks],
+            f"{prefix}.v_proj.weight": w[qs + ks :],
+            f"{prefix}.o_proj.weight": self.o_proj.data,
+        }
+        if self.qkv_bias is not None:
+            b = self.qkv_bias.data
+            targets.update(
+                {
+                    f"{prefix}.q_proj.bias": b[:qs],
+                    f"{prefix}.k_proj.bias": b[qs : qs + ks],
+                    f"{prefix}.v_proj.bias": b[qs + ks :],
+                }
+            )
+        if self.q_norm is not None:
+            targets[f"{prefix}.q_norm.weight"] = self.q_norm.weight.data
+            targets[f"{prefix}.k_norm.weight"] = self.k_norm.weight.data
+        return targets
+
+
+class QwenDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, mlp: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = QwenAttention(cfg, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = mlp
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """One transformer block over the flattened tokens."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name -> destination view, for this block."""
+        return {
+            f"{prefix}.input_layernorm.weight": self.input_layernorm.weight.data,
+            f"{prefix}.post_attention_layernorm.weight": self.post_attention_layernorm.weight.data,
+            **self.self_attn.checkpoint_targets(f"{prefix}.self_attn"),
+            **self.mlp.checkpoint_targets(f"{prefix}.mlp"),
+        }
+
+
+class QwenForCausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; `forward` returns hidden states and
+    `compute_logits` projects only the rows that are sampled (the LM head is the largest matrix)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # The LM head is stored transposed, [hidden, vocab]: on CPU x @ W is measurably faster than
+        # x @ W.T for this one very wide matrix, at batch 1 and at batch 64. Tied checkpoints keep a single
+        # copy and look embeddings up as its columns.
+        self.lm_head_t = nn.Parameter(torch.empty(cfg.hidden_size, cfg.vocab_size, dtype=dtype), requires_grad=False)
+        self.embed_tokens = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        )
+        self.layers = nn.ModuleList(
+            QwenDecoderLayer(cfg, i, self.build_mlp(cfg, i, dtype), dtype) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, dtype)
+
+    def build_mlp(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+        """The MLP of layer `layer_idx`; model families with experts override this."""
+        return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] (before the final norm) for flattened tokens."""
+        table = self.lm_head_t.t() if self.embed_tokens is None else self.embed_tokens
+        x = table[input_ids]
+        cos, sin = self.rotary.lookup(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head for the selected rows; logits in fp32 for the sampler."""
+        return torch.mm(self.norm(hidden), self.lm_head_t).float()
+
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        """Every tensor the checkpoint must contain, mapped to the view of our parameters it fills.
+        The loader uses this to fill fused matrices in place and to name missing or unexpected tensors."""
+        head = self.lm_head_t.data.t()
+        targets = {"model.norm.weight": self.norm.weight.data}
+        if self.embed_tokens is None:
+            targets["model.embed_tokens.weight"] = head
+        else:
+            targets["model.embed_tokens.weight"] = self.embed_tokens.data
+            targets["lm_head.weight"] = head
+        for i, layer in enumerate(self.layers):
+            targets.update(layer.checkpoint_targets(f"model.layers.{i}"))
+        return targets
+
+    def optional_checkpoint_tensors(self) -> set[str]:
+        """Tensors a checkpoint may carry that we do not need (a tied LM head saved anyway)."""
+        return {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+
+
+class Qwen3ForCausalLM(QwenForCausalLM):
+    """Qwen3: per-head q/k RMSNorm, no attention bias unless the config sets it."""
