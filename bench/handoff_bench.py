@@ -188,7 +188,7 @@ async def bench(args: argparse.Namespace) -> None:
     columns = ["memcpy", "shm", "shm no csum", "shm -> out", *[f"{n} fetch" for n in network]]
     print(f"{'size':>8} | " + " | ".join(f"{c:>22}" for c in columns))
     for nbytes in all_sizes:
-        views = [t[: nbytes // 2].view(LAYOUT.shape(nbytes // PER_TOKEN)) for t in (src_all, dst_all, out_all)]
+        views = [t[: nbytes // 2].view(LAYOUT.token_shape(nbytes // PER_TOKEN)) for t in (src_all, dst_all, out_all)]
         results = await measure_size(nbytes, *views, exporters, importer, network, args.reps)
         base = results["memcpy"][0]
         cells = [

@@ -34,7 +34,7 @@ from qwenserve.engine.errors import (
     RequestError,
     RequestTooLargeError,
 )
-from qwenserve.engine.kv_layout import KVExportSink, KVImport, KVLayout
+from qwenserve.engine.kv_layout import KVExportSink, KVImport, KVLayout, check_compatible
 from qwenserve.engine.model_runner import ModelRunner
 from qwenserve.engine.outputs import EngineStats, RequestOutput, Usage
 from qwenserve.engine.sampler import Sampler, SamplingRow
@@ -283,7 +283,7 @@ class LLMEngine:
         )
 
     def _check_import(self, kv_import: KVImport, num_tokens: int) -> None:
-        self._layout.check_compatible(kv_import.layout)
+        check_compatible(self._layout, kv_import.layout)
         kv = kv_import.kv
         expected = self._layout.token_shape(kv.shape[2] if kv.dim() == 5 else -1)
         if kv.dim() != 5 or tuple(kv.shape) != expected:

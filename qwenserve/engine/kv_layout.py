@@ -7,59 +7,24 @@ head_dim] of the serving dtype, so the block size of the two engines need not ag
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from qwenserve.engine.errors import KVLayoutMismatchError
+from qwenserve.kv_layout import KVLayout
+
+__all__ = ["KVExportSink", "KVImport", "KVLayout", "check_compatible"]
 
 
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """The shape and provenance of an engine's KV. `model_fingerprint` hashes the config, the tensor
-    names/shapes and a sample of the weights, so KV from other weights is refused."""
-
-    dtype: str  # "float32", "bfloat16", "float16"
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    model_fingerprint: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict for handles that travel over the wire."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
-        """Inverse of to_dict."""
-        return cls(**data)
-
-    def torch_dtype(self) -> torch.dtype:
-        """The dtype as a torch dtype."""
-        return getattr(torch, self.dtype)
-
-    def token_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
-        """Shape of the token-major KV tensor for `num_tokens` tokens."""
-        return (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_dim)
-
-    def nbytes(self, num_tokens: int) -> int:
-        """Bytes of KV for `num_tokens` tokens."""
-        n = 1
-        for d in self.token_shape(num_tokens):
-            n *= d
-        return n * torch.empty((), dtype=self.torch_dtype()).element_size()
-
-    def check_compatible(self, other: KVLayout) -> None:
-        """Raise KVLayoutMismatchError naming the first field that differs (block size may differ)."""
-        for name in ("model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if mine != theirs:
-                raise KVLayoutMismatchError(
-                    f"imported KV has {name}={theirs!r} but this engine needs {name}={mine!r}; "
-                    "export and import must use the same model and dtype"
-                )
+def check_compatible(mine: KVLayout, theirs: KVLayout) -> None:
+    """Raise KVLayoutMismatchError naming what differs (block size may differ)."""
+    diffs = mine.differences(theirs)
+    if diffs:
+        raise KVLayoutMismatchError(
+            "imported KV does not fit this engine (export and import must use the same model and dtype): "
+            + "; ".join(diffs)
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,11 +20,13 @@ from qwenserve.kv_transfer.exporter import ExportCounters, ExporterConfig, Expor
 from qwenserve.kv_transfer.grpc_transport import KVTransferServicer, add_kv_transfer_service
 from qwenserve.kv_transfer.handle import KVHandle, KVTransport, describe, lease_remaining_s
 from qwenserve.kv_transfer.importer import ImporterConfig, KVImporter
-from qwenserve.kv_transfer.layout import KVLayout
+from qwenserve.kv_transfer.layout import KVLayout, layout_from_proto, layout_to_proto
 from qwenserve.kv_transfer.mooncake_transport import mooncake_unavailable_reason
 from qwenserve.kv_transfer.shm import leaked_segments, reap_orphaned_segments
 
 __all__ = [
+    "layout_from_proto",
+    "layout_to_proto",
     "ExportCounters",
     "ExportSlot",
     "ExporterConfig",

@@ -24,7 +24,7 @@ import torch
 from qwenserve.kv_transfer.checksum import DEFAULT_ALGORITHM, compute_checksum
 from qwenserve.kv_transfer.errors import KVHandoffExists, KVHandoffGone, KVLayoutInvalid
 from qwenserve.kv_transfer.handle import MARKER_BYTES, MARKER_PAGE, KVHandle, KVTransport, handoff_marker
-from qwenserve.kv_transfer.layout import KVLayout, LayoutLike, as_layout
+from qwenserve.kv_transfer.layout import KVLayout, LayoutLike, as_layout, layout_to_proto
 from qwenserve.kv_transfer.mooncake_transport import MooncakeEndpoint
 from qwenserve.kv_transfer.pool import BufferPool, Extent, MemoryRegion, PrivateRegion
 from qwenserve.kv_transfer.shm import DEFAULT_PREFIX, ShmSegment, reap_orphaned_segments
@@ -120,7 +120,7 @@ class ExportSlot:
         self.handoff_id = entry.handoff_id
         self.nbytes = entry.nbytes
         #: Writable [L, 2, T, H, D] tensor of the layout's dtype, directly over the transport's memory.
-        self.tensor = entry.data.view(entry.layout.torch_dtype).view(entry.layout.shape(entry.num_tokens))
+        self.tensor = entry.data.view(entry.layout.torch_dtype()).view(entry.layout.token_shape(entry.num_tokens))
 
     def publish(self, lease_s: float = 30.0) -> KVHandle:
         """Checksum the bytes, start a lease of `lease_s` seconds and return the handle for the importer."""
@@ -226,7 +226,7 @@ class KVExporter:
         handle = KVHandle(
             handoff_id=entry.handoff_id,
             transport=self.config.transport,
-            layout=entry.layout.to_proto(),
+            layout=layout_to_proto(entry.layout),
             num_tokens=entry.num_tokens,
             length=entry.nbytes,
             checksum=checksum,

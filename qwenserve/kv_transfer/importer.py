@@ -41,7 +41,13 @@ from qwenserve.kv_transfer.handle import (
     handoff_marker,
     lease_remaining_s,
 )
-from qwenserve.kv_transfer.layout import KVLayout, LayoutLike, as_layout, check_layout_matches
+from qwenserve.kv_transfer.layout import (
+    KVLayout,
+    LayoutLike,
+    as_layout,
+    check_layout_matches,
+    layout_from_proto,
+)
 from qwenserve.kv_transfer.mooncake_transport import MooncakeEndpoint
 from qwenserve.kv_transfer.shm import SHM_DIR, map_segment
 
@@ -88,9 +94,9 @@ class KVImporter:
         With `out` (a contiguous CPU tensor of the right shape and dtype) the bytes land there.
         """
         layout = self._check_layout(handle, as_layout(expected))
-        shape = layout.shape(handle.num_tokens)
+        shape = layout.token_shape(handle.num_tokens)
         if out is not None and (
-            tuple(out.shape) != shape or out.dtype != layout.torch_dtype or not out.is_contiguous()
+            tuple(out.shape) != shape or out.dtype != layout.torch_dtype() or not out.is_contiguous()
             or out.device.type != "cpu"
         ):
             raise ValueError(
@@ -109,7 +115,7 @@ class KVImporter:
             raise KVTransportUnavailable(
                 f"{describe(handle)}: this importer cannot read transport {handle.transport}"
             )
-        return data.view(layout.torch_dtype).view(shape)
+        return data.view(layout.torch_dtype()).view(shape)
 
     async def release(self, handle: KVHandle, reason: str = "imported") -> bool:
         """Tell the exporter it may free the bytes. Idempotent; never raises for transport trouble.
@@ -147,7 +153,7 @@ class KVImporter:
     @staticmethod
     def _check_layout(handle: KVHandle, expected: KVLayout) -> KVLayout:
         try:
-            actual = KVLayout.from_proto(handle.layout)
+            actual = layout_from_proto(handle.layout)
         except KVLayoutInvalid as e:
             raise KVLayoutMismatch(f"{describe(handle)} carries an invalid layout: {e}") from e
         check_layout_matches(actual, expected)

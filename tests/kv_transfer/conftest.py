@@ -54,7 +54,7 @@ def make_kv() -> Callable[..., torch.Tensor]:
 
     def make(layout: KVLayout, num_tokens: int, seed: int = 0) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed)
-        return torch.randn(layout.shape(num_tokens), generator=generator).to(layout.torch_dtype)
+        return torch.randn(layout.token_shape(num_tokens), generator=generator).to(layout.torch_dtype())
 
     return make
 

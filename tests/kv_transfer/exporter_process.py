@@ -25,7 +25,7 @@ LAYOUT = KVLayout("float16", 16, 2, 2, 8, "fp-test")
 
 def deterministic_kv(num_tokens: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(LAYOUT.shape(num_tokens), generator=generator).to(LAYOUT.torch_dtype)
+    return torch.randn(LAYOUT.token_shape(num_tokens), generator=generator).to(LAYOUT.torch_dtype())
 
 
 async def main(prefix: str, num_tokens: int, seed: int) -> None:

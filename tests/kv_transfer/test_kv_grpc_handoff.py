@@ -16,6 +16,7 @@ from qwenserve.kv_transfer import (
     KVLayout,
     KVLayoutMismatch,
     KVTransport,
+    layout_to_proto,
 )
 
 MiB = 1 << 20
@@ -83,7 +84,7 @@ async def test_release_to_an_unreachable_exporter_gives_up_without_raising(layou
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
-    handle = KVHandle(handoff_id="h", control_endpoint=f"127.0.0.1:{dead_port}", layout=layout.to_proto())
+    handle = KVHandle(handoff_id="h", control_endpoint=f"127.0.0.1:{dead_port}", layout=layout_to_proto(layout))
     importer = KVImporter(ImporterConfig(release_attempts=2, release_timeout_s=0.3))
     try:
         assert await importer.release(handle, "imported") is False

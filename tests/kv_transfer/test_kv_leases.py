@@ -72,6 +72,6 @@ async def test_bytes_being_streamed_survive_lease_expiry_until_the_stream_ends(m
         assert exporter.sweep(now=time.monotonic() + 31) == 1
         other = exporter.reserve("h2", layout, 8)  # must not reuse the pinned bytes
         other.tensor.zero_()
-        assert torch.equal(torch.frombuffer(view, dtype=torch.float16).view(layout.shape(8)), make_kv(layout, 8))
+        assert torch.equal(torch.frombuffer(view, dtype=torch.float16).view(layout.token_shape(8)), make_kv(layout, 8))
     other.abort()
     assert exporter._pool.reserved_bytes == 0

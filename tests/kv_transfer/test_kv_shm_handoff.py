@@ -28,7 +28,7 @@ async def test_shm_round_trip_returns_exactly_the_exported_kv(make_exporter, imp
     exporter = make_exporter()
     kv = make_kv(layout, 37)
     slot = exporter.reserve("h1", layout, 37)
-    assert slot.tensor.shape == layout.shape(37) and slot.tensor.dtype == torch.float16
+    assert slot.tensor.shape == layout.token_shape(37) and slot.tensor.dtype == torch.float16
     slot.tensor.copy_(kv)
     handle = slot.publish(lease_s=30)
 
@@ -140,7 +140,7 @@ async def test_the_engines_own_layout_object_is_accepted(make_exporter, importer
     engine_layout = SimpleNamespace(**dataclasses.asdict(layout))  # duck-typed, like engine.kv_layout.KVLayout
     exporter = make_exporter()
     handle = exporter.reserve("h1", engine_layout, 3).publish(lease_s=30)
-    assert (await importer.fetch(handle, engine_layout)).shape == layout.shape(3)
+    assert (await importer.fetch(handle, engine_layout)).shape == layout.token_shape(3)
     exporter.release("h1")
 
 
@@ -202,7 +202,7 @@ async def test_fetch_into_out_gives_a_private_copy(make_exporter, importer, layo
     slot = exporter.reserve("h1", layout, 8)
     slot.tensor.copy_(kv)
     handle = slot.publish(lease_s=30)
-    out = torch.empty(layout.shape(8), dtype=layout.torch_dtype)
+    out = torch.empty(layout.token_shape(8), dtype=layout.torch_dtype())
     fetched = await importer.fetch(handle, layout, out=out)
     assert fetched.data_ptr() == out.data_ptr() and torch.equal(out, kv)
     exporter.release("h1")
