@@ -1,0 +1,6 @@
+"""The load generator behind `qwen-serve bench`: traffic mixes, open/closed-loop arrivals, targets
+(gRPC router, OpenAI HTTP, in-process engine), and an SLO report (table, JSON, PNG plots)."""
+
+from qwenserve.loadgen.cli import BenchConfig, bench, main
+
+__all__ = ["BenchConfig", "bench", "main"]
