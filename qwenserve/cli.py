@@ -13,6 +13,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("qwenserve.launcher:main", "run tokenizer, prefill, decode and router on loopback"),
     "generate": ("qwenserve.client:main", "stream an answer from a running router"),
+    "status": ("qwenserve.status:main", "health and load of every stage, asked of a running router"),
     "tokens": ("qwenserve.tokenizer.cli:main", "count or show the tokens of a file"),
     "model": ("qwenserve.default_model:main", "write the built-in default checkpoint"),
     "operator": ("qwenserve_operator.main:main", "run the Kubernetes operator (kopf)"),

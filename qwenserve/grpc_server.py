@@ -6,6 +6,11 @@ finished, SERVING after, NOT_SERVING again while draining), offer reflection, pr
 `<name> listening on host:port` line, and stop gracefully on SIGTERM / SIGINT: new calls are
 refused, calls in flight get `grace_s` seconds to finish.
 
+Every server carries the tracing interceptor (W3C trace context and the request id from the
+caller's metadata). With `metrics_port` set, `serve` also runs the Prometheus endpoint, whose
+`/readyz` follows the same state as gRPC health (`ServeState`): 503 while warming up, 200 while
+serving, 503 again while draining; `/healthz` stays 200 until the process has stopped serving.
+
     config = GrpcServerConfig(host="127.0.0.1", port=0)
     asyncio.run(serve(config, "tokenizer", ["qwenserve.v1.Tokenizer"], register, warm_up))
 """
@@ -17,12 +22,16 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from qwenserve.telemetry.metrics import MetricsServer, serve_metrics
+from qwenserve.telemetry.tracing import server_interceptors
 
 log = logging.getLogger("qwenserve.grpc_server")
 
@@ -40,6 +49,29 @@ class GrpcServerConfig:
     grace_s: float = 5.0  # how long in-flight calls may run on after SIGTERM
     max_concurrent_rpcs: int | None = None  # beyond this, calls fail fast with RESOURCE_EXHAUSTED
     credentials: grpc.ServerCredentials | None = None  # TLS; None: plaintext (the local default)
+    metrics_port: int = 0  # Prometheus /metrics, /healthz, /readyz on `host`; 0: none
+    metrics_registry: CollectorRegistry | None = field(default=None, compare=False)  # None: the default one
+
+
+class ServeState:
+    """Where a stage is in its life, shared by gRPC health and the HTTP probes.
+
+    starting -> serving -> draining -> stopped. Ready means "serving"; live means "not stopped"
+    (a stage that is warming up or draining is alive, it just should not get new work).
+    """
+
+    STARTING, SERVING, DRAINING, STOPPED = "starting", "serving", "draining", "stopped"
+
+    def __init__(self) -> None:
+        self.phase = self.STARTING
+
+    def ready(self) -> bool:
+        """True only between the end of warm-up and the start of draining."""
+        return self.phase == self.SERVING
+
+    def live(self) -> bool:
+        """True until the server has stopped."""
+        return self.phase != self.STOPPED
 
 
 Register = Callable[[grpc.aio.Server], None]
@@ -60,7 +92,10 @@ class StageServer:
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+        self.server = grpc.aio.server(
+            options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs, interceptors=server_interceptors()
+        )
+        self.state = ServeState()
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         register(self.server)
@@ -92,11 +127,14 @@ class StageServer:
     async def set_serving(self) -> None:
         """Report SERVING for the stage's services and the server as a whole ("")."""
         await self._set_all(SERVING)
+        self.state.phase = ServeState.SERVING
 
     async def stop(self) -> None:
         """Report NOT_SERVING, refuse new calls, let calls in flight finish within the grace period."""
+        self.state.phase = ServeState.DRAINING
         await self._set_all(NOT_SERVING)
         await self.server.stop(self.config.grace_s)
+        self.state.phase = ServeState.STOPPED
 
     async def _set_all(self, status: int) -> None:
         for service in ["", *self.service_names]:
@@ -116,10 +154,23 @@ async def serve(
 
     `register(server)` adds the stage's servicers; `service_names` are their full names (for
     health and reflection). `warm_up()` runs after the port is bound and before health says
-    SERVING; if it raises, the server stops and the error propagates.
+    SERVING; if it raises, the server stops and the error propagates. With `config.metrics_port`
+    the metrics endpoint starts before warm-up, so probes see "not ready" rather than nothing.
     """
     stage = StageServer(config, name, service_names, register)
     await stage.start()
+    metrics: MetricsServer | None = None
+    if config.metrics_port:
+        try:
+            metrics = serve_metrics(
+                config.metrics_port, config.host, config.metrics_registry,
+                live=stage.state.live, ready=stage.state.ready,
+            )
+            print(f"{name} metrics on {metrics.url}/metrics", flush=True)
+        except OSError as e:
+            # Serving without metrics beats not serving; HTTP probes against this port will say so.
+            log.error("%s: cannot serve metrics on %s:%d (%s); continuing without /metrics",
+                      name, config.host, config.metrics_port, e)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in stop_signals:
@@ -136,4 +187,8 @@ async def serve(
     finally:
         for sig in stop_signals:
             loop.remove_signal_handler(sig)
-        await stage.stop()
+        try:
+            await stage.stop()
+        finally:
+            if metrics is not None:
+                metrics.close()

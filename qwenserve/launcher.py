@@ -1,7 +1,10 @@
 """`qwen-serve up`: the four stages as separate local processes on loopback, started and stopped together.
 
-Each child runs `qwen-serve serve <stage>` on a free port. The launcher waits until every child's gRPC
-health check says SERVING, prints one line containing `ready` with the router's addresses, and on
+Each child runs `qwen-serve serve <stage>` on a free port, with its Prometheus endpoint (/metrics,
+/healthz, /readyz) on another; the router is told every stage's metrics address for `qwen-serve
+status`. The launcher waits until every child's gRPC health check says SERVING, prints one line
+containing `ready` with the router's addresses, then one line per service with its gRPC and metrics
+addresses, and on
 Ctrl-C / SIGTERM (or when any child dies) stops them all. Children get SIGTERM from the kernel if the
 launcher itself is killed (PR_SET_PDEATHSIG), so no orphans are left behind.
 """
@@ -77,10 +80,8 @@ class LocalCluster:
         argv = [sys.executable, "-P", "-m", "qwenserve.cli", "serve", stage, "--host", self.host, "--port", str(port)]
         argv += ["--model", str(self.model), *extra]
         name = stage if stage in ("tokenizer", "router") else f"{stage}-{sum(c.name.startswith(stage) for c in self.children)}"
-        metrics_port = 0
-        if stage in ("prefill", "decode"):
-            metrics_port = free_port(self.host)
-            argv += ["--metrics-port", str(metrics_port)]
+        metrics_port = free_port(self.host)
+        argv += ["--metrics-port", str(metrics_port)]
         return Child(name, f"{self.host}:{port}", argv, metrics_port)
 
     def plan(self) -> list[Child]:
@@ -97,12 +98,18 @@ class LocalCluster:
         keys_given = "--api-keys-file" in self.extra_router_args or any(
             k in {**os.environ, **self.env} for k in ("QWENSERVE_API_KEYS_FILE", "QWENSERVE_API_KEYS")
         )
+        def metrics_of(prefix: str) -> str:
+            return ",".join(f"{self.host}:{c.metrics_port}" for c in self.children if c.name.startswith(prefix))
+
         router_args = [
             *([] if keys_given or "--no-auth" in self.extra_router_args else ["--no-auth"]),
             "--http-port", str(self.http_port),
             "--tokenizer", self.children[0].address,
             "--prefill", ",".join(c.address for c in self.children if c.name.startswith("prefill")),
             "--decode", ",".join(c.address for c in self.children if c.name.startswith("decode")),
+            "--tokenizer-metrics", metrics_of("tokenizer"),
+            "--prefill-metrics", metrics_of("prefill"),
+            "--decode-metrics", metrics_of("decode"),
             *self.extra_router_args,
         ]
         self.children.append(self._stage("router", self.router_port, router_args))
@@ -152,6 +159,14 @@ class LocalCluster:
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
+
+    def addresses(self) -> list[str]:
+        """One line per service: its name, gRPC address and metrics URL."""
+        width = max(len(c.name) for c in self.children)
+        return [
+            f"  {c.name:<{width}}  grpc={c.address}  metrics=http://{self.host}:{c.metrics_port}/metrics"
+            for c in self.children
+        ]
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child (router first, so it drains), then SIGKILL what is left after grace_s."""
@@ -221,6 +236,8 @@ def main(argv: list[str]) -> int:
         f"prefill={args.prefill} decode={args.decode}",
         flush=True,
     )
+    for line in cluster.addresses():
+        print(line, flush=True)
     code = 0
     while not stop["signal"]:
         dead = [c for c in cluster.children if c.process is not None and c.process.poll() is not None]

@@ -10,7 +10,9 @@ from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.flags import add_flag
-from qwenserve.telemetry.metrics import engine_metrics, handoff_metrics, start_metrics_server
+from qwenserve.telemetry.engine_steps import EngineStepObserver
+from qwenserve.telemetry.metrics import engine_metrics, handoff_metrics
+from qwenserve.telemetry.startup import add_telemetry_flags
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -47,24 +49,29 @@ async def warm_up_engine(engine: LLMEngine) -> None:
 
 
 def add_metrics_flag(parser: argparse.ArgumentParser) -> None:
+    """`--metrics-port` (Prometheus /metrics, /healthz, /readyz) plus the logging flags."""
     add_flag(parser, "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    add_telemetry_flags(parser)
 
 
-async def publish_engine_metrics(engine: LLMEngine, exporter: Any = None, interval_s: float = 0.5) -> None:
+def observe_engine_steps(engine: LLMEngine) -> EngineStepObserver:
+    """Per-step metrics (batch size, tokens, step time) and queue timing for traces."""
+    return EngineStepObserver(engine_metrics()).attach(engine)
+
+
+async def publish_engine_metrics(
+    engine: LLMEngine, exporter: Any = None, interval_s: float = 0.5, steps: EngineStepObserver | None = None
+) -> None:
     """Copy the engine's (and exporter's) state into the Prometheus gauges, forever."""
     gauges, handoff = engine_metrics(), handoff_metrics()
     reclaimed_seen = 0
     while True:
         gauges.update_from_stats(engine.stats())
+        if steps is not None:
+            gauges.throughput.set(steps.tokens_per_second())
         if exporter is not None:
             counters = exporter.counters()
             handoff.leases_outstanding.set(counters.outstanding)
             handoff.leases_reclaimed.inc(counters.reclaimed - reclaimed_seen)
             reclaimed_seen = counters.reclaimed
         await asyncio.sleep(interval_s)
-
-
-def start_metrics(host: str, port: int) -> None:
-    """Serve /metrics when a port is given (ready once the gRPC server is serving)."""
-    if port:
-        start_metrics_server(port, host, ready=lambda: True)

@@ -15,12 +15,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry
 
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from qwenserve.protocol import sampling_from_proto
 from qwenserve.router.errors import ContextLengthExceeded, InvalidRequest, ServiceUnavailable
 from qwenserve.router.stop_strings import StopStringMatcher
 from qwenserve.router.workers import NoWorkerAvailable, WorkerPool
+from qwenserve.telemetry.metrics import RouterMetrics, router_metrics
+from qwenserve.telemetry.tracing import Attr, client_interceptors, get_tracer
 from qwenserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -33,6 +37,7 @@ from qwenserve.v1 import (
 )
 
 log = logging.getLogger(__name__)
+tracer = get_tracer("qwenserve.router")
 
 MAX_STOP_STRINGS = 16
 # Codes after which the same request may succeed on another worker.
@@ -75,6 +80,7 @@ class PreparedRequest:
     cache_salt: str
     deadline: float | None  # time.monotonic() deadline
     echo_prompt: bool = False
+    arrived: float = field(default_factory=time.monotonic)  # when prepare() began, for the queue-time metric
 
     @property
     def budget_tokens(self) -> int:
@@ -92,17 +98,24 @@ class _Progress:
 
 
 class Router:
-    """Runs requests across tokenizer, prefill and decode workers."""
+    """Runs requests across tokenizer, prefill and decode workers.
 
-    def __init__(self, config: RouterConfig, detokenizer_factory: Callable[[bool], Detokenizer]) -> None:
+    Retries and failovers are counted in `metrics` (a private registry's group when none is given).
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        detokenizer_factory: Callable[[bool], Detokenizer],
+        metrics: RouterMetrics | None = None,
+    ) -> None:
         self.config = config
         self._detokenizer_factory = detokenizer_factory
         self.prefill_pool = WorkerPool(config.prefill_addresses)
         self.decode_pool = WorkerPool(config.decode_addresses)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.vocab_size = 0
-        self.retries = 0
-        self.failovers = 0
+        self.metrics = metrics if metrics is not None else router_metrics(CollectorRegistry())
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -111,8 +124,13 @@ class Router:
             self._channels[address] = grpc.aio.insecure_channel(
                 address,
                 options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.enable_retries", 0)],
+                interceptors=client_interceptors(),
             )
         return self._channels[address]
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """The router's (traced) channel to a worker, e.g. for health checks."""
+        return self._channel(address)
 
     async def start(self) -> None:
         """Learn the vocabulary size from the tokenizer service (waits for it to come up)."""
@@ -129,6 +147,7 @@ class Router:
 
     async def prepare(self, req: router_pb2.GenerateRequest, deadline: float | None = None) -> PreparedRequest:
         """Tokenize and validate; raises InvalidRequest / ContextLengthExceeded / ServiceUnavailable."""
+        arrived = time.monotonic()
         request_id = req.request_id or f"req-{uuid.uuid4().hex[:16]}"
         if len(req.stop) > MAX_STOP_STRINGS:
             raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
@@ -168,6 +187,7 @@ class Router:
             cache_salt=req.cache_salt,
             deadline=deadline,
             echo_prompt=req.echo_prompt_token_ids,
+            arrived=arrived,
         )
 
     async def _prompt_ids(self, req: router_pb2.GenerateRequest, deadline: float | None) -> list[int]:
@@ -187,12 +207,14 @@ class Router:
             chat.CopyFrom(req.chat)
             treq = tokenizer_pb2.TokenizeRequest(chat=chat)
         stub = tokenizer_pb2_grpc.TokenizerStub(self._channel(self.config.tokenizer_address))
-        try:
-            resp = await stub.Tokenize(treq, timeout=_remaining(deadline, 30.0))
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidRequest(e.details() or "invalid input", "input") from e
-            raise ServiceUnavailable(f"tokenizer: {e.code().name}: {e.details()}") from e
+        with tracer.start_as_current_span("tokenize", attributes={"qwenserve.input": which}) as span:
+            try:
+                resp = await stub.Tokenize(treq, timeout=_remaining(deadline, 30.0))
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidRequest(e.details() or "invalid input", "input") from e
+                raise ServiceUnavailable(f"tokenizer: {e.code().name}: {e.details()}") from e
+            span.set_attribute(Attr.PROMPT_TOKENS, len(resp.ids))
         return list(resp.ids)
 
     # -- running ---------------------------------------------------------------------------------
@@ -203,6 +225,8 @@ class Router:
         relay = _TextRelay(self._detokenizer_factory(prep.skip_special_tokens), StopStringMatcher(prep.stop))
         first = True
         async for token_ids, logprobs, finish, error in self._tokens(prep, progress):
+            if token_ids:
+                self.metrics.completion_rate.add(len(token_ids))
             text, stopped = relay.push(token_ids)
             if stopped:
                 finish, error = common_pb2.FINISH_REASON_STOP, None
@@ -238,9 +262,11 @@ class Router:
         """Yields (token ids, logprobs, finish reason or 0, error detail) until a finish reason."""
         start: decode_pb2.PrefilledStart | None = None
         use_prefill = bool(self.config.prefill_addresses) and len(prep.prompt_ids) >= self.config.local_prefill_threshold
+        self.metrics.queue_time.observe(time.monotonic() - prep.arrived)
         if use_prefill:
             try:
-                resp = await self._prefill(prep)
+                with tracer.start_as_current_span("prefill", attributes={Attr.PROMPT_TOKENS: len(prep.prompt_ids)}):
+                    resp = await self._prefill(prep)
             except NoWorkerAvailable:
                 resp = None  # every prefill worker failed: decode prefills locally
             except _RequestFailed as e:
@@ -276,6 +302,9 @@ class Router:
         for attempt in range(self.config.prefill_attempts):
             worker = self.prefill_pool.choose(prep.prompt_ids, exclude=tried)
             tried.append(worker.address)
+            span = trace.get_current_span()
+            span.set_attribute(Attr.WORKER, worker.address)
+            span.set_attribute("qwenserve.attempt", attempt + 1)
             stub = prefill_pb2_grpc.PrefillStub(self._channel(worker.address))
             ok = False
             self.prefill_pool.started(worker, len(prep.prompt_ids))
@@ -292,7 +321,7 @@ class Router:
                     self.prefill_pool.mark_dead(worker)
                 log.warning("%s: prefill on %s failed (%s), attempt %d", prep.request_id, worker.address,
                             e.code().name, attempt + 1)
-                self.retries += 1
+                self.metrics.record_retry("prefill")
             finally:
                 self.prefill_pool.finished(worker, len(prep.prompt_ids), ok)
         raise NoWorkerAvailable(f"prefill failed on {tried}")
@@ -325,7 +354,15 @@ class Router:
                 request.resume_token_ids.extend(progress.generated)
             stub = decode_pb2_grpc.DecodeStub(self._channel(worker.address))
             self.decode_pool.started(worker, budget)
-            call = stub.Decode(request, timeout=_remaining(prep.deadline, None))
+            # A span per attempt; current only while the call starts (this generator yields across it).
+            span = tracer.start_span("decode", attributes={
+                Attr.WORKER: worker.address, "qwenserve.attempt": len(tried), "qwenserve.handoff": start is not None,
+            })
+            if span.is_recording():
+                with trace.use_span(span, end_on_exit=False):
+                    call = stub.Decode(request, timeout=_remaining(prep.deadline, None))
+            else:
+                call = stub.Decode(request, timeout=_remaining(prep.deadline, None))
             ok = False
             try:
                 async for msg in call:
@@ -361,7 +398,9 @@ class Router:
             finally:
                 call.cancel()  # a stop string or a client that left: the worker frees the KV
                 self.decode_pool.finished(worker, budget, ok)
-            self.failovers += 1
+                span.set_attribute(Attr.COMPLETION_TOKENS, len(progress.generated))
+                span.end()
+            self.metrics.record_failover("decode")
             start = None  # the dead worker may have consumed the handoff: recompute the prompt
             log.warning("%s: decode on %s failed (%s); resuming after %d tokens", prep.request_id,
                         worker.address, failure, len(progress.generated))

@@ -11,15 +11,49 @@ trailing metadata); once streaming, the router's terminal message carries any er
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
+from opentelemetry import trace
 
 from qwenserve.protocol import FINISH_REASON_NAMES
 from qwenserve.router.admission import Gatekeeper, api_key_from_grpc_metadata, grpc_error_metadata
 from qwenserve.router.errors import RouterError
 from qwenserve.router.generation import Router
+from qwenserve.telemetry.logs import bind_request_id
+from qwenserve.telemetry.tracing import REQUEST_ID_METADATA_KEY, Attr, get_tracer
 from qwenserve.v1 import common_pb2, router_pb2
+
+tracer = get_tracer("qwenserve.router")
+
+# How an error that ends a request before its stream starts is counted (requests_total's outcome).
+_OUTCOMES = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "rejected",
+    grpc.StatusCode.UNAUTHENTICATED: "rejected",
+    grpc.StatusCode.PERMISSION_DENIED: "rejected",
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+    grpc.StatusCode.OUT_OF_RANGE: "invalid",
+    grpc.StatusCode.NOT_FOUND: "invalid",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+}
+
+
+def outcome_for(error: RouterError) -> str:
+    """The `outcome` label of a request refused with `error` ("rejected", "invalid", "timeout", "error")."""
+    return _OUTCOMES.get(error.grpc_code, "error")
+
+
+def request_id_for(
+    request: router_pb2.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]] | None
+) -> str:
+    """The request's id: its own field, else the caller's x-request-id, else a new one."""
+    if request.request_id:
+        return request.request_id
+    for key, value in metadata or ():
+        if key == REQUEST_ID_METADATA_KEY and isinstance(value, str) and value:
+            return value
+    return f"req-{uuid.uuid4().hex[:16]}"
 
 
 async def generate(
@@ -28,7 +62,24 @@ async def generate(
     request: router_pb2.GenerateRequest,
     context: grpc.aio.ServicerContext,
 ) -> AsyncIterator[router_pb2.GenerateResponse]:
-    """Authenticate, prepare, admit, stream, settle: one gRPC Generate call."""
+    """Authenticate, prepare, admit, stream, settle: one gRPC Generate call.
+
+    The whole call runs in a `router.request` span (the parent of tokenize, rate_limit, prefill
+    and decode) with the request id bound, so every log line and span of it carries the id.
+    """
+    request.request_id = request_id_for(request, context.invocation_metadata())
+    with tracer.start_as_current_span("router.request") as span, bind_request_id(request.request_id):
+        async for msg in _generate(router, gatekeeper, request, context, span):
+            yield msg
+
+
+async def _generate(
+    router: Router,
+    gatekeeper: Gatekeeper,
+    request: router_pb2.GenerateRequest,
+    context: grpc.aio.ServicerContext,
+    span: trace.Span,
+) -> AsyncIterator[router_pb2.GenerateResponse]:
     arrived = time.monotonic()
     try:
         tenant = gatekeeper.authenticate(api_key_from_grpc_metadata(context.invocation_metadata()))
@@ -36,8 +87,12 @@ async def generate(
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         prep = await router.prepare(request, deadline)
-        ticket = await gatekeeper.admit(tenant, [prep])
+        with tracer.start_as_current_span("rate_limit", attributes={Attr.TENANT: tenant.id}):
+            ticket = await gatekeeper.admit(tenant, [prep])
     except RouterError as e:
+        if gatekeeper.metrics is not None:
+            gatekeeper.metrics.record_finished(outcome_for(e), "none")
+        span.set_attribute("qwenserve.outcome", outcome_for(e))
         context.set_trailing_metadata(grpc_error_metadata(e))
         await context.abort(e.grpc_code, e.message)
     await context.send_initial_metadata(ticket.grpc_metadata())
@@ -66,3 +121,5 @@ async def generate(
             timer.finish()
             outcome = "cancelled" if not finish else "error" if finish == "error" else "ok"
             metrics.record_finished(outcome, finish)
+        span.set_attribute(Attr.FINISH_REASON, finish or "none")
+        span.set_attribute(Attr.COMPLETION_TOKENS, usage.completion_tokens)

@@ -47,12 +47,15 @@ from qwenserve.router.front_errors import (
     error_headers,
 )
 from qwenserve.router.generation import PreparedRequest, Router
+from qwenserve.router.grpc_front import outcome_for
 from qwenserve.router.openai_request import ParsedRequest, parse_chat, parse_completion, parse_json_body
 from qwenserve.telemetry.metrics import StreamTimer
+from qwenserve.telemetry.tracing import Attr, get_tracer, server_span
 from qwenserve.tenancy.tenants import Tenant
 from qwenserve.v1 import common_pb2, router_pb2
 
 log = logging.getLogger(__name__)
+tracer = get_tracer("qwenserve.router")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 # How often a request checks whether its client is still connected (between writes).
@@ -224,6 +227,21 @@ class OpenAIFront:
         return raw
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """One completion request in its own trace: a SERVER span (parented to the caller's
+        `traceparent`, if any) around a `router.request` span, with the request id bound."""
+        request_id = _request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
+        with server_span(f"POST {request.path}", request.headers.items(), request_id), \
+                tracer.start_as_current_span("router.request") as span:
+            try:
+                return await self._generate_traced(request, kind, request_id)
+            except RouterError as e:
+                # Refused before any answer started: the error middleware turns it into the response.
+                if self.gatekeeper.metrics is not None:
+                    self.gatekeeper.metrics.record_finished(outcome_for(e), "none")
+                span.set_attribute("qwenserve.outcome", outcome_for(e))
+                raise
+
+    async def _generate_traced(self, request: web.Request, kind: str, request_id: str) -> web.StreamResponse:
         arrived = time.monotonic()
         tenant = self._tenant(request)
         body = parse_json_body(await self._read_body(request))
@@ -232,7 +250,6 @@ class OpenAIFront:
         if parsed.logprobs and self.token_bytes is None:
             raise InvalidRequest("logprobs are not available: this server was started without a vocabulary",
                                  "logprobs")
-        request_id = _request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
         preps: list[PreparedRequest] = []
         for i, req in enumerate(parsed.prompts):
             req.request_id = request_id if len(parsed.prompts) == 1 else f"{request_id}-p{i}"
@@ -241,7 +258,8 @@ class OpenAIFront:
                 preps.append(await self.router.prepare(req))
             except InvalidRequest as e:
                 raise _with_openai_param(e, kind) from e
-        ticket = await self.gatekeeper.admit(tenant, preps, copies=parsed.n)
+        with tracer.start_as_current_span("rate_limit", attributes={Attr.TENANT: tenant.id}):
+            ticket = await self.gatekeeper.admit(tenant, preps, copies=parsed.n)
         answer = _Answer(parsed, request_id, self.config.model_name, preps, self.token_bytes)
         generations = _Generations(self.router, answer.runs(), self._timer(arrived))
         watcher = asyncio.create_task(_watch_disconnect(request, generations))

@@ -11,6 +11,7 @@ process never registers a metric twice. Services use the default registry; tests
 
 from __future__ import annotations
 
+import collections
 import http.server
 import logging
 import threading
@@ -156,6 +157,8 @@ class RouterMetrics:
             registry=r,
         )
         self.tenant_label = BoundedLabel(max_tenants)
+        # Completion tokens streamed, for `qwen-serve status` (Prometheus users take rate() of tokens_total).
+        self.completion_rate = SlidingRate()
 
     def record_finished(self, outcome: str, finish_reason: str) -> None:
         """Count one finished request (finish_reason "" counts as "none")."""
@@ -289,6 +292,12 @@ class EngineMetrics:
             "Share of prompt tokens served from the prefix cache, 0..1, as reported by the engine.",
             registry=r,
         )
+        self.throughput = Gauge(
+            "qwenserve_engine_throughput_tokens_per_second",
+            "Tokens computed per second (prompt and generated) over the last few seconds; for status views,"
+            " dashboards should prefer rate(qwenserve_engine_step_tokens_sum[1m]).",
+            registry=r,
+        )
         self.preemptions = Counter(
             "qwenserve_engine_preemptions_total",
             "Requests preempted (blocks freed, recomputed later).",
@@ -415,6 +424,29 @@ class TokenizerMetrics:
             self.texts.inc(texts)
         if tokens:
             self.tokens.inc(tokens)
+
+
+class SlidingRate:
+    """Events per second over the last `window_s` seconds (tokens/s for status views). Thread-safe."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._events: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def add(self, n: int, now: float | None = None) -> None:
+        """Count `n` events at `now` (time.monotonic()) or the current time."""
+        with self._lock:
+            self._events.append((time.monotonic() if now is None else now, n))
+
+    def per_second(self, now: float | None = None) -> float:
+        """The rate over the window ending at `now`."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            while self._events and self._events[0][0] < now - self.window_s:
+                self._events.popleft()
+            total = sum(n for _, n in self._events)
+        return total / self.window_s
 
 
 _G = TypeVar("_G")

@@ -72,3 +72,35 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelCard]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageStatus(_message.Message):
+    __slots__ = ("stage", "address", "state", "metrics_address", "load_known", "running", "waiting", "kv_usage", "tokens_per_second")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    address: str
+    state: str
+    metrics_address: str
+    load_known: bool
+    running: int
+    waiting: int
+    kv_usage: float
+    tokens_per_second: float
+    def __init__(self, stage: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., metrics_address: _Optional[str] = ..., load_known: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("stages",)
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[StageStatus]
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ...) -> None: ...

@@ -44,6 +44,11 @@ class RouterStub:
                 request_serializer=qwenserve_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=qwenserve_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/qwenserve.v1.Router/GetStatus',
+                request_serializer=qwenserve_dot_v1_dot_router__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=qwenserve_dot_v1_dot_router__pb2.GetStatusResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -63,6 +68,13 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """Health and load of this router and of every stage worker it routes to (`qwen-serve status`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +87,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=qwenserve_dot_v1_dot_router__pb2.ListModelsRequest.FromString,
                     response_serializer=qwenserve_dot_v1_dot_router__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=qwenserve_dot_v1_dot_router__pb2.GetStatusRequest.FromString,
+                    response_serializer=qwenserve_dot_v1_dot_router__pb2.GetStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +148,33 @@ class Router:
             '/qwenserve.v1.Router/ListModels',
             qwenserve_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
             qwenserve_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qwenserve.v1.Router/GetStatus',
+            qwenserve_dot_v1_dot_router__pb2.GetStatusRequest.SerializeToString,
+            qwenserve_dot_v1_dot_router__pb2.GetStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,29 +3,76 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
+
+from opentelemetry import trace
 
 from qwenserve.engine.errors import KVLayoutMismatchError
 from qwenserve.engine.kv_layout import KVImport
 from qwenserve.kv_transfer.errors import KVTransferError
 from qwenserve.protocol import finish_reason_to_proto
+from qwenserve.telemetry.engine_steps import EngineStepObserver
+from qwenserve.telemetry.metrics import HandoffMetrics
+from qwenserve.telemetry.tracing import Attr, get_tracer
 from qwenserve.v1 import common_pb2, decode_pb2
 from qwenserve.worker.errors import BadRequest, HandoffRefused
+from qwenserve.worker.handoff_telemetry import failure_reason, transport_label
 from qwenserve.worker.prefill_worker import _logprobs_to_proto
 from qwenserve.worker.requests import checked_request
 
+tracer = get_tracer("qwenserve.decode")
+
 
 class DecodeWorker:
-    """Streams one request's tokens; coalesces several steps into one message when the reader lags."""
+    """Streams one request's tokens; coalesces several steps into one message when the reader lags.
 
-    def __init__(self, engine: Any, importer: Any) -> None:
+    With `steps` the request's trace splits into queue, first token and stream; with `handoff`
+    each import is counted (bytes and fetch seconds, or the failure's reason) by transport.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        importer: Any,
+        steps: EngineStepObserver | None = None,
+        handoff: HandoffMetrics | None = None,
+    ) -> None:
         self.engine = engine
         self.importer = importer
+        self.steps = steps
+        self.handoff = handoff
 
     async def decode(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
         """Raises BadRequest / HandoffRefused before the first message; afterwards errors end the stream."""
+        # Not made current across yields: an async generator may be closed from another context.
+        span = tracer.start_span("decode")
+        timing = _Timing()
+        traced = span.is_recording()
+        try:
+            if traced:
+                with trace.use_span(span, end_on_exit=False):
+                    outputs, cached = await self._start(request, timing, traced)
+                outputs = timing.watch(outputs)
+            else:
+                outputs, cached = await self._start(request, timing, traced)
+            async for msg in _coalesced(outputs, cached):
+                yield msg
+        except Exception as e:
+            span.record_exception(e)
+            span.set_status(trace.StatusCode.ERROR, str(e) or type(e).__name__)
+            raise
+        finally:
+            if traced:
+                timing.spans(span, self.steps.first_scheduled_ns(timing.request_id) if self.steps else None)
+            span.end()
+
+    async def _start(
+        self, request: decode_pb2.DecodeRequest, timing: _Timing, traced: bool
+    ) -> tuple[AsyncIterator[Any], int]:
+        """Check the request, import its handoff and submit it; the engine's outputs and cached tokens."""
         start = request.WhichOneof("start")
         if start is None:
             raise BadRequest("one of prefilled or local_prefill is required")
@@ -45,14 +92,17 @@ class DecodeWorker:
             resume = [request.prefilled.first_token_id]
             cached = request.prefilled.cached_prompt_tokens
         request_id = request.request_id or f"decode-{uuid.uuid4().hex[:12]}"
+        timing.request_id = request_id
+        if traced and self.steps is not None:
+            self.steps.watch(request_id)
+        timing.submitted = time.time_ns()
         outputs = self.engine.generate(
             request_id, prompt, sampling, cache_salt=request.cache_salt or None,
             resume_token_ids=resume, kv_import=kv_import,
         )
         if handle is not None:
             outputs = self._release_after_first(outputs, handle)
-        async for msg in _coalesced(outputs, cached):
-            yield msg
+        return outputs, cached
 
     async def _release_after_first(self, outputs: AsyncIterator[Any], handle: Any) -> AsyncIterator[Any]:
         """An shm import is a view of the exporter's memory: release it only once the engine has copied it
@@ -70,14 +120,62 @@ class DecodeWorker:
                 asyncio.ensure_future(self.importer.release(handle, "cancelled"))
 
     async def _import(self, handle: Any, prompt_len: int) -> KVImport:
-        if handle.num_tokens != prompt_len:
-            raise HandoffRefused(f"the handoff holds {handle.num_tokens} tokens, the prompt has {prompt_len}")
-        try:
-            tensor = await self.importer.fetch(handle, self.engine.kv_layout())
-        except (KVTransferError, KVLayoutMismatchError) as e:
-            await self.importer.release(handle, "failed")
-            raise HandoffRefused(str(e)) from e
+        transport = transport_label(handle.transport)
+        attributes = {Attr.HANDOFF_TRANSPORT: transport, Attr.HANDOFF_BYTES: handle.length}
+        with tracer.start_as_current_span("handoff", attributes=attributes) as span:
+            if handle.num_tokens != prompt_len:
+                if self.handoff is not None:
+                    self.handoff.record_failure(transport, "protocol")
+                raise HandoffRefused(f"the handoff holds {handle.num_tokens} tokens, the prompt has {prompt_len}")
+            started = time.perf_counter()
+            try:
+                tensor = await self.importer.fetch(handle, self.engine.kv_layout())
+            except (KVTransferError, KVLayoutMismatchError) as e:
+                if self.handoff is not None:
+                    self.handoff.record_failure(transport, failure_reason(e))
+                span.set_attribute("qwenserve.handoff.failure", failure_reason(e))
+                await self.importer.release(handle, "failed")
+                raise HandoffRefused(str(e)) from e
+            seconds = time.perf_counter() - started
+            span.set_attribute("qwenserve.handoff.seconds", seconds)
+            if self.handoff is not None:
+                self.handoff.record_transfer(transport, handle.length, seconds)
         return KVImport(kv=tensor, layout=self.engine.kv_layout())
+
+
+class _Timing:
+    """When a decode request was submitted, produced its first output and its last, for its spans."""
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.submitted: int | None = None
+        self.first: int | None = None
+        self.last: int | None = None
+        self.tokens = 0
+
+    async def watch(self, outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Pass `outputs` through, noting the time of the first and the latest."""
+        try:
+            async for out in outputs:
+                now = time.time_ns()
+                if self.first is None:
+                    self.first = now
+                self.last = now
+                self.tokens += len(out.new_token_ids)
+                yield out
+        finally:
+            await outputs.aclose()
+
+    def spans(self, parent: trace.Span, scheduled: int | None) -> None:
+        """queue (submitted -> first step), first_token (-> first output), stream (-> last output)."""
+        parent.set_attribute(Attr.COMPLETION_TOKENS, self.tokens)
+        context = trace.set_span_in_context(parent)
+        if self.submitted is not None and scheduled is not None:
+            tracer.start_span("decode.queue", context=context, start_time=self.submitted).end(end_time=scheduled)
+        if self.first is not None:
+            begin = scheduled if scheduled is not None else self.submitted
+            tracer.start_span("decode.first_token", context=context, start_time=begin).end(end_time=self.first)
+            tracer.start_span("decode.stream", context=context, start_time=self.first).end(end_time=self.last)
 
 
 async def _coalesced(outputs: AsyncIterator[Any], cached_from_prefill: int) -> AsyncIterator[decode_pb2.DecodeResponse]:

@@ -2,21 +2,41 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
 from qwenserve.protocol import finish_reason_to_proto
+from qwenserve.telemetry.engine_steps import EngineStepObserver
+from qwenserve.telemetry.metrics import HandoffMetrics
+from qwenserve.telemetry.tracing import Attr, get_tracer
 from qwenserve.v1 import common_pb2, prefill_pb2
+from qwenserve.worker.handoff_telemetry import transport_label
 from qwenserve.worker.requests import checked_request
+
+tracer = get_tracer("qwenserve.prefill")
 
 
 class PrefillWorker:
-    """Owns nothing but references: the engine computes, the exporter holds the bytes under a lease."""
+    """Owns nothing but references: the engine computes, the exporter holds the bytes under a lease.
 
-    def __init__(self, engine: Any, exporter: Any, lease_s: float = 30.0) -> None:
+    With `steps` the request's trace splits into queue and compute; with `handoff` each export is
+    counted (bytes, and the seconds to checksum and publish it) by transport.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        exporter: Any,
+        lease_s: float = 30.0,
+        steps: EngineStepObserver | None = None,
+        handoff: HandoffMetrics | None = None,
+    ) -> None:
         self.engine = engine
         self.exporter = exporter
         self.lease_s = lease_s
+        self.steps = steps
+        self.handoff = handoff
 
     async def prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
         """Raises BadRequest for invalid input; a cancelled caller aborts the engine request and the slot."""
@@ -25,6 +45,12 @@ class PrefillWorker:
             vocab_size=self.engine.model_config.vocab_size, max_model_len=self.engine.max_model_len,
         )
         request_id = request.request_id or f"prefill-{uuid.uuid4().hex[:12]}"
+        with tracer.start_as_current_span("prefill", attributes={Attr.PROMPT_TOKENS: len(prompt)}) as span:
+            return await self._prefill(request, request_id, prompt, sampling, span)
+
+    async def _prefill(
+        self, request: prefill_pb2.PrefillRequest, request_id: str, prompt: list[int], sampling: Any, span: Any
+    ) -> prefill_pb2.PrefillResponse:
         handoff_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         slots: list[Any] = []
 
@@ -36,6 +62,10 @@ class PrefillWorker:
         first: list[int] = []
         logprobs: list[common_pb2.TokenLogprob] = []
         finish, cached = None, 0
+        traced = span.is_recording()
+        if traced and self.steps is not None:
+            self.steps.watch(request_id)
+        submitted = time.time_ns()
         try:
             async for out in self.engine.generate(
                 request_id, prompt, sampling, cache_salt=request.cache_salt or None, kv_export=sink
@@ -49,6 +79,11 @@ class PrefillWorker:
             for slot in slots:
                 slot.abort()
             raise
+        finally:
+            scheduled = self.steps.first_scheduled_ns(request_id) if traced and self.steps is not None else None
+        if traced:
+            _phase_spans(submitted, scheduled, time.time_ns())
+            span.set_attribute(Attr.CACHED_TOKENS, cached)
         response = prefill_pb2.PrefillResponse(
             request_id=request_id, first_token_id=first[0], cached_prompt_tokens=cached
         )
@@ -60,8 +95,25 @@ class PrefillWorker:
                 slot.abort()
             response.finish_reason = finish_reason_to_proto(finish or "stop")
             return response
-        response.kv_handle.CopyFrom(slots[0].publish(self.lease_s))
+        with tracer.start_as_current_span("handoff.export") as export_span:
+            started = time.perf_counter()
+            handle = slots[0].publish(self.lease_s)
+            seconds = time.perf_counter() - started
+            transport = transport_label(handle.transport)
+            export_span.set_attribute(Attr.HANDOFF_TRANSPORT, transport)
+            export_span.set_attribute(Attr.HANDOFF_BYTES, handle.length)
+        if self.handoff is not None:
+            self.handoff.record_transfer(transport, handle.length, seconds)
+        response.kv_handle.CopyFrom(handle)
         return response
+
+
+def _phase_spans(submitted_ns: int, scheduled_ns: int | None, done_ns: int) -> None:
+    """Children of the current span for the time queued in the engine and the time computing."""
+    if scheduled_ns is None:
+        return  # never scheduled (rejected up front): the parent span alone tells the story
+    tracer.start_span("prefill.queue", start_time=submitted_ns).end(end_time=scheduled_ns)
+    tracer.start_span("prefill.compute", start_time=scheduled_ns).end(end_time=done_ns)
 
 
 def _logprobs_to_proto(out: Any) -> list[common_pb2.TokenLogprob]:

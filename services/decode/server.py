@@ -18,17 +18,19 @@ from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.errors import RequestError
 from qwenserve.flags import add_flag, print_config
 from qwenserve.grpc_server import GrpcServerConfig, serve
-from qwenserve.kv_transfer.importer import KVImporter
+from qwenserve.telemetry.metrics import handoff_metrics
+from qwenserve.telemetry.startup import start_telemetry, stop_telemetry
 from qwenserve.v1 import decode_pb2, decode_pb2_grpc
 from qwenserve.worker.decode_worker import DecodeWorker
 from qwenserve.worker.errors import WorkerError
+from qwenserve.worker.handoff_telemetry import TracedKVImporter
 from qwenserve_services.stage_common import (
     add_engine_flags,
     add_metrics_flag,
     engine_config,
+    observe_engine_steps,
     publish_engine_metrics,
     resolve_model,
-    start_metrics,
     warm_up_engine,
 )
 
@@ -43,6 +45,8 @@ class DecodeServiceConfig:
     grace_s: float
     metrics_port: int
     engine: EngineConfig
+    log_json: bool | None = None
+    log_level: str | None = None
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -73,22 +77,25 @@ def parse_config(argv: list[str]) -> DecodeServiceConfig:
     return DecodeServiceConfig(
         host=args.host, port=args.port, model=resolve_model(args.model), grace_s=args.grace_s,
         metrics_port=args.metrics_port, engine=engine_config(args),
+        log_json=args.log_json, log_level=args.log_level,
     )
 
 
 async def run(config: DecodeServiceConfig) -> None:
     engine = LLMEngine.from_pretrained(config.model, config.engine)
-    importer = KVImporter()
-    worker = DecodeWorker(engine, importer)
+    importer = TracedKVImporter()
+    steps = observe_engine_steps(engine)
+    worker = DecodeWorker(engine, importer, steps=steps, handoff=handoff_metrics())
 
     def register(server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
 
-    start_metrics(config.host, config.metrics_port)
-    publisher = asyncio.create_task(publish_engine_metrics(engine, None))
+    publisher = asyncio.create_task(publish_engine_metrics(engine, None, steps=steps))
+    server_config = GrpcServerConfig(
+        host=config.host, port=config.port, grace_s=config.grace_s, metrics_port=config.metrics_port
+    )
     try:
-        await serve(GrpcServerConfig(host=config.host, port=config.port, grace_s=config.grace_s), "decode",
-                    SERVICES, register, warm_up=lambda: warm_up_engine(engine))
+        await serve(server_config, "decode", SERVICES, register, warm_up=lambda: warm_up_engine(engine))
     finally:
         publisher.cancel()
         await importer.close()
@@ -98,6 +105,10 @@ async def run(config: DecodeServiceConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve decode`."""
     config = parse_config(sys.argv[1:] if argv is None else argv)
+    start_telemetry("qwenserve-decode", config.log_json, config.log_level)
     print_config("decode", config)
-    asyncio.run(run(config))
+    try:
+        asyncio.run(run(config))
+    finally:
+        stop_telemetry()
     return 0

@@ -19,6 +19,8 @@ from qwenserve.flags import add_flag, print_config
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.kv_transfer.exporter import ExporterConfig, KVExporter
 from qwenserve.kv_transfer.grpc_transport import add_kv_transfer_service
+from qwenserve.telemetry.metrics import handoff_metrics
+from qwenserve.telemetry.startup import start_telemetry, stop_telemetry
 from qwenserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
 from qwenserve.worker.errors import WorkerError
 from qwenserve.worker.prefill_worker import PrefillWorker
@@ -26,9 +28,9 @@ from qwenserve_services.stage_common import (
     add_engine_flags,
     add_metrics_flag,
     engine_config,
+    observe_engine_steps,
     publish_engine_metrics,
     resolve_model,
-    start_metrics,
     warm_up_engine,
 )
 
@@ -48,6 +50,8 @@ class PrefillServiceConfig:
     grace_s: float
     metrics_port: int
     engine: EngineConfig
+    log_json: bool | None = None
+    log_level: str | None = None
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -80,26 +84,29 @@ def parse_config(argv: list[str]) -> PrefillServiceConfig:
     return PrefillServiceConfig(
         host=args.host, port=args.port, model=resolve_model(args.model), kv_transfer=args.kv_transfer,
         lease_s=args.lease_s, grace_s=args.grace_s, metrics_port=args.metrics_port, engine=engine_config(args),
+        log_json=args.log_json, log_level=args.log_level,
     )
 
 
 async def run(config: PrefillServiceConfig) -> None:
     engine = LLMEngine.from_pretrained(config.model, config.engine)
     transport = common_pb2.KV_TRANSPORT_SHM if config.kv_transfer == "shm" else common_pb2.KV_TRANSPORT_GRPC
-    server_config = GrpcServerConfig(host=config.host, port=config.port, grace_s=config.grace_s)
+    server_config = GrpcServerConfig(
+        host=config.host, port=config.port, grace_s=config.grace_s, metrics_port=config.metrics_port
+    )
     # The control endpoint must be the address decode workers reach us on.
     exporter = KVExporter(ExporterConfig(
         transport=transport, use_shm=config.kv_transfer == "shm",
         control_endpoint=f"{config.host}:{config.port}",
     )).start()
-    worker = PrefillWorker(engine, exporter, lease_s=config.lease_s)
+    steps = observe_engine_steps(engine)
+    worker = PrefillWorker(engine, exporter, lease_s=config.lease_s, steps=steps, handoff=handoff_metrics())
 
     def register(server: grpc.aio.Server) -> None:
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
         add_kv_transfer_service(server, exporter)
 
-    start_metrics(config.host, config.metrics_port)
-    publisher = asyncio.create_task(publish_engine_metrics(engine, exporter))
+    publisher = asyncio.create_task(publish_engine_metrics(engine, exporter, steps=steps))
     try:
         await serve(server_config, "prefill", SERVICES, register, warm_up=lambda: warm_up_engine(engine))
     finally:
@@ -111,6 +118,10 @@ async def run(config: PrefillServiceConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve prefill`."""
     config = parse_config(sys.argv[1:] if argv is None else argv)
+    start_telemetry("qwenserve-prefill", config.log_json, config.log_level)
     print_config("prefill", config)
-    asyncio.run(run(config))
+    try:
+        asyncio.run(run(config))
+    finally:
+        stop_telemetry()
     return 0

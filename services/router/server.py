@@ -1,6 +1,9 @@
 """The Router stage: gRPC `Generate` (and the OpenAI HTTP front) over the disaggregated workers.
 
 `qwen-serve serve router --tokenizer H:P --prefill H:P[,H:P] --decode H:P[,H:P] [--model PATH]`
+
+`--tokenizer-metrics`, `--prefill-metrics`, `--decode-metrics` (the stages' Prometheus host:port,
+in the same order as their gRPC addresses) let `GetStatus` / `qwen-serve status` show their load.
 """
 
 from __future__ import annotations
@@ -10,10 +13,11 @@ import asyncio
 import json
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from prometheus_client import Gauge
 
 from qwenserve.flags import add_flag, address_list, print_config
 from qwenserve.grpc_server import GrpcServerConfig, serve
@@ -28,7 +32,9 @@ from qwenserve.router.front import (
 )
 from qwenserve.router.generation import Router, RouterConfig
 from qwenserve.router.tls import grpc_server_credentials
-from qwenserve.telemetry.metrics import router_metrics, start_metrics_server
+from qwenserve.status import probe_stage
+from qwenserve.telemetry.metrics import RouterMetrics, router_metrics
+from qwenserve.telemetry.startup import add_telemetry_flags, start_telemetry, stop_telemetry
 from qwenserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from qwenserve.v1 import router_pb2, router_pb2_grpc
 
@@ -49,14 +55,23 @@ class RouterServiceConfig:
     local_prefill_threshold: int
     grace_s: float
     front: FrontConfig
+    tokenizer_metrics: str = ""
+    prefill_metrics: list[str] = field(default_factory=list)
+    decode_metrics: list[str] = field(default_factory=list)
+    log_json: bool | None = None
+    log_level: str | None = None
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Generate goes through the front door (auth, limits, metering); the rest is the library's."""
 
-    def __init__(self, router: Router, gatekeeper: Gatekeeper) -> None:
+    def __init__(
+        self, router: Router, gatekeeper: Gatekeeper, metrics: RouterMetrics, config: RouterServiceConfig
+    ) -> None:
         self.router = router
         self.gatekeeper = gatekeeper
+        self.metrics = metrics
+        self.config = config
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -71,6 +86,33 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             id=self.router.config.model_name, max_model_len=self.router.config.max_model_len, owned_by="qwen-serve"
         )
         return router_pb2.ListModelsResponse(models=[card])
+
+    async def GetStatus(  # noqa: N802 - gRPC method name
+        self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.GetStatusResponse:
+        c = self.config
+        me = router_pb2.StageStatus(
+            stage="router", address=f"{c.host}:{c.port}", state="SERVING", load_known=True,
+            metrics_address=f"{c.host}:{c.metrics_port}" if c.metrics_port else "",
+            running=int(_gauge_value(self.metrics.in_flight)),
+            tokens_per_second=self.metrics.completion_rate.per_second(),
+        )
+        stages = [("tokenizer", c.tokenizer, c.tokenizer_metrics)]
+        stages += [("prefill", a, _at(c.prefill_metrics, i)) for i, a in enumerate(c.prefill)]
+        stages += [("decode", a, _at(c.decode_metrics, i)) for i, a in enumerate(c.decode)]
+        rows = await asyncio.gather(*(
+            probe_stage(stage, address, self.router.channel(address), metrics) for stage, address, metrics in stages
+        ))
+        return router_pb2.GetStatusResponse(stages=[me, *rows])
+
+
+def _at(items: list[str], index: int) -> str:
+    return items[index] if index < len(items) else ""
+
+
+def _gauge_value(gauge: Gauge) -> float:
+    """The current value of an unlabelled gauge, through the collector interface."""
+    return next(iter(gauge.collect())).samples[0].value
 
 
 def _load_tokenizer(model: str | None) -> tuple[Tokenizer, int, str]:
@@ -98,6 +140,10 @@ def parse_config(argv: list[str]) -> RouterServiceConfig:
     add_flag(parser, "--local-prefill-threshold", type=int, default=0,
              help="prompts shorter than this many tokens are prefilled on the decode worker")
     add_flag(parser, "--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    add_flag(parser, "--tokenizer-metrics", default="", help="the tokenizer's metrics host:port (for status)")
+    add_flag(parser, "--prefill-metrics", default="", help="prefill workers' metrics host:port, as --prefill")
+    add_flag(parser, "--decode-metrics", default="", help="decode workers' metrics host:port, as --decode")
+    add_telemetry_flags(parser)
     add_front_flags(parser)
     args, _unknown = parser.parse_known_args(argv)
     decode = address_list(args.decode)
@@ -109,11 +155,14 @@ def parse_config(argv: list[str]) -> RouterServiceConfig:
         prefill=address_list(args.prefill), decode=decode,
         local_prefill_threshold=args.local_prefill_threshold, grace_s=args.grace_s,
         front=FrontConfig.from_args(args),
+        tokenizer_metrics=args.tokenizer_metrics, prefill_metrics=address_list(args.prefill_metrics),
+        decode_metrics=address_list(args.decode_metrics), log_json=args.log_json, log_level=args.log_level,
     )
 
 
 async def run(config: RouterServiceConfig) -> None:
     tokenizer, max_model_len, folder_name = _load_tokenizer(config.model)
+    metrics = router_metrics()
     router = Router(
         RouterConfig(
             tokenizer_address=config.tokenizer, prefill_addresses=config.prefill, decode_addresses=config.decode,
@@ -121,10 +170,8 @@ async def run(config: RouterServiceConfig) -> None:
             local_prefill_threshold=config.local_prefill_threshold,
         ),
         lambda skip: IncrementalDetokenizer(tokenizer, skip_special_tokens=skip),
+        metrics,
     )
-    metrics = router_metrics()
-    if config.metrics_port:
-        start_metrics_server(config.metrics_port, config.host, ready=lambda: True)
     gatekeeper = make_gatekeeper(config.front, metrics)
     runners = []
 
@@ -137,11 +184,11 @@ async def run(config: RouterServiceConfig) -> None:
             ))
 
     def register(server: grpc.aio.Server) -> None:
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, gatekeeper), server)
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, gatekeeper, metrics, config), server)
 
     tls = config.front.tls
     server_config = GrpcServerConfig(
-        host=config.host, port=config.port, grace_s=config.grace_s,
+        host=config.host, port=config.port, grace_s=config.grace_s, metrics_port=config.metrics_port,
         credentials=grpc_server_credentials(tls) if tls is not None else None,
     )
     try:
@@ -156,6 +203,10 @@ async def run(config: RouterServiceConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve router`."""
     config = parse_config(sys.argv[1:] if argv is None else argv)
+    start_telemetry("qwenserve-router", config.log_json, config.log_level)
     print_config("router", config)
-    asyncio.run(run(config))
+    try:
+        asyncio.run(run(config))
+    finally:
+        stop_telemetry()
     return 0

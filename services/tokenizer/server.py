@@ -22,9 +22,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry.trace import StatusCode
 
 from qwenserve.grpc_server import GrpcServerConfig, serve
-from qwenserve.telemetry.metrics import start_metrics_server, tokenizer_metrics
+from qwenserve.telemetry.metrics import tokenizer_metrics
+from qwenserve.telemetry.startup import add_telemetry_flags, start_telemetry, stop_telemetry
+from qwenserve.telemetry.tracing import get_tracer
 from qwenserve.tokenizer import (
     BuiltinVocab,
     ChatTemplateError,
@@ -48,6 +51,7 @@ INLINE_BYTES = 16 << 10
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 T = TypeVar("T")
+tracer = get_tracer("qwenserve.tokenizer")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class TokenizerServiceConfig:
     max_message_bytes: int = 64 << 20
     grace_s: float = 5.0
     metrics_port: int = 0  # Prometheus /metrics; 0: off
+    log_json: bool | None = None  # None: QWENSERVE_LOG_FORMAT decides
+    log_level: str | None = None  # None: QWENSERVE_LOG_LEVEL, else INFO
 
 
 def load_tokenizer(config: TokenizerServiceConfig) -> Tokenizer:
@@ -89,7 +95,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
         inline = request.ByteSize() <= INLINE_BYTES
-        return await self._guard(context, lambda: self._tokenize(request, "request"), inline, "Tokenize")
+        return await self._guard(context, lambda: self._tokenize(request, "request"), inline, "Tokenize",
+                                 lambda r: (1, len(r.ids)))
 
     async def TokenizeBatch(
         self, request: tokenizer_pb2.TokenizeBatchRequest, context: grpc.aio.ServicerContext
@@ -100,7 +107,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 responses=[self._tokenize(r, f"requests[{i}]") for i, r in enumerate(request.requests)]
             )
 
-        return await self._guard(context, work, inline=False, rpc="TokenizeBatch")
+        return await self._guard(context, work, inline=False, rpc="TokenizeBatch",
+                                 count=lambda r: (len(r.responses), sum(len(x.ids) for x in r.responses)))
 
     async def CountTokens(
         self, request: tokenizer_pb2.CountTokensRequest, context: grpc.aio.ServicerContext
@@ -112,7 +120,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             counts = [len(ids) for ids in self.tokenizer.encode_batch(texts)]
             return tokenizer_pb2.CountTokensResponse(counts=counts, total=sum(counts))
 
-        return await self._guard(context, work, inline=request.ByteSize() <= INLINE_BYTES, rpc="CountTokens")
+        return await self._guard(context, work, inline=request.ByteSize() <= INLINE_BYTES, rpc="CountTokens",
+                                 count=lambda r: (len(r.counts), r.total))
 
     async def Detokenize(
         self,
@@ -154,19 +163,33 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     # ---- the work ----------------------------------------------------------------------
 
     async def _guard(
-        self, context: grpc.aio.ServicerContext, work: Callable[[], T], inline: bool, rpc: str
+        self,
+        context: grpc.aio.ServicerContext,
+        work: Callable[[], T],
+        inline: bool,
+        rpc: str,
+        count: Callable[[T], tuple[int, int]] | None = None,
     ) -> T:
-        """Run `work` (on the loop or in the pool); a caller's mistake becomes INVALID_ARGUMENT."""
-        started, code = time.perf_counter(), "OK"
-        try:
-            if inline:
-                return work()
-            return await asyncio.get_running_loop().run_in_executor(self.pool, work)
-        except (InvalidInput, ChatTemplateError) as err:
-            code = "INVALID_ARGUMENT"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        finally:
-            self.metrics.record_rpc(rpc, code, time.perf_counter() - started)
+        """Run `work` (on the loop or in the pool); a caller's mistake becomes INVALID_ARGUMENT.
+
+        `count(result)` gives the (texts, tokens) the call handled, for the metrics and its span.
+        """
+        started, code, texts, tokens = time.perf_counter(), "OK", 0, 0
+        # The span lives here, on the loop: the pool's threads do not inherit the trace context.
+        with tracer.start_as_current_span(f"tokenizer.{rpc}") as span:
+            try:
+                result = work() if inline else await asyncio.get_running_loop().run_in_executor(self.pool, work)
+                if count is not None:
+                    texts, tokens = count(result)
+                    span.set_attribute("qwenserve.tokenizer.texts", texts)
+                    span.set_attribute("qwenserve.tokenizer.tokens", tokens)
+                return result
+            except (InvalidInput, ChatTemplateError) as err:
+                code = "INVALID_ARGUMENT"
+                span.set_status(StatusCode.ERROR, str(err))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            finally:
+                self.metrics.record_rpc(rpc, code, time.perf_counter() - started, texts=texts, tokens=tokens)
         raise AssertionError("unreachable: context.abort raises")
 
     def _check_batch(self, size: int, field: str) -> None:
@@ -264,6 +287,7 @@ def parse_config(argv: list[str]) -> TokenizerServiceConfig:
     p.add_argument("--grace-s", type=float, default=_env("GRACE_S", d.grace_s), help="drain time on SIGTERM")
     p.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", d.metrics_port),
                    help="Prometheus /metrics port, 0: off (QWENSERVE_METRICS_PORT)")
+    add_telemetry_flags(p)
     args = p.parse_args(argv)
     return TokenizerServiceConfig(**vars(args))
 
@@ -272,8 +296,6 @@ async def run(config: TokenizerServiceConfig) -> None:
     """Load the tokenizer, then serve until SIGTERM / SIGINT."""
     tokenizer = load_tokenizer(config)
     servicer = TokenizerServicer(tokenizer, config)
-    if config.metrics_port:
-        start_metrics_server(config.metrics_port, config.host, ready=lambda: True)
 
     async def warm_up() -> None:
         # Compiles the chat template and touches the encoder before health says SERVING.
@@ -282,7 +304,8 @@ async def run(config: TokenizerServiceConfig) -> None:
             tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
 
     server_config = GrpcServerConfig(
-        host=config.host, port=config.port, max_message_bytes=config.max_message_bytes, grace_s=config.grace_s
+        host=config.host, port=config.port, max_message_bytes=config.max_message_bytes, grace_s=config.grace_s,
+        metrics_port=config.metrics_port,
     )
     try:
         await serve(
@@ -299,12 +322,15 @@ async def run(config: TokenizerServiceConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve tokenizer`."""
     config = parse_config(sys.argv[1:] if argv is None else argv)
+    start_telemetry("qwenserve-tokenizer", config.log_json, config.log_level)
     print(f"tokenizer config: {json.dumps(asdict(config))}", file=sys.stderr, flush=True)
     try:
         asyncio.run(run(config))
     except (OSError, ValueError, TokenizerError) as err:
         print(f"tokenizer: cannot start: {err}", file=sys.stderr)
         return 1
+    finally:
+        stop_telemetry()
     return 0
 
 

@@ -1,0 +1,134 @@
+"""`qwen-serve status`: health and load of a running deployment, asked of its router.
+
+    qwen-serve status [--router HOST:PORT] [--json]
+
+The router answers `Router.GetStatus` by checking each stage worker's gRPC health and reading its
+Prometheus endpoint (when the router was given the stages' metrics addresses, as `qwen-serve up`
+and the operator do). This module holds both halves: `probe_stage` (what the router runs for each
+worker) and the command that prints the table:
+
+    STAGE      ADDRESS          STATE        RUN/WAIT  KV USE  TOK/S
+    router     127.0.0.1:50050  SERVING      1/0       -      41.7
+    prefill    127.0.0.1:41234  SERVING      0/0       3.1%   182.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from qwenserve.v1 import router_pb2, router_pb2_grpc
+
+# The engine gauges a status row reads; their names are the same contract the autoscaler relies on.
+RUNNING = "qwenserve_engine_running_requests"
+WAITING = "qwenserve_engine_waiting_requests"
+KV_USAGE = "qwenserve_kv_blocks_usage_ratio"
+THROUGHPUT = "qwenserve_engine_throughput_tokens_per_second"
+
+
+def parse_gauges(text: str, names: Iterable[str]) -> dict[str, float]:
+    """The unlabelled samples named `names` from a Prometheus text page (absent names are left out)."""
+    wanted = set(names)
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted and not sample.labels:
+                found[sample.name] = sample.value
+    return found
+
+
+def scrape(metrics_address: str, timeout_s: float = 2.0) -> str:
+    """The /metrics page of `host:port` (raises OSError when it does not answer)."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=timeout_s) as reply:
+        return reply.read().decode()
+
+
+async def health_state(channel: grpc.aio.Channel, timeout_s: float = 2.0) -> str:
+    """The gRPC health of the server behind `channel`: SERVING, NOT_SERVING, UNREACHABLE or UNKNOWN."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+    except grpc.aio.AioRpcError as e:
+        return "UNREACHABLE" if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else "UNKNOWN"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def probe_stage(
+    stage: str, address: str, channel: grpc.aio.Channel, metrics_address: str = ""
+) -> router_pb2.StageStatus:
+    """One worker's row: its health over `channel`, and its load from its metrics endpoint if known."""
+    row = router_pb2.StageStatus(stage=stage, address=address, metrics_address=metrics_address)
+    row.state = await health_state(channel)
+    if not metrics_address:
+        return row
+    try:
+        text = await asyncio.to_thread(scrape, metrics_address)
+    except (OSError, urllib.error.URLError):
+        return row
+    gauges = parse_gauges(text, (RUNNING, WAITING, KV_USAGE, THROUGHPUT))
+    if stage in ("prefill", "decode") and RUNNING in gauges:
+        row.load_known = True
+        row.running = int(gauges[RUNNING])
+        row.waiting = int(gauges.get(WAITING, 0))
+        row.kv_usage = gauges.get(KV_USAGE, 0.0)
+        row.tokens_per_second = gauges.get(THROUGHPUT, 0.0)
+    return row
+
+
+def format_table(stages: Iterable[router_pb2.StageStatus]) -> str:
+    """The compact table `qwen-serve status` prints; "-" where a value is not known."""
+    header = ("STAGE", "ADDRESS", "STATE", "RUN/WAIT", "KV USE", "TOK/S")
+    rows = [header]
+    for s in stages:
+        load = s.load_known
+        rows.append((
+            s.stage,
+            s.address,
+            s.state,
+            f"{s.running}/{s.waiting}" if load else "-",
+            f"{100 * s.kv_usage:.1f}%" if load and s.stage != "router" else "-",
+            f"{s.tokens_per_second:.1f}" if load else "-",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+async def fetch_status(router: str, timeout_s: float) -> router_pb2.GetStatusResponse:
+    """Ask the router at `router` (host:port) for the deployment's status."""
+    async with grpc.aio.insecure_channel(router) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        return await stub.GetStatus(router_pb2.GetStatusRequest(), timeout=timeout_s)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `qwen-serve status`: 0 when every process is SERVING, 1 otherwise, 2 if unreachable."""
+    parser = argparse.ArgumentParser(prog="qwen-serve status", description=__doc__.splitlines()[0])
+    parser.add_argument("--router", default=os.environ.get("QWENSERVE_ROUTER", "127.0.0.1:50050"),
+                        help="the router's gRPC address [env QWENSERVE_ROUTER]")
+    parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        status = asyncio.run(fetch_status(args.router, args.timeout_s))
+    except grpc.aio.AioRpcError as e:
+        print(f"qwen-serve status: the router at {args.router} did not answer: {e.code().name} {e.details()}",
+              file=sys.stderr)
+        return 2
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        rows = [MessageToDict(s, always_print_fields_with_no_presence=True) for s in status.stages]
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_table(status.stages))
+    return 0 if all(s.state == "SERVING" for s in status.stages) else 1

@@ -1,0 +1,60 @@
+"""Handoff observability from the worker side: transport labels, failure reasons, a traced importer.
+
+The kv_transfer library stays free of metrics and tracing; the workers that use it record what
+happened (bytes, duration, failure reason by transport) and give the importer's control channels
+the tracing interceptors, so a network fetch and the release show up in the request's trace.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from qwenserve.engine.errors import KVLayoutMismatchError
+from qwenserve.kv_transfer.errors import (
+    KVChecksumMismatch,
+    KVHandoffGone,
+    KVLayoutMismatch,
+    KVPoolExhausted,
+    KVTransportUnavailable,
+)
+from qwenserve.kv_transfer.grpc_transport import CHANNEL_OPTIONS
+from qwenserve.kv_transfer.importer import KVImporter
+from qwenserve.telemetry.tracing import client_interceptors
+from qwenserve.v1 import common_pb2
+
+_TRANSPORTS = {
+    common_pb2.KV_TRANSPORT_SHM: "shm",
+    common_pb2.KV_TRANSPORT_GRPC: "grpc",
+    common_pb2.KV_TRANSPORT_MOONCAKE: "mooncake",
+}
+
+
+def transport_label(transport: int) -> str:
+    """The metric / span label of a KVTransport enum value ("shm", "grpc", "mooncake", "other")."""
+    return _TRANSPORTS.get(transport, "other")
+
+
+def failure_reason(error: BaseException) -> str:
+    """The `reason` label of a failed handoff, from the error that ended it."""
+    if isinstance(error, KVChecksumMismatch):
+        return "checksum"
+    if isinstance(error, KVHandoffGone):
+        return "lease_expired"
+    if isinstance(error, KVTransportUnavailable):
+        return "connection"
+    if isinstance(error, (KVLayoutMismatch, KVLayoutMismatchError)):
+        return "protocol"
+    if isinstance(error, KVPoolExhausted):
+        return "no_space"
+    return "other"
+
+
+class TracedKVImporter(KVImporter):
+    """A KVImporter whose gRPC channels (Fetch, Release) carry trace context and the request id."""
+
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
+            self._channels[endpoint] = channel
+        return channel
