@@ -23,6 +23,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--threads", type=int, default=None, help="torch threads (default: all cores)")
     add_flag(parser, "--dtype", default=None, help="float32 (CPU default), bfloat16, float16")
     add_flag(parser, "--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    add_flag(parser, "--enable-prefix-caching", type=bool, default=True, help="share KV of common prompt prefixes")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -30,6 +31,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         admission_policy=args.admission_policy, num_threads=args.threads,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

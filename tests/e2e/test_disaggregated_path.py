@@ -73,6 +73,8 @@ def test_greedy_tokens_are_identical_disaggregated_local_and_in_process(
     argv = [a for a in router.argv]
     argv[argv.index("--port") + 1] = str(port)
     argv[argv.index("--http-port") + 1] = "0"
+    if "--metrics-port" in argv:  # the first router holds that port
+        argv[argv.index("--metrics-port") + 1] = "0"
     local_router = subprocess.Popen([*argv, "--local-prefill-threshold", "100000"])
     try:
         helper = LocalCluster(model=tiny_model)
