@@ -24,7 +24,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" && pip install packaging ninja wheel
+RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" && pip install packaging ninja wheel "setuptools>=77"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto/ proto/
