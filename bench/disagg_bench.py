@@ -139,8 +139,8 @@ def interference(model: Path, streams: int, long_prompt: int, duration_s: float)
                       "(target <= 0.33)")
 
 
-def relay(model: Path, streams: int, tokens_each: int) -> None:
-    env = {"QWENSERVE_KV_CACHE_GB": "0.5"}
+def relay(model: Path, streams: int, tokens_each: int, interval_ms: float) -> None:
+    env = {"QWENSERVE_KV_CACHE_GB": "0.5", "QWENSERVE_STREAM_INTERVAL_MS": str(interval_ms)}
     with LocalCluster(model=model, prefill=1, decode=1, env=env) as c:
         router_pid = c.child("router").process.pid
         decode_addr = c.child("decode-0").address
@@ -173,7 +173,8 @@ def relay(model: Path, streams: int, tokens_each: int) -> None:
             return via_router, direct
 
         via_router, direct = asyncio.run(ttfts())
-    print(f"\n3. Router relay: {tokens} tokens in {streams} streams, {wall:.1f} s wall, router CPU {cpu:.2f} s")
+    print(f"\n3. Router relay (decode --stream-interval-ms {interval_ms:g}): {tokens} tokens in {streams} streams, "
+          f"{wall:.1f} s wall, router CPU {cpu:.2f} s")
     print(f"   relay capacity on one core: {tokens / cpu:,.0f} tokens per CPU-second (target >= 50,000)")
     print(f"   TTFT via router p50 {_pctl(via_router, 0.5) * 1e3:.2f} ms, decode direct (local prefill) "
           f"p50 {_pctl(direct, 0.5) * 1e3:.2f} ms: router adds {(_pctl(via_router, 0.5) - _pctl(direct, 0.5)) * 1e3:.2f} ms "
@@ -189,6 +190,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--relay-streams", type=int, default=64)
     parser.add_argument("--relay-tokens", type=int, default=256)
+    parser.add_argument("--stream-interval-ms", type=float, nargs="+", default=[0.0, 20.0])
     parser.add_argument("--only", choices=["ttft", "interference", "relay"], default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,7 +203,8 @@ def main() -> None:
         if args.only in (None, "interference"):
             interference(small, args.streams, args.long_prompt, args.duration)
         if args.only in (None, "relay"):
-            relay(tiny, args.relay_streams, args.relay_tokens)
+            for interval_ms in args.stream_interval_ms:
+                relay(tiny, args.relay_streams, args.relay_tokens, interval_ms)
 
 
 if __name__ == "__main__":

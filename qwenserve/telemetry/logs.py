@@ -57,7 +57,16 @@ def bind_request_id(request_id: str) -> Iterator[None]:
     try:
         yield
     finally:
+        reset_request_id(token)
+
+
+def reset_request_id(token: contextvars.Token[str | None]) -> None:
+    """Undo a `request_id_var.set`. A streaming handler may be closed from another context (the client
+    left); that context's copy of the variable dies with it, so there is nothing to restore there."""
+    try:
         request_id_var.reset(token)
+    except ValueError:
+        return
 
 
 class RequestContextFilter(logging.Filter):

@@ -44,7 +44,7 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from qwenserve.telemetry.logs import request_id_var
+from qwenserve.telemetry.logs import request_id_var, reset_request_id
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ def server_span(
                 yield span
     finally:
         if token is not None:
-            request_id_var.reset(token)
+            reset_request_id(token)
 
 
 Handler = Callable[..., Any]

@@ -45,6 +45,7 @@ class DecodeServiceConfig:
     grace_s: float
     metrics_port: int
     engine: EngineConfig
+    stream_interval_ms: float = 0.0
     log_json: bool | None = None
     log_level: str | None = None
 
@@ -71,12 +72,14 @@ def parse_config(argv: list[str]) -> DecodeServiceConfig:
     add_flag(parser, "--port", type=int, default=50053)
     add_flag(parser, "--model", default=None, help="checkpoint folder (default: the built-in model)")
     add_flag(parser, "--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    add_flag(parser, "--stream-interval-ms", type=float, default=0.0,
+             help="send tokens at most this often after the first (fewer, fuller messages; 0: at once)")
     add_engine_flags(parser)
     add_metrics_flag(parser)
     args, _unknown = parser.parse_known_args(argv)
     return DecodeServiceConfig(
         host=args.host, port=args.port, model=resolve_model(args.model), grace_s=args.grace_s,
-        metrics_port=args.metrics_port, engine=engine_config(args),
+        metrics_port=args.metrics_port, engine=engine_config(args), stream_interval_ms=args.stream_interval_ms,
         log_json=args.log_json, log_level=args.log_level,
     )
 
@@ -85,7 +88,10 @@ async def run(config: DecodeServiceConfig) -> None:
     engine = LLMEngine.from_pretrained(config.model, config.engine)
     importer = TracedKVImporter()
     steps = observe_engine_steps(engine)
-    worker = DecodeWorker(engine, importer, steps=steps, handoff=handoff_metrics())
+    worker = DecodeWorker(
+        engine, importer, steps=steps, handoff=handoff_metrics(),
+        stream_interval_s=config.stream_interval_ms / 1000,
+    )
 
     def register(server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)

@@ -84,3 +84,13 @@ def test_invalid_requests_are_refused_before_any_work(engine: LLMEngine, request
 
     with pytest.raises(BadRequest, match=fragment):
         asyncio.run(consume())
+
+
+def test_a_stream_interval_packs_tokens_into_fewer_messages(engine: LLMEngine) -> None:
+    async def collect(interval_s: float) -> list[decode_pb2.DecodeResponse]:
+        worker = DecodeWorker(engine, importer=None, stream_interval_s=interval_s)
+        return [m async for m in worker.decode(_request(60))]
+
+    immediate, packed = asyncio.run(collect(0.0)), asyncio.run(collect(0.05))
+    assert sum(len(m.token_ids) for m in packed) == sum(len(m.token_ids) for m in immediate) == 60
+    assert len(packed) < len(immediate)
