@@ -31,6 +31,20 @@ class TorchAttentionBackend:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        # Reused buffers for gathered keys and values. A fresh multi-megabyte tensor per layer is
+        # mmap'ed by the allocator and page-faulted on first touch, which cost ~5x the copy itself on CPU.
+        self._workspace: list[torch.Tensor | None] = [None, None]
+
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, which: int) -> torch.Tensor:
+        """Whole blocks of one layer's cache [num_blocks, block_size, heads, dim], copied into a workspace."""
+        index = blocks.reshape(-1)
+        need = index.numel() * cache[0].numel()
+        buf = self._workspace[which]
+        if buf is None or buf.numel() < need or buf.dtype != cache.dtype or buf.device != cache.device:
+            buf = torch.empty(need + need // 4, dtype=cache.dtype, device=cache.device)
+            self._workspace[which] = buf
+        out = buf[:need].view(index.numel(), *cache.shape[1:])
+        return torch.index_select(cache, 0, index, out=out)
 
     def prepare(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMeta:
         """Pad the decode rows' block tables and build their length mask; list the prefill segments."""
@@ -77,8 +91,8 @@ class TorchAttentionBackend:
         nd = meta.num_decodes
         if nd:
             table = meta.decode_block_table
-            keys = k_cache[table].view(nd, -1, kv_heads, head_dim).transpose(1, 2)
-            values = v_cache[table].view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+            keys = self._gather(k_cache, table, 0).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+            values = self._gather(v_cache, table, 1).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
             out[:nd] = F.scaled_dot_product_attention(
                 q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=gqa
             ).squeeze(2)
@@ -89,8 +103,8 @@ class TorchAttentionBackend:
                 vs = v[start : start + qlen].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
             else:
-                ks = k_cache[blocks].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
-                vs = v_cache[blocks].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
+                ks = self._gather(k_cache, blocks, 0).view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
+                vs = self._gather(v_cache, blocks, 1).view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
                 # Query i sits at absolute position ctx - qlen + i and sees keys up to it.
                 qpos = torch.arange(ctx - qlen, ctx, device=q.device)
                 causal = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
