@@ -155,15 +155,29 @@ def router_environment(name: str, namespace: str, spec: Spec) -> dict[str, str]:
     def address(stage: str) -> str:
         return f"{service_host(name, namespace, stage)}:{GRPC_PORTS[stage]}"
 
+    def metrics(stage: str) -> str:
+        return f"{service_host(name, namespace, stage)}:{METRICS_PORT}"
+
+    limits = spec["rateLimits"]
     env = {
         "QWENSERVE_TOKENIZER": address("tokenizer"),
         "QWENSERVE_PREFILL": address("prefill"),
         "QWENSERVE_DECODE": address("decode"),
+        # For `qwen-serve status`: where the stages' load can be read.
+        "QWENSERVE_TOKENIZER_METRICS": metrics("tokenizer"),
+        "QWENSERVE_PREFILL_METRICS": metrics("prefill"),
+        "QWENSERVE_DECODE_METRICS": metrics("decode"),
         "QWENSERVE_MODEL_NAME": spec["model"]["name"],
-        "QWENSERVE_RATE_LIMIT_RPM": str(spec["rateLimits"]["requestsPerMinute"]),
-        "QWENSERVE_RATE_LIMIT_TPM": str(spec["rateLimits"]["tokensPerMinute"]),
-        "QWENSERVE_RATE_LIMIT_FAIL_OPEN": str(spec["rateLimits"]["failOpen"]).lower(),
+        "QWENSERVE_RATELIMIT_FAILURE_MODE": "open" if limits["failOpen"] else "closed",
     }
+    # Limits of tenants the API key Secret does not set itself (and of everyone without keys); 0: none.
+    if limits["requestsPerMinute"]:
+        env["QWENSERVE_DEFAULT_REQUESTS_PER_MINUTE"] = str(limits["requestsPerMinute"])
+    if limits["tokensPerMinute"]:
+        env["QWENSERVE_DEFAULT_TOKENS_PER_MINUTE"] = str(limits["tokensPerMinute"])
+    if not spec.get("apiKeysSecret"):
+        # Without a key Secret the router serves everyone as one tenant (still rate-limited).
+        env["QWENSERVE_NO_AUTH"] = "true"
     redis = spec.get("redis", {})
     if redis.get("url") and not redis.get("urlSecretRef"):
         env["QWENSERVE_REDIS_URL"] = redis["url"]

@@ -23,7 +23,9 @@ A directory (a Secret mounted as a volume) loads every `*.yaml`, `*.yml` and `*.
 skipping Kubernetes' hidden `..data` entries; a tenant defined twice is an error.
 
 Environment: `QWENSERVE_API_KEYS_FILE` (the file or directory), `QWENSERVE_API_KEYS`
-("key1:tenantA,key2:tenantB"; the tenant follows the last ':'), `QWENSERVE_NO_AUTH=1`.
+("key1:tenantA,key2:tenantB"; the tenant follows the last ':'), `QWENSERVE_NO_AUTH=1`, and
+`QWENSERVE_DEFAULT_REQUESTS_PER_MINUTE` / `QWENSERVE_DEFAULT_TOKENS_PER_MINUTE` for the default
+limits when no file gives `default_limits` (the operator sets these from the QwenDeployment).
 
 Only SHA-256 digests of keys are kept in memory.
 """
@@ -236,6 +238,16 @@ class KeyStore:
         return self._count
 
 
+def _env_default_limits(env: Mapping[str, str]) -> TenantLimits:
+    """Default limits from QWENSERVE_DEFAULT_{REQUESTS,TOKENS}_PER_MINUTE; unset or empty means unlimited."""
+    raw: dict[str, object] = {}
+    for field_name in ("requests_per_minute", "tokens_per_minute"):
+        value = env.get(f"QWENSERVE_DEFAULT_{field_name.upper()}", "").strip()
+        if value:
+            raw[field_name] = int(value) if value.isdigit() else value
+    return parse_limits(raw, "QWENSERVE_DEFAULT_*")
+
+
 def load_key_store(
     path: str | Path | None = None,
     *,
@@ -255,7 +267,7 @@ def load_key_store(
     parts = read_key_files(path) if path is not None else []
     tenants: dict[str, Tenant] = {}
     keys: list[tuple[bytes, str]] = []
-    default_tenant, default_limits = DEFAULT_TENANT, TenantLimits()
+    default_tenant, default_limits = DEFAULT_TENANT, _env_default_limits(env)
     for part in parts:
         for tenant_id, tenant in part.tenants.items():
             if tenant_id in tenants and tenants[tenant_id] != tenant:

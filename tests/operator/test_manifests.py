@@ -215,3 +215,22 @@ def test_validate_spec_names_the_problem(spec, problem) -> None:
 
 def test_a_valid_spec_has_no_problems(make_spec) -> None:
     assert manifests.validate_spec(make_spec(**VARIANTS["pvc"])) == []
+
+
+def test_the_router_environment_uses_names_the_router_reads(make_spec, monkeypatch) -> None:
+    from qwenserve.flags import env_name
+    from qwenserve_services.router.server import parse_config
+
+    spec = make_spec(rateLimits={"requestsPerMinute": 60, "tokensPerMinute": 0, "failOpen": False})
+    env = manifests.router_environment("demo", "ns", spec)
+    assert env["QWENSERVE_DEFAULT_REQUESTS_PER_MINUTE"] == "60"
+    assert "QWENSERVE_DEFAULT_TOKENS_PER_MINUTE" not in env  # 0 means unlimited
+    assert env["QWENSERVE_RATELIMIT_FAILURE_MODE"] == "closed"
+    assert env["QWENSERVE_NO_AUTH"] == "true"  # no API key Secret in this spec
+    for flag in ("--tokenizer", "--prefill", "--decode", "--prefill-metrics", "--model-name"):
+        assert env_name(flag) in env
+    # The router starts from exactly this environment (flags from QWENSERVE_* variables).
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = parse_config(["--model", "/models/x"])
+    assert config.decode == [env["QWENSERVE_DECODE"]] and config.front.no_auth
