@@ -23,6 +23,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,7 +31,9 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from qwenserve.flags import print_config
 from qwenserve.telemetry.metrics import MetricsServer, serve_metrics
+from qwenserve.telemetry.startup import start_telemetry, stop_telemetry
 from qwenserve.telemetry.tracing import server_interceptors
 
 log = logging.getLogger("qwenserve.grpc_server")
@@ -192,3 +195,23 @@ async def serve(
         finally:
             if metrics is not None:
                 metrics.close()
+
+
+def run_stage(
+    name: str,
+    config: Any,
+    run: Callable[[Any], Awaitable[None]],
+    startup_errors: tuple[type[Exception], ...] = (),
+) -> int:
+    """A stage process from its parsed config to its exit code: logging and tracing, the one config line,
+    the event loop. `startup_errors` become a one-line message and exit code 1 instead of a traceback."""
+    start_telemetry(f"qwenserve-{name}", getattr(config, "log_json", None), getattr(config, "log_level", None))
+    print_config(name, config)
+    try:
+        asyncio.run(run(config))
+    except startup_errors as err:
+        print(f"{name}: cannot start: {err}", file=sys.stderr)
+        return 1
+    finally:
+        stop_telemetry()
+    return 0

@@ -16,10 +16,9 @@ import grpc
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.errors import RequestError
-from qwenserve.flags import add_flag, print_config
-from qwenserve.grpc_server import GrpcServerConfig, serve
+from qwenserve.flags import add_flag
+from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
 from qwenserve.telemetry.metrics import handoff_metrics
-from qwenserve.telemetry.startup import start_telemetry, stop_telemetry
 from qwenserve.v1 import decode_pb2, decode_pb2_grpc
 from qwenserve.worker.decode_worker import DecodeWorker
 from qwenserve.worker.errors import WorkerError
@@ -110,11 +109,4 @@ async def run(config: DecodeServiceConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve decode`."""
-    config = parse_config(sys.argv[1:] if argv is None else argv)
-    start_telemetry("qwenserve-decode", config.log_json, config.log_level)
-    print_config("decode", config)
-    try:
-        asyncio.run(run(config))
-    finally:
-        stop_telemetry()
-    return 0
+    return run_stage("decode", parse_config(sys.argv[1:] if argv is None else argv), run)

@@ -15,12 +15,11 @@ import grpc
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.errors import RequestError
-from qwenserve.flags import add_flag, print_config
-from qwenserve.grpc_server import GrpcServerConfig, serve
+from qwenserve.flags import add_flag
+from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
 from qwenserve.kv_transfer.exporter import ExporterConfig, KVExporter
 from qwenserve.kv_transfer.grpc_transport import add_kv_transfer_service
 from qwenserve.telemetry.metrics import handoff_metrics
-from qwenserve.telemetry.startup import start_telemetry, stop_telemetry
 from qwenserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
 from qwenserve.worker.errors import WorkerError
 from qwenserve.worker.prefill_worker import PrefillWorker
@@ -117,11 +116,4 @@ async def run(config: PrefillServiceConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve prefill`."""
-    config = parse_config(sys.argv[1:] if argv is None else argv)
-    start_telemetry("qwenserve-prefill", config.log_json, config.log_level)
-    print_config("prefill", config)
-    try:
-        asyncio.run(run(config))
-    finally:
-        stop_telemetry()
-    return 0
+    return run_stage("prefill", parse_config(sys.argv[1:] if argv is None else argv), run)

@@ -19,8 +19,8 @@ from pathlib import Path
 import grpc
 from prometheus_client import Gauge
 
-from qwenserve.flags import add_flag, address_list, print_config
-from qwenserve.grpc_server import GrpcServerConfig, serve
+from qwenserve.flags import add_flag, address_list
+from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
 from qwenserve.router import grpc_front
 from qwenserve.router.admission import Gatekeeper
 from qwenserve.router.front import (
@@ -34,7 +34,7 @@ from qwenserve.router.generation import Router, RouterConfig
 from qwenserve.router.tls import grpc_server_credentials
 from qwenserve.status import probe_stage
 from qwenserve.telemetry.metrics import RouterMetrics, router_metrics
-from qwenserve.telemetry.startup import add_telemetry_flags, start_telemetry, stop_telemetry
+from qwenserve.telemetry.startup import add_telemetry_flags
 from qwenserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from qwenserve.v1 import router_pb2, router_pb2_grpc
 
@@ -202,11 +202,4 @@ async def run(config: RouterServiceConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve router`."""
-    config = parse_config(sys.argv[1:] if argv is None else argv)
-    start_telemetry("qwenserve-router", config.log_json, config.log_level)
-    print_config("router", config)
-    try:
-        asyncio.run(run(config))
-    finally:
-        stop_telemetry()
-    return 0
+    return run_stage("router", parse_config(sys.argv[1:] if argv is None else argv), run)

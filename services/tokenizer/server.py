@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from opentelemetry.trace import StatusCode
 
-from qwenserve.grpc_server import GrpcServerConfig, serve
+from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
 from qwenserve.telemetry.metrics import tokenizer_metrics
-from qwenserve.telemetry.startup import add_telemetry_flags, start_telemetry, stop_telemetry
+from qwenserve.telemetry.startup import add_telemetry_flags
 from qwenserve.telemetry.tracing import get_tracer
 from qwenserve.tokenizer import (
     BuiltinVocab,
@@ -322,16 +321,7 @@ async def run(config: TokenizerServiceConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve tokenizer`."""
     config = parse_config(sys.argv[1:] if argv is None else argv)
-    start_telemetry("qwenserve-tokenizer", config.log_json, config.log_level)
-    print(f"tokenizer config: {json.dumps(asdict(config))}", file=sys.stderr, flush=True)
-    try:
-        asyncio.run(run(config))
-    except (OSError, ValueError, TokenizerError) as err:
-        print(f"tokenizer: cannot start: {err}", file=sys.stderr)
-        return 1
-    finally:
-        stop_telemetry()
-    return 0
+    return run_stage("tokenizer", config, run, startup_errors=(OSError, ValueError, TokenizerError))
 
 
 if __name__ == "__main__":
