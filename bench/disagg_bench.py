@@ -6,7 +6,8 @@ and the router's relay cost. Run by hand; prints figures and ratios measured in 
 1. TTFT of one long prompt: disaggregated (prefill worker + shm handoff) vs prefilled on the decode worker;
    the difference is what the handoff (export, checksum, fetch, import) adds.
 2. Interference: `--streams` requests decoding while long prompts keep arriving. P99 inter-token latency with
-   prefill and decode in separate processes pinned to separate cores vs one colocated process using both.
+   prefill and decode in separate processes pinned to separate cores (router and tokenizer share prefill's core)
+   vs one colocated process using both cores (router and tokenizer unpinned).
 3. Router relay: tokens the router passes per second of its own CPU time (its capacity on one core), and its
    added latency: TTFT through the router minus TTFT calling the decode worker directly.
 """
@@ -102,7 +103,9 @@ def interference(model: Path, streams: int, long_prompt: int, duration_s: float)
         env = {"QWENSERVE_KV_CACHE_GB": "0.5", "QWENSERVE_THREADS": threads}
         with LocalCluster(model=model, prefill=prefill, decode=1, env=env) as c:
             if mode == "disaggregated":
-                _pin(c.child("prefill-0").process.pid, "0")
+                # Decode gets a core of its own; prefill shares the other with the router and tokenizer.
+                for name in ("prefill-0", "router", "tokenizer"):
+                    _pin(c.child(name).process.pid, "0")
                 _pin(c.child("decode-0").process.pid, "1")
 
             async def run() -> tuple[list[float], int, float]:
