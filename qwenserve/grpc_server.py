@@ -179,8 +179,9 @@ async def serve(
     for sig in stop_signals:
         loop.add_signal_handler(sig, stopping.set)
     try:
-        if warm_up is not None:
-            await warm_up()
+        if warm_up is not None and not await _unless_stopped(warm_up(), stopping):
+            print(f"{name} stopped during warm-up", file=sys.stderr, flush=True)
+            return
         await stage.set_serving()
         log.info("%s is serving", name)
         if on_ready is not None:
@@ -195,6 +196,21 @@ async def serve(
         finally:
             if metrics is not None:
                 metrics.close()
+
+
+async def _unless_stopped(work: Awaitable[None], stopping: asyncio.Event) -> bool:
+    """Run `work` unless a stop signal comes first (a warm-up waiting for a peer must not block SIGTERM).
+    True when the work finished; its exception propagates."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stopping.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
+    task.result()
+    return True
 
 
 def run_stage(

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl
+import subprocess
+import sys
+import time
 
 import aiohttp
 import grpc
@@ -105,3 +109,33 @@ def test_half_a_tls_configuration_is_an_error_not_plaintext(certs, tmp_path) -> 
     mismatched = TlsConfig.from_flags(certs.server_cert, certs.client_key)
     with pytest.raises(TlsConfigError, match="matching"):
         http_ssl_context(mismatched)
+
+
+async def test_the_router_process_serves_grpc_over_tls(certs) -> None:
+    """The real router entry point binds its gRPC port with TLS when given a certificate and key."""
+    from qwenserve.default_model import ensure_default_model
+
+    port = free_port()
+    router = subprocess.Popen(
+        [sys.executable, "-P", "-m", "qwenserve.cli", "serve", "router", "--port", str(port),
+         "--model", str(ensure_default_model()), "--tokenizer", f"127.0.0.1:{free_port()}",
+         "--decode", f"127.0.0.1:{free_port()}", "--no-auth",
+         "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        credentials = grpc.ssl_channel_credentials(certs.ca.read_bytes())
+        deadline = time.monotonic() + 60
+        while True:  # NOT_SERVING until a tokenizer answers (there is none here): the port is up all the same
+            try:
+                status = await grpc_check(port, credentials)
+                break
+            except grpc.aio.AioRpcError:
+                assert router.poll() is None and time.monotonic() < deadline, "the router never served TLS"
+                await asyncio.sleep(0.2)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError):
+            await grpc_check(port, None)  # plaintext is refused
+    finally:
+        router.terminate()
+        router.wait(20)
