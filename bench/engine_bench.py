@@ -175,18 +175,20 @@ def main() -> None:
     ap.add_argument("--bounds-only", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--kv-gb", type=float, default=4.0, help="KV cache size (allocated up front)")
+    ap.add_argument("--token-budget", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
     args = ap.parse_args()
     shape = "small" if args.small else "0.6b"
     spec = SHAPES[shape]
     folder = make_checkpoint(shape)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"shape {shape}: {json.dumps(spec)}; torch threads {torch.get_num_threads()}")
+    print(f"shape {shape}: {json.dumps(spec)}; torch threads {torch.get_num_threads()}; "
+          f"token budget {EngineConfig(max_num_batched_tokens=args.token_budget).token_budget()}")
     # Bounds are measured before the engine thread exists, so no second thread pool competes for the cores.
     memcpy = measure_memcpy_gbps()
     matmul = measure_matmul_gflops(spec["hidden_size"], spec["intermediate_size"])
-    config = EngineConfig(num_threads=args.threads, kv_cache_memory_gb=args.kv_gb, max_num_batched_tokens=2048,
-                          max_num_seqs=128)
+    config = EngineConfig(num_threads=args.threads, kv_cache_memory_gb=args.kv_gb,
+                          max_num_batched_tokens=args.token_budget, max_num_seqs=128)
     engine = LLMEngine.from_pretrained(folder, config)
     params = sum(p.numel() for p in engine.runner.model.parameters())
     weight_bytes = params * 4

@@ -17,7 +17,8 @@ from qwenserve.telemetry.startup import add_telemetry_flags
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
-    add_flag(parser, "--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    add_flag(parser, "--max-num-batched-tokens", type=int, default=None,
+             help="per-step token budget (default: 512 on CPU, 2048 on CUDA)")
     add_flag(parser, "--max-num-seqs", type=int, default=256, help="running sequences at once")
     add_flag(parser, "--admission-policy", default="short_first", choices=["short_first", "fcfs"])
     add_flag(parser, "--threads", type=int, default=None, help="torch threads (default: all cores)")

@@ -33,7 +33,8 @@ class EngineConfig:
     block_size: int | None = None
     num_kv_blocks: int | None = None  # default: kv_cache_memory_gb worth of blocks
     kv_cache_memory_gb: float = 4.0
-    max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
+    # Per-step token budget (prefill chunks + decodes); default: 512 on CPU, 2048 on CUDA (token_budget()).
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256  # running sequences at once
     enable_prefix_caching: bool = True
     # "short_first" protects the TTFT of short prompts in a burst (see scheduler.py); "fcfs" is plain order.
@@ -58,6 +59,13 @@ class EngineConfig:
         if self.device:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def token_budget(self) -> int:
+        """Tokens per step. On CPU a 2048-token prefill chunk takes seconds at 0.6B and every decode in the
+        batch waits for it; 512 bounds that wait at a few percent of throughput (weights are re-read per step)."""
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        return 2048 if self.torch_device().type == "cuda" else 512
 
     def torch_dtype(self) -> torch.dtype:
         """The serving dtype: fp32 on CPU (bf16 matmuls are far slower there), bf16 on CUDA."""

@@ -77,7 +77,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerLimits(
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=config.token_budget(),
                 max_num_seqs=config.max_num_seqs,
                 admission_policy=config.admission_policy,
                 max_queue_delay_s=config.max_queue_delay_s,
