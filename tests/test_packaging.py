@@ -41,3 +41,9 @@ def test_console_script_lists_the_stages(capsys) -> None:
     for stage in ("tokenizer", "prefill", "decode", "router"):
         assert stage in out
     assert main(["serve", "nonsense"]) == 2
+
+
+def test_test_modules_have_unique_names() -> None:
+    # Test folders without __init__.py are imported by file name; two equal names break collection.
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py") if not (p.parent / "__init__.py").exists()]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
