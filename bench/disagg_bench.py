@@ -25,13 +25,11 @@ from pathlib import Path
 
 import grpc
 
-from qwenserve.default_model import DEFAULT_CONFIG, write_checkpoint
+from qwenserve.default_model import DEFAULT_CONFIG, TINY_CONFIG, write_checkpoint
 from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 
 SMALL = {**DEFAULT_CONFIG, "max_position_embeddings": 4096}
-TINY = {**DEFAULT_CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_window_layers": 2}
 
 
 def _request(ids: list[int], max_tokens: int) -> router_pb2.GenerateRequest:
@@ -198,7 +196,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         small = write_checkpoint(Path(tmp) / "small", SMALL, seed=1)
-        tiny = write_checkpoint(Path(tmp) / "tiny", TINY, seed=1)
+        tiny = write_checkpoint(Path(tmp) / "tiny", TINY_CONFIG, seed=1)
         print(f"model for 1 and 2: hidden {SMALL['hidden_size']}, {SMALL['num_hidden_layers']} layers, fp32 CPU; "
               f"relay uses a 2-layer hidden-64 model so that the decode worker is not the bottleneck")
         if args.only in (None, "ttft"):

@@ -21,13 +21,11 @@ from pathlib import Path
 
 import grpc
 
-from qwenserve.default_model import DEFAULT_CONFIG, write_checkpoint
+from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-TINY = {**DEFAULT_CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 1024,
-        "max_window_layers": 2}
+TINY = {**TINY_CONFIG, "max_position_embeddings": 1024}
 WORKER_ENV = {"QWENSERVE_KV_CACHE_GB": "0.05", "QWENSERVE_THREADS": "1", "QWENSERVE_KV_POOL_MIB": "16"}
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -53,6 +53,19 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 
+# The smallest shape that still exercises GQA and the real vocabulary: for tests and benchmarks that need many
+# processes or many requests, where the default model would be the bottleneck.
+TINY_CONFIG: dict[str, Any] = {
+    **DEFAULT_CONFIG,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_window_layers": 2,
+}
+
 GENERATION_CONFIG: dict[str, Any] = {
     "bos_token_id": 151643,
     "eos_token_id": [151645, 151643],

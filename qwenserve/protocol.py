@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.v1 import common_pb2
 
@@ -37,3 +40,14 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int 
 def finish_reason_to_proto(reason: str | None) -> int:
     """Engine finish reasons ("stop", "length", "abort", "error") to the wire enum."""
     return FINISH_REASONS.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def logprobs_to_proto(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
+    """The engine's per-token logprobs as wire messages (empty when they were not asked for)."""
+    result = []
+    for token_id, entry in zip(token_ids, logprobs or [], strict=False):
+        msg = common_pb2.TokenLogprob(token_id=token_id, logprob=entry.logprob)
+        for alt_id, alt_lp in entry.top:
+            msg.top.add(token_id=alt_id, logprob=alt_lp)
+        result.append(msg)
+    return result

@@ -13,14 +13,13 @@ from opentelemetry import trace
 from qwenserve.engine.errors import KVLayoutMismatchError
 from qwenserve.engine.kv_layout import KVImport
 from qwenserve.kv_transfer.errors import KVTransferError
-from qwenserve.protocol import finish_reason_to_proto
+from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto
 from qwenserve.telemetry.engine_steps import EngineStepObserver
 from qwenserve.telemetry.metrics import HandoffMetrics
 from qwenserve.telemetry.tracing import Attr, get_tracer
 from qwenserve.v1 import common_pb2, decode_pb2
 from qwenserve.worker.errors import BadRequest, HandoffRefused
 from qwenserve.worker.handoff_telemetry import failure_reason, transport_label
-from qwenserve.worker.prefill_worker import _logprobs_to_proto
 from qwenserve.worker.requests import checked_request
 
 tracer = get_tracer("qwenserve.decode")
@@ -214,7 +213,7 @@ async def _coalesced(
                 msg = decode_pb2.DecodeResponse()
                 for out in batch:
                     msg.token_ids.extend(out.new_token_ids)
-                    msg.logprobs.extend(_logprobs_to_proto(out))
+                    msg.logprobs.extend(logprobs_to_proto(out.new_token_ids, out.logprobs))
                 last = batch[-1]
                 if last.finished:
                     msg.finish_reason = finish_reason_to_proto(last.finish_reason)

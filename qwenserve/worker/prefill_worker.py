@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any
 
-from qwenserve.protocol import finish_reason_to_proto
+from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto
 from qwenserve.telemetry.engine_steps import EngineStepObserver
 from qwenserve.telemetry.metrics import HandoffMetrics
 from qwenserve.telemetry.tracing import Attr, get_tracer
@@ -71,7 +71,7 @@ class PrefillWorker:
                 request_id, prompt, sampling, cache_salt=request.cache_salt or None, kv_export=sink
             ):
                 first.extend(out.new_token_ids)
-                logprobs.extend(_logprobs_to_proto(out))
+                logprobs.extend(logprobs_to_proto(out.new_token_ids, out.logprobs))
                 if out.finished:
                     finish = out.finish_reason
                     cached = out.usage.cached_prompt_tokens
@@ -114,14 +114,3 @@ def _phase_spans(submitted_ns: int, scheduled_ns: int | None, done_ns: int) -> N
         return  # never scheduled (rejected up front): the parent span alone tells the story
     tracer.start_span("prefill.queue", start_time=submitted_ns).end(end_time=scheduled_ns)
     tracer.start_span("prefill.compute", start_time=scheduled_ns).end(end_time=done_ns)
-
-
-def _logprobs_to_proto(out: Any) -> list[common_pb2.TokenLogprob]:
-    """The engine's per-token logprobs as wire messages (empty when not asked for)."""
-    result = []
-    for token_id, entry in zip(out.new_token_ids, out.logprobs or [], strict=False):
-        msg = common_pb2.TokenLogprob(token_id=token_id, logprob=entry.logprob)
-        for alt_id, alt_lp in entry.top:
-            msg.top.add(token_id=alt_id, logprob=alt_lp)
-        result.append(msg)
-    return result

@@ -10,22 +10,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from qwenserve.default_model import DEFAULT_CONFIG, write_checkpoint
+from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 from qwenserve.kv_transfer import leaked_segments
 from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import router_pb2_grpc
 
-TINY = {
-    **DEFAULT_CONFIG,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "max_position_embeddings": 1024,
-    "max_window_layers": 2,
-}
+TINY = {**TINY_CONFIG, "max_position_embeddings": 1024}
 # Small KV pools keep four engine processes light on this machine.
 WORKER_ENV = {"QWENSERVE_KV_CACHE_GB": "0.05", "QWENSERVE_THREADS": "1", "QWENSERVE_KV_POOL_MIB": "16"}
 

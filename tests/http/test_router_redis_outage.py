@@ -14,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from qwenserve.default_model import DEFAULT_CONFIG, write_checkpoint
+from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 from qwenserve.launcher import LocalCluster, free_port
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
-TINY = {**DEFAULT_CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_window_layers": 2}
 
 
 class RedisProcess:
@@ -75,7 +73,7 @@ def _chat(http_port: int) -> tuple[int, dict]:
 def test_a_dead_redis_follows_the_failure_mode_and_the_router_stays_up(
     redis_process: RedisProcess, tmp_path: Path, mode: str
 ) -> None:
-    model = write_checkpoint(tmp_path / "qwen3-outage", TINY, seed=5)
+    model = write_checkpoint(tmp_path / "qwen3-outage", TINY_CONFIG, seed=5)
     router_args = ["--redis-url", redis_process.url, "--ratelimit-failure-mode", mode, "--no-auth"]
     env = {"QWENSERVE_KV_CACHE_GB": "0.05", "QWENSERVE_THREADS": "1",
            "QWENSERVE_DEFAULT_TOKENS_PER_MINUTE": "1000000", "QWENSERVE_DEFAULT_REQUESTS_PER_MINUTE": "10000"}

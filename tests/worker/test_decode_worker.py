@@ -8,16 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from qwenserve.default_model import DEFAULT_CONFIG, write_checkpoint
+from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.v1 import decode_pb2
 from qwenserve.worker.decode_worker import DecodeWorker
 from qwenserve.worker.errors import BadRequest
 
-TINY = {**DEFAULT_CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
-        "max_window_layers": 2}
+TINY = {**TINY_CONFIG, "max_position_embeddings": 512}
 
 
 @pytest.fixture(scope="module")
