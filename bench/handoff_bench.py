@@ -4,8 +4,9 @@
 
 For each size (doubling from --min-mib to --max-mib), all in one run:
   memcpy          dst.copy_(src) into an already-touched buffer: moving the bytes once, in-process
-  shm             exporter reserve + engine write (copy_) + publish (checksum) + importer fetch
-                  (map + verify); the importer ends holding a verified zero-copy view
+  shm             exporter reserve + engine write (slot.write: copy, hashing each chunk as it lands)
+                  + publish + importer fetch (map + verify); the importer ends holding a verified
+                  zero-copy view
   shm, no csum    the same without checksums (exporter "none", importer require_checksum=False)
   shm -> out      shm plus the importer copying into a buffer of its own (fetch(out=...))
   grpc fetch      the importer's Fetch over loopback from an exporter in another process
@@ -127,7 +128,7 @@ async def measure_size(
     def shm(checksum: str, into: torch.Tensor | None) -> Callable[[], Awaitable[None]]:
         async def run() -> None:
             slot = exporters[checksum].reserve(f"s{time.perf_counter_ns()}", LAYOUT, tokens)
-            slot.tensor.copy_(src)  # the engine's one copy
+            slot.write(src)  # the engine's one copy, hashed as it lands
             handle = slot.publish(lease_s=60)
             await importer.fetch(handle, LAYOUT, out=into)
             exporters[checksum].release(handle.handoff_id)  # the ack (an RPC, after the engine consumed)
@@ -135,8 +136,8 @@ async def measure_size(
         return run
 
     # Interleaved rounds, so that every column sees the same background load on a shared machine.
-    local = {"memcpy": memcpy, "shm": shm("xxh3_64", None), "shm no csum": shm("none", None),
-             "shm -> out": shm("xxh3_64", out)}
+    local = {"memcpy": memcpy, "shm": shm("xxh3_64x256k", None), "shm no csum": shm("none", None),
+             "shm -> out": shm("xxh3_64x256k", out)}
     times: dict[str, list[float]] = {name: [] for name in local}
     for round_ in range(reps + 1):
         for name, fn in local.items():
@@ -174,9 +175,9 @@ async def bench(args: argparse.Namespace) -> None:
         checksum: KVExporter(ExporterConfig(control_endpoint=f"127.0.0.1:{port}", pool_bytes=top + MiB,
                                             max_bytes=2 * top + 2 * MiB, checksum=checksum,
                                             segment_prefix="qwenserve-kvbench")).start()
-        for checksum in ("xxh3_64", "none")
+        for checksum in ("xxh3_64x256k", "none")
     }
-    add_kv_transfer_service(server, exporters["xxh3_64"])
+    add_kv_transfer_service(server, exporters["xxh3_64x256k"])
     await server.start()
     importer = KVImporter(ImporterConfig(require_checksum=False, chunk_bytes=args.chunk_mib * MiB))
     network = {"grpc": ExporterProcess("grpc", top)}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qwenserve.kv_transfer.checksum import DEFAULT_ALGORITHM, compute_checksum
+from qwenserve.kv_transfer.checksum import DEFAULT_ALGORITHM, compute_checksum, fused_copy
 from qwenserve.kv_transfer.errors import KVHandoffExists, KVHandoffGone, KVLayoutInvalid
 from qwenserve.kv_transfer.handle import MARKER_BYTES, MARKER_PAGE, KVHandle, KVTransport, handoff_marker
 from qwenserve.kv_transfer.layout import KVLayout, LayoutLike, as_layout, layout_to_proto
@@ -103,6 +103,8 @@ class _Handoff:
     published: bool = False
     freed: bool = False  # no longer fetchable; memory returns to the pool once unpinned
     pins: int = 0
+    #: Set by ExportSlot.write, which hashes while copying; publish then need not read the bytes again.
+    checksum: str | None = None
     handle: KVHandle | None = field(default=None, repr=False)
 
     @property
@@ -121,6 +123,20 @@ class ExportSlot:
         self.nbytes = entry.nbytes
         #: Writable [L, 2, T, H, D] tensor of the layout's dtype, directly over the transport's memory.
         self.tensor = entry.data.view(entry.layout.torch_dtype()).view(entry.layout.token_shape(entry.num_tokens))
+
+    def write(self, src: torch.Tensor) -> None:
+        """Copy a contiguous [L, 2, T, H, D] CPU tensor into the slot, hashing each chunk as it lands.
+
+        Cheaper than `tensor.copy_(src)` followed by `publish()`, which must read the bytes again.
+        Don't write through `tensor` afterwards: the checksum is already taken."""
+        if src.shape != self.tensor.shape or src.dtype != self.tensor.dtype:
+            raise KVLayoutInvalid(
+                f"handoff {self.handoff_id}: cannot write {src.dtype} {tuple(src.shape)} into a slot of "
+                f"{self.tensor.dtype} {tuple(self.tensor.shape)}"
+            )
+        self._entry.checksum = None
+        checksum = fused_copy(self.tensor, src.contiguous(), self._exporter.config.checksum)
+        self._entry.checksum = checksum
 
     def publish(self, lease_s: float = 30.0) -> KVHandle:
         """Checksum the bytes, start a lease of `lease_s` seconds and return the handle for the importer."""
@@ -220,7 +236,7 @@ class KVExporter:
             if entry.freed or entry.published:
                 state = "already published" if entry.published and not entry.freed else "freed"
                 raise KVHandoffGone(f"cannot publish handoff {entry.handoff_id}: it is {state}")
-        checksum = compute_checksum(entry.data, self.config.checksum)
+        checksum = entry.checksum or compute_checksum(entry.data, self.config.checksum)
         header = entry.extent.region.bytes[entry.extent.offset : entry.extent.offset + MARKER_BYTES]
         header.copy_(torch.frombuffer(bytearray(handoff_marker(entry.handoff_id, entry.nbytes)), dtype=torch.uint8))
         handle = KVHandle(

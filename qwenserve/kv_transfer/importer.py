@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from qwenserve.kv_transfer.checksum import verify_checksum
+from qwenserve.kv_transfer.checksum import CHUNKED, check_checksum, fused_copy, verify_checksum
 from qwenserve.kv_transfer.errors import (
     KVHandoffGone,
     KVLayoutInvalid,
@@ -190,9 +190,16 @@ class KVImporter:
         marker = segment[start - MARKER_PAGE : start - MARKER_PAGE + MARKER_BYTES]
         self._check_marker(handle, marker)
         data = segment[start:end]
-        if out is not None:
-            data = out.view(-1).view(torch.uint8).copy_(data)
-        await self._verify(handle, data)
+        if out is not None and handle.checksum.startswith(f"{CHUNKED}:"):
+            # Hash each chunk as it lands in `out`: the shared bytes are read once.
+            target = out.view(-1).view(torch.uint8)
+            actual = await asyncio.to_thread(fused_copy, target, data, CHUNKED)
+            check_checksum(actual, handle.checksum)
+            data = target
+        else:
+            if out is not None:
+                data = out.view(-1).view(torch.uint8).copy_(data)
+            await self._verify(handle, data)
         # Checked again after reading: had the exporter reused the bytes meanwhile, the checksum
         # might still have matched stale data by chance; this says why it failed plainly.
         self._check_marker(handle, marker)

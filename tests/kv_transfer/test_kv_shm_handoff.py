@@ -15,8 +15,10 @@ from qwenserve.kv_transfer import (
     KVHandoffExists,
     KVHandoffGone,
     KVLayout,
+    KVLayoutInvalid,
     KVLayoutMismatch,
     KVPoolExhausted,
+    compute_checksum,
     leaked_segments,
 )
 from qwenserve.kv_transfer.shm import SHM_DIR
@@ -34,13 +36,29 @@ async def test_shm_round_trip_returns_exactly_the_exported_kv(make_exporter, imp
 
     assert handle.location.startswith(exporter.config.segment_prefix)
     assert handle.offset % 4096 == 0 and handle.length == layout.nbytes(37)
-    assert handle.checksum.startswith(("xxh3_64:", "crc32:"))
+    assert handle.checksum.startswith(("xxh3_64x256k:", "crc32:"))
     fetched = await importer.fetch(handle, layout)
     assert torch.equal(fetched, kv)
     assert exporter.release("h1", "imported") is True
     counters = exporter.counters()
     assert (counters.outstanding, counters.published, counters.released) == (0, 1, 1)
     assert counters.bytes_published == layout.nbytes(37)
+
+
+async def test_slot_write_hashes_as_it_copies_and_out_fetch_verifies(make_exporter, importer, layout, make_kv):
+    exporter = make_exporter()
+    kv = make_kv(layout, 300)
+    slot = exporter.reserve("h1", layout, 300)
+    slot.write(kv)
+    handle = slot.publish(lease_s=30)
+    assert handle.checksum == compute_checksum(kv, exporter.config.checksum)
+    out = torch.empty_like(kv)
+    fetched = await importer.fetch(handle, layout, out=out)
+    assert torch.equal(fetched.view(kv.dtype).view(kv.shape), kv) and torch.equal(out, kv)
+    with pytest.raises(KVLayoutInvalid, match="cannot write"):
+        exporter.reserve("h2", layout, 2).write(kv)
+    exporter.release("h1")
+    exporter.release("h2")
 
 
 async def test_export_slot_is_a_view_over_the_shared_segment(make_exporter, layout):
@@ -84,6 +102,8 @@ async def test_a_flipped_byte_is_refused_with_checksum_mismatch(make_exporter, i
     slot.tensor.view(-1).view(torch.uint8)[1234] ^= 0x01
     with pytest.raises(KVChecksumMismatch, match="corrupted"):
         await importer.fetch(handle, layout)
+    with pytest.raises(KVChecksumMismatch, match="corrupted"):  # the copying path verifies too
+        await importer.fetch(handle, layout, out=torch.empty_like(slot.tensor))
     exporter.release("h1")
 
 
