@@ -18,6 +18,7 @@ serving, 503 again while draining; `/healthz` stays 200 until the process has st
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -182,6 +183,7 @@ async def serve(
         if warm_up is not None and not await _unless_stopped(warm_up(), stopping):
             print(f"{name} stopped during warm-up", file=sys.stderr, flush=True)
             return
+        _settle_garbage_collector()
         await stage.set_serving()
         log.info("%s is serving", name)
         if on_ready is not None:
@@ -231,3 +233,12 @@ def run_stage(
     finally:
         stop_telemetry()
     return 0
+
+
+def _settle_garbage_collector() -> None:
+    """Move everything alive after warm-up (modules, weights' wrappers, vocabularies) out of the
+    collector's view, and collect less often: full collections of those objects showed up as
+    milliseconds of stall in streaming stages' profiles, on every process, for nothing."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 20, 20)

@@ -148,6 +148,8 @@ class Router:
     async def prepare(self, req: router_pb2.GenerateRequest, deadline: float | None = None) -> PreparedRequest:
         """Tokenize and validate; raises InvalidRequest / ContextLengthExceeded / ServiceUnavailable."""
         arrived = time.monotonic()
+        if not self.vocab_size:  # start() has not heard from the tokenizer yet: nothing can be checked
+            raise ServiceUnavailable("the router is starting: waiting for the tokenizer service")
         request_id = req.request_id or f"req-{uuid.uuid4().hex[:16]}"
         if len(req.stop) > MAX_STOP_STRINGS:
             raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings", "stop")

@@ -29,6 +29,7 @@ LIMIT = 64 * 1024
 @pytest.fixture
 async def client() -> AsyncIterator[TestClient]:
     router = Router(RouterConfig("127.0.0.1:1", ["127.0.0.1:1"], ["127.0.0.1:1"]), detokenizer_factory=None)  # type: ignore[arg-type]
+    router.vocab_size = 151_936  # as if start() had asked the tokenizer
     keys = KeyStore([Tenant("t")], [(key_digest("sk-test"), "t")])
     app = build_app(router, Gatekeeper(keys, InProcessRateLimiter()), "qwen-test", max_body_bytes=LIMIT)
     async with TestClient(TestServer(app)) as c:
@@ -82,6 +83,17 @@ async def test_token_ids_outside_the_vocabulary_are_400_on_the_prompt(client: Te
     response = await client.post("/v1/completions", json={"model": "qwen-test", "prompt": [10**9]}, headers=KEY)
     err = await error_of(response, 400)
     assert err["param"] == "prompt" and "vocabulary" in err["message"]
+
+
+async def test_a_router_still_starting_answers_503_not_a_vocabulary_error() -> None:
+    router = Router(RouterConfig("127.0.0.1:1", [], ["127.0.0.1:1"]), detokenizer_factory=None)  # type: ignore[arg-type]
+    keys = KeyStore([Tenant("t")], [(key_digest("sk-test"), "t")])
+    app = build_app(router, Gatekeeper(keys, InProcessRateLimiter()), "qwen-test")
+    async with TestClient(TestServer(app)) as c:
+        response = await c.post("/v1/completions", json={"model": "qwen-test", "prompt": [5]}, headers=KEY)
+        err = await error_of(response, 503)
+    await router.close()
+    assert "starting" in err["message"]
 
 
 async def test_an_unknown_model_is_404(client: TestClient) -> None:
