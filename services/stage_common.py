@@ -21,6 +21,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
              help="per-step token budget (default: 512 on CPU, 2048 on CUDA)")
     add_flag(parser, "--max-num-seqs", type=int, default=256, help="running sequences at once")
     add_flag(parser, "--admission-policy", default="short_first", choices=["short_first", "fcfs"])
+    add_flag(parser, "--burst-prefill-steps", type=int, default=2,
+             help="short_first: prefill-only steps in a row allowed while prompts queue up (0: never)")
     add_flag(parser, "--threads", type=int, default=None, help="torch threads (default: all cores)")
     add_flag(parser, "--dtype", default=None, help="float32 (CPU default), bfloat16, float16")
     add_flag(parser, "--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
@@ -31,7 +33,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         device=args.device, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        admission_policy=args.admission_policy, num_threads=args.threads,
+        admission_policy=args.admission_policy, burst_prefill_steps=args.burst_prefill_steps,
+        num_threads=args.threads,
         enable_prefix_caching=args.enable_prefix_caching,
     )
 

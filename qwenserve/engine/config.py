@@ -41,6 +41,9 @@ class EngineConfig:
     admission_policy: str = "short_first"
     # A waiting request older than this is admitted before any shorter one (no starvation).
     max_queue_delay_s: float = 2.0
+    # short_first: while more prompt tokens wait than a step with decodes could take, up to this many
+    # steps in a row run prefill alone (a burst clears without every step carrying the decodes).
+    burst_prefill_steps: int = 2
     # Fraction of the pool kept free when admitting, so running requests can grow without preemption.
     admission_watermark: float = 0.01
     attention_backend: str = "auto"  # "auto", "torch", "flash_attn"

@@ -81,6 +81,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 admission_policy=config.admission_policy,
                 max_queue_delay_s=config.max_queue_delay_s,
+                burst_prefill_steps=config.burst_prefill_steps,
                 watermark_blocks=int(config.admission_watermark * num_blocks),
             ),
             self.pool,
@@ -208,6 +209,7 @@ class LLMEngine:
             prefix_cache_query_tokens=s.prefix_query_tokens,
             preemptions=s.num_preemptions,
             finished=self._finished,
+            prefill_only_steps=s.num_prefill_only_steps,
         )
 
     def kv_layout(self) -> KVLayout:

@@ -53,6 +53,7 @@ class EngineStats:
     prefix_cache_query_tokens: int
     preemptions: int
     finished: int = 0
+    prefill_only_steps: int = 0  # short_first steps that left decodes out to drain a burst
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -15,6 +15,11 @@ Admission policies:
   left of this step's budget, shortest first, then in-flight prefill chunks, then the rest. In a burst a
   short prompt gets its first token in the next step instead of queueing behind long prompts' chunks.
   A request that has waited longer than max_queue_delay_s jumps ahead of shorter ones, so none starves.
+  And when more prompt tokens wait than a step could take beside its decodes (a burst, or a backlog
+  near saturation), up to burst_prefill_steps steps in a row leave the decodes out and spend the whole
+  budget on prompts: every decode row costs a full pass through the LM head, so a step without them is
+  short and the queue of first tokens drains several times faster. Decodes then wait at most that many
+  (short) steps: inter-token latency pays a little during bursts so time to first token does not pay a lot.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class SchedulerLimits:
     admission_policy: str = "short_first"
     max_queue_delay_s: float = 2.0
     watermark_blocks: int = 0
+    burst_prefill_steps: int = 2
 
 
 class Scheduler:
@@ -72,6 +78,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prefill_only_steps = 0
+        self._decodes_skipped = 0  # consecutive prefill-only steps so far
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -98,6 +106,14 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        if self._backlogged(decoding, prefilling):
+            self._admit(self._schedule_running(prefilling, self._admit(budget, out, only_whole=True), out),
+                        out, only_whole=False)
+            if out.scheduled:
+                self._decodes_skipped += 1
+                self.num_prefill_only_steps += 1
+                return out
+        self._decodes_skipped = 0
         budget = self._schedule_running(decoding, budget, out)
         if self.limits.admission_policy == "short_first":
             budget = self._admit(budget, out, only_whole=True)
@@ -106,6 +122,19 @@ class Scheduler:
             budget = self._schedule_running(prefilling, budget, out)
         self._admit(budget, out, only_whole=False)
         return out
+
+    def _backlogged(self, decoding: list[Sequence], prefilling: list[Sequence]) -> bool:
+        """short_first: should this step leave the decodes out and prefill alone?"""
+        if (self.limits.admission_policy != "short_first" or not decoding
+                or self._decodes_skipped >= self.limits.burst_prefill_steps):
+            return False
+        room = self.limits.max_num_batched_tokens - len(decoding)
+        waiting = 0
+        for seq in (*prefilling, *self.waiting):
+            waiting += seq.num_uncomputed_tokens
+            if waiting > room:
+                return True
+        return False
 
     def _schedule_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
         for seq in seqs:

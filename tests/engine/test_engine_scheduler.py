@@ -1,0 +1,78 @@
+"""The scheduler's step plans: short_first's prefill-only steps in a burst, bounded, and never under FCFS."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from qwenserve.engine.block_pool import BlockPool
+from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.engine.scheduler import Scheduler, SchedulerLimits
+from qwenserve.engine.sequence import Sequence
+
+_serial = itertools.count(1)
+
+
+def _seq(rid: str, n: int) -> Sequence:
+    # Distinct tokens per request: no prefix-cache hit may shrink a prompt behind the test's back.
+    first = 1000 * next(_serial)
+    return Sequence(rid, n, list(range(first, first + n)), SamplingParams(), max_tokens=64, emit=lambda o: None,
+                    arrival_time=time.monotonic())
+
+
+def _scheduler(policy: str = "short_first", burst_steps: int = 2, budget: int = 64) -> Scheduler:
+    limits = SchedulerLimits(max_num_batched_tokens=budget, max_num_seqs=32, admission_policy=policy,
+                             burst_prefill_steps=burst_steps)
+    return Scheduler(limits, BlockPool(num_blocks=256, block_size=16))
+
+
+def _step(sched: Scheduler) -> dict[str, int]:
+    """Plan a step, then play the engine: count the tokens computed and sample one where due."""
+    plan = sched.schedule()
+    sched.on_step_computed(plan.scheduled)
+    for item in plan.scheduled:
+        if item.seq.num_uncomputed_tokens == 0:
+            item.seq.token_ids.append(7)
+    return {item.seq.request_id: item.num_tokens for item in plan.scheduled}
+
+
+def _decoding(sched: Scheduler, n: int) -> None:
+    for i in range(n):
+        sched.add(_seq(f"d{i}", 4))
+    _step(sched)  # 4-token prompts: all prefilled in one step, each now decoding
+    assert all(s.num_uncomputed_tokens == 1 for s in sched.running)
+
+
+def test_a_burst_that_does_not_fit_beside_the_decodes_gets_prefill_only_steps_then_decodes_resume():
+    sched = _scheduler(burst_steps=2)
+    _decoding(sched, 8)
+    for i in range(4):
+        sched.add(_seq(f"p{i}", 40))  # 160 prompt tokens wait; a step has 64 - 8 decodes = 56 beside them
+    plans = [_step(sched) for _ in range(4)]
+    assert not any(r.startswith("d") for r in plans[0]) and sum(plans[0].values()) == 64
+    assert not any(r.startswith("d") for r in plans[1]) and sum(plans[1].values()) == 64
+    # Two prefill-only steps in a row at most: the decodes run in the third.
+    assert all(plans[2].get(f"d{i}") == 1 for i in range(8))
+    assert sched.num_prefill_only_steps >= 2
+    # Every prompt got its first token within these steps, and nothing stalled for good.
+    assert all(s.num_output_tokens >= 1 for s in sched.running if s.request_id.startswith("p"))
+
+
+def test_a_prompt_that_fits_beside_the_decodes_shares_the_step_with_them():
+    sched = _scheduler()
+    _decoding(sched, 8)
+    sched.add(_seq("p", 40))
+    plan = _step(sched)
+    assert plan["p"] == 40 and all(plan[f"d{i}"] == 1 for i in range(8))
+    assert sched.num_prefill_only_steps == 0
+
+
+def test_fcfs_and_a_zero_limit_never_leave_decodes_out():
+    for sched in (_scheduler(policy="fcfs"), _scheduler(burst_steps=0)):
+        _decoding(sched, 8)
+        for i in range(4):
+            sched.add(_seq(f"p{i}", 40))
+        for _ in range(4):
+            plan = _step(sched)
+            assert all(plan[f"d{i}"] == 1 for i in range(8))
+        assert sched.num_prefill_only_steps == 0
