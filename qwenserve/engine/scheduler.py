@@ -20,6 +20,8 @@ Admission policies:
   budget on prompts: every decode row costs a full pass through the LM head, so a step without them is
   short and the queue of first tokens drains several times faster. Decodes then wait at most that many
   (short) steps: inter-token latency pays a little during bursts so time to first token does not pay a lot.
+  Under sustained prompt pressure a colocated engine keeps paying that (bench/disagg_bench.py measures it);
+  burst_prefill_steps=0 turns it off there. Disaggregated decode workers prefill nothing and never pay it.
 """
 
 from __future__ import annotations

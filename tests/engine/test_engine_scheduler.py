@@ -46,16 +46,17 @@ def _decoding(sched: Scheduler, n: int) -> None:
 def test_a_burst_that_does_not_fit_beside_the_decodes_gets_prefill_only_steps_then_decodes_resume():
     sched = _scheduler(burst_steps=2)
     _decoding(sched, 8)
-    for i in range(4):
-        sched.add(_seq(f"p{i}", 40))  # 160 prompt tokens wait; a step has 64 - 8 decodes = 56 beside them
-    plans = [_step(sched) for _ in range(4)]
+    for i in range(6):
+        sched.add(_seq(f"p{i}", 40))  # 240 prompt tokens wait; a step has 64 - 8 decodes = 56 beside them
+    plans = [_step(sched) for _ in range(8)]
     assert not any(r.startswith("d") for r in plans[0]) and sum(plans[0].values()) == 64
     assert not any(r.startswith("d") for r in plans[1]) and sum(plans[1].values()) == 64
     # Two prefill-only steps in a row at most: the decodes run in the third.
     assert all(plans[2].get(f"d{i}") == 1 for i in range(8))
     assert sched.num_prefill_only_steps >= 2
-    # Every prompt got its first token within these steps, and nothing stalled for good.
+    # Every prompt got its first token within these steps, and the decodes were never left out twice running.
     assert all(s.num_output_tokens >= 1 for s in sched.running if s.request_id.startswith("p"))
+    assert all(any(r.startswith("d") for r in plan) for plan in plans[2::3])
 
 
 def test_a_prompt_that_fits_beside_the_decodes_shares_the_step_with_them():
