@@ -26,6 +26,18 @@ SPECS: dict[str, dict[str, Any]] = {
         model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False,
     ),
+    # The same shapes with rope scaling as transformers 5.x writes it (`rope_parameters`, theta inside).
+    "qwen3_yarn_5x": dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, vocab_size=1000, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                         "rope_theta": 1000000.0},
+    ),
+    "qwen2_linear_5x": dict(
+        model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+    ),
     # Qwen3-MoE: 8 experts top-2, renormalised; layer 1 dense (mlp_only_layers), layers 0 and 2 sparse.
     "qwen3_moe": dict(
         model_type="qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from engine_checkpoints import random_prompts
@@ -100,6 +101,15 @@ def test_cache_salt_isolates_tenants(make_engine):
 def test_transformers_4x_configs_with_rope_scaling_match(name, make_engine, reference):
     engine = make_engine(name)
     prompts = random_prompts(3, 5, 150, seed=8)
+    assert engine.generate_sync(prompts, GREEDY) == expected_tokens(reference, name, prompts, 10)
+
+
+@pytest.mark.parametrize("name", ["qwen3_yarn_5x", "qwen2_linear_5x"])
+def test_transformers_5x_rope_parameters_match(name, checkpoint, make_engine, reference):
+    config = json.loads((checkpoint(name) / "config.json").read_text())
+    assert "rope_parameters" in config and "rope_scaling" not in config  # written by the installed 5.x
+    engine = make_engine(name)
+    prompts = random_prompts(3, 5, 200, seed=11)  # past original_max_position_embeddings (128)
     assert engine.generate_sync(prompts, GREEDY) == expected_tokens(reference, name, prompts, 10)
 
 
