@@ -4,7 +4,8 @@ Run by hand (not a test):
     .venv/bin/python bench/engine_bench.py --small                  # quick shape, all baselines
     .venv/bin/python bench/engine_bench.py                          # Qwen3-0.6B shape (slow on 2 cores)
     .venv/bin/python bench/engine_bench.py --bounds-only            # memcpy / matmul bounds, batch-1/64 steps
-Options: --requests N, --hf-requests N (subset for transformers baselines, scaled), --skip-transformers.
+Options: --requests N, --hf-requests N (subset for sequential generate()), --cb-requests N (for transformers'
+continuous batching), --skip-transformers.
 
 All figures are measured in the same process run; ratios compare against those figures only.
 """
@@ -123,7 +124,9 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int = 64, steps:
     return itl[len(itl) // 2]
 
 
-def transformers_baselines(folder: Path, prompts, out_lens, hf_requests: int) -> dict:
+def transformers_baselines(folder: Path, prompts, out_lens, hf_requests: int, cb_requests: int) -> dict:
+    """tok/s of: sequential generate() on the first `hf_requests`; padded batches of the first 8 and 32;
+    continuous batching (generate_batch) on the first `cb_requests`."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -137,9 +140,9 @@ def transformers_baselines(folder: Path, prompts, out_lens, hf_requests: int) ->
             n += o
         res["sequential"] = n / (time.perf_counter() - t)
         for bs in (8, 32):
-            if bs > len(sub_p):
+            if bs > len(prompts):
                 continue
-            bp, bo = sub_p[:bs], sub_o[:bs]
+            bp, bo = prompts[:bs], out_lens[:bs]
             width = max(len(p) for p in bp)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in bp])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in bp])
@@ -148,6 +151,8 @@ def transformers_baselines(folder: Path, prompts, out_lens, hf_requests: int) ->
                            do_sample=False, pad_token_id=0)
             # Only each request's own output length is useful work.
             res[f"padded_batch_{bs}"] = sum(bo) / (time.perf_counter() - t)
+        # Continuous batching gets the whole workload, as ours does: batching is what it is for.
+        sub_p, sub_o = prompts[:cb_requests], out_lens[:cb_requests]
         gen = GenerationConfig(max_new_tokens=max(sub_o), min_new_tokens=max(sub_o), do_sample=False,
                                eos_token_id=None, pad_token_id=0)
         try:
@@ -170,7 +175,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--hf-requests", type=int, default=8)
+    ap.add_argument("--hf-requests", type=int, default=8, help="requests for sequential generate()")
+    ap.add_argument("--cb-requests", type=int, default=32, help="requests for transformers' continuous batching")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--bounds-only", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
@@ -220,9 +226,10 @@ def main() -> None:
     print(f"  ITL  {percentiles(ours['itl'])}")
     engine.shutdown()
     if not args.skip_transformers:
-        hf = transformers_baselines(folder, prompts, out_lens, min(args.hf_requests, args.requests))
-        print(f"\ntransformers on the first {min(args.hf_requests, args.requests)} requests "
-              "(tok/s of that subset; rate compared directly):")
+        hf_n, cb_n = min(args.hf_requests, args.requests), min(args.cb_requests, args.requests)
+        hf = transformers_baselines(folder, prompts, out_lens, hf_n, cb_n)
+        print(f"\ntransformers (tok/s; rates compared directly): sequential on the first {hf_n} requests, "
+              f"padded batches on the first 8 and 32, continuous batching on the first {cb_n}:")
         for k, v in hf.items():
             if isinstance(v, float):
                 print(f"  {k:22s} {v:8.2f} tok/s   ours/them = {ours['tok_s'] / v:.1f}x")

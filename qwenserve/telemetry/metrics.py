@@ -303,7 +303,12 @@ class EngineMetrics:
             "Requests preempted (blocks freed, recomputed later).",
             registry=r,
         )
-        self._last_preemptions: int | None = None
+        self.prefill_only_steps = Counter(
+            "qwenserve_engine_prefill_only_steps_total",
+            "Steps that left the decodes out to drain a burst of queued prompts (short_first admission).",
+            registry=r,
+        )
+        self._last_counts: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def observe_step(self, batch_size: int, tokens: int, seconds: float) -> None:
@@ -315,9 +320,9 @@ class EngineMetrics:
     def update_from_stats(self, stats: EngineStats) -> None:
         """Set the gauges from an engine stats snapshot (duck-typed; missing attributes are skipped).
 
-        `stats.preemptions` is the engine's cumulative count: the counter advances by the
-        difference since the previous snapshot (by the whole value if the count went backwards,
-        i.e. the engine restarted).
+        `stats.preemptions` and `stats.prefill_only_steps` are the engine's cumulative counts: each counter
+        advances by the difference since the previous snapshot (by the whole value if the count went
+        backwards, i.e. the engine restarted).
         """
         for attr, gauge in (
             ("running", self.running),
@@ -336,14 +341,16 @@ class EngineMetrics:
             total = used + stats.kv_blocks_free
         if used is not None and total is not None:
             self.kv_blocks_usage_ratio.set(min(1.0, used / total) if total > 0 else 0.0)
-        preemptions = getattr(stats, "preemptions", None)
-        if preemptions is not None:
+        for attr, counter in (("preemptions", self.preemptions), ("prefill_only_steps", self.prefill_only_steps)):
+            count = getattr(stats, attr, None)
+            if count is None:
+                continue
             with self._lock:
-                last = self._last_preemptions
-                delta = preemptions if last is None or preemptions < last else preemptions - last
-                self._last_preemptions = preemptions
+                last = self._last_counts.get(attr)
+                delta = count if last is None or count < last else count - last
+                self._last_counts[attr] = count
             if delta > 0:
-                self.preemptions.inc(delta)
+                counter.inc(delta)
 
 
 class HandoffMetrics:

@@ -148,6 +148,7 @@ def _stats(**overrides: object) -> SimpleNamespace:
         kv_blocks_total=120,
         prefix_cache_hit_rate=0.4,
         preemptions=2,
+        prefill_only_steps=4,
     )
     return SimpleNamespace(**{**base, **overrides})
 
@@ -162,10 +163,12 @@ def test_engine_gauges_follow_stats_snapshots(registry):
     assert _value(registry, "qwenserve_kv_blocks_usage_ratio") == pytest.approx(0.25)
     assert _value(registry, "qwenserve_prefix_cache_hit_ratio") == pytest.approx(0.4)
     assert _value(registry, "qwenserve_engine_preemptions_total") == 2
+    assert _value(registry, "qwenserve_engine_prefill_only_steps_total") == 4
 
     metrics.update_engine_gauges(
-        _stats(running=0, kv_blocks_used=120, kv_blocks_free=0, preemptions=7), registry
+        _stats(running=0, kv_blocks_used=120, kv_blocks_free=0, preemptions=7, prefill_only_steps=9), registry
     )
+    assert _value(registry, "qwenserve_engine_prefill_only_steps_total") == 9
     assert _value(registry, "qwenserve_engine_running_requests") == 0
     assert _value(registry, "qwenserve_kv_blocks_usage_ratio") == 1.0
     assert _value(registry, "qwenserve_engine_preemptions_total") == 7  # cumulative 2 -> 7 adds 5
