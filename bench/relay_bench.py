@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 from qwenserve.engine.outputs import RequestOutput, Usage
+from qwenserve.launcher import wait_serving
 from qwenserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from qwenserve.worker.decode_worker import DecodeWorker
 from qwenserve_services.decode.server import DecodeServicer
@@ -113,21 +113,6 @@ def _free_port() -> int:
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _wait_serving(address: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{address} not serving after {timeout_s:.0f} s")
-            time.sleep(0.2)
 
 
 def _pin(pid: int, cores: str) -> None:
@@ -226,7 +211,7 @@ def main() -> None:
                     _pin(router.pid, "0")
                     _pin(source.pid, "1")
                     _pin(os.getpid(), "1")
-                    _wait_serving(f"127.0.0.1:{router_port}")
+                    wait_serving(f"127.0.0.1:{router_port}", time.monotonic() + 60, router, "router")
                     asyncio.run(measure(args, interval_ms, f"127.0.0.1:{source_port}",
                                         f"127.0.0.1:{router_port}", router.pid))
                 finally:

@@ -139,20 +139,7 @@ class LocalCluster:
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for child in self.children:
-            with grpc.insecure_channel(child.address) as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                while True:
-                    if child.process is not None and child.process.poll() is not None:
-                        raise RuntimeError(f"{child.name} exited with code {child.process.returncode}")
-                    try:
-                        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                            break
-                    except grpc.RpcError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{child.name} at {child.address} not healthy after {timeout_s:.0f}s")
-                    time.sleep(0.2)
+            wait_serving(child.address, deadline, child.process, f"{child.name} at {child.address}")
         # The router's HTTP front opens during its warm-up, before health says SERVING.
         if self.http_port and not _port_open(self.host, self.http_port):
             raise RuntimeError(f"the router's HTTP port {self.http_port} is not open")
@@ -250,3 +237,25 @@ def main(argv: list[str]) -> int:
     cluster.stop()
     print("qwen-serve stopped", flush=True)
     return code
+
+
+def wait_serving(
+    address: str, deadline: float, process: subprocess.Popen | None = None, what: str | None = None
+) -> None:
+    """Poll gRPC health at `address` until SERVING; RuntimeError once `deadline` (monotonic) passes or
+    `process` exits first."""
+    what = what or address
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"{what} exited with code {process.returncode}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not become healthy before the deadline")
+            time.sleep(0.2)

@@ -44,6 +44,8 @@ class EngineConfig:
     # short_first: while more prompt tokens wait than a step with decodes could take, up to this many
     # steps in a row run prefill alone (a burst clears without every step carrying the decodes).
     burst_prefill_steps: int = 2
+    # ... and only while those steps together are expected to last no longer than this.
+    burst_max_stall_s: float = 0.25
     # Fraction of the pool kept free when admitting, so running requests can grow without preemption.
     admission_watermark: float = 0.01
     attention_backend: str = "auto"  # "auto", "torch", "flash_attn"

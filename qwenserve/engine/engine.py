@@ -82,6 +82,7 @@ class LLMEngine:
                 admission_policy=config.admission_policy,
                 max_queue_delay_s=config.max_queue_delay_s,
                 burst_prefill_steps=config.burst_prefill_steps,
+                burst_max_stall_s=config.burst_max_stall_s,
                 watermark_blocks=int(config.admission_watermark * num_blocks),
             ),
             self.pool,
@@ -360,6 +361,7 @@ class LLMEngine:
             # Only possible while the pool is briefly full of cached blocks being released; wait for news.
             time.sleep(0.001)
             return
+        started = time.perf_counter()
         try:
             for seq in plan.imports:
                 self.runner.import_kv(seq, seq.kv_import.kv, seq.num_computed_tokens)
@@ -371,6 +373,7 @@ class LLMEngine:
                 self._finish(item.seq, "error", error=f"{type(exc).__name__}: {exc}")
             return
         self.scheduler.on_step_computed(plan.scheduled)
+        self.scheduler.observe_step(plan, time.perf_counter() - started)
         if not sampling:
             return
         rows = [

@@ -20,6 +20,9 @@ Admission policies:
   budget on prompts: every decode row costs a full pass through the LM head, so a step without them is
   short and the queue of first tokens drains several times faster. Decodes then wait at most that many
   (short) steps: inter-token latency pays a little during bursts so time to first token does not pay a lot.
+  Only where those steps are short: measured prefill-only steps must say that the decodes would wait no
+  longer than burst_max_stall_s in all (a 512-token step of a 0.6B model on a CPU takes seconds: one is
+  tried, then never again; on a GPU, or for a small model, they take tens of milliseconds).
   Under sustained prompt pressure a colocated engine keeps paying that (bench/disagg_bench.py measures it);
   burst_prefill_steps=0 turns it off there. Disaggregated decode workers prefill nothing and never pay it.
 """
@@ -52,6 +55,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     imports: list[Sequence] = field(default_factory=list)
+    prefill_only: bool = False  # short_first left the decodes out of this step to drain a burst
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +70,7 @@ class SchedulerLimits:
     max_queue_delay_s: float = 2.0
     watermark_blocks: int = 0
     burst_prefill_steps: int = 2
+    burst_max_stall_s: float = 0.25
 
 
 class Scheduler:
@@ -82,6 +87,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefill_only_steps = 0
         self._decodes_skipped = 0  # consecutive prefill-only steps so far
+        self._burst_step_s: float | None = None  # a full-budget prefill-only step's length, as measured
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -112,6 +118,7 @@ class Scheduler:
             self._admit(self._schedule_running(prefilling, self._admit(budget, out, only_whole=True), out),
                         out, only_whole=False)
             if out.scheduled:
+                out.prefill_only = True
                 self._decodes_skipped += 1
                 self.num_prefill_only_steps += 1
                 return out
@@ -130,6 +137,12 @@ class Scheduler:
         if (self.limits.admission_policy != "short_first" or not decoding
                 or self._decodes_skipped >= self.limits.burst_prefill_steps):
             return False
+        # Only where such steps are short: the decodes must not wait longer than burst_max_stall_s in all.
+        # The first one is the measurement.
+        if self._burst_step_s is not None and (
+            (self._decodes_skipped + 1) * self._burst_step_s > self.limits.burst_max_stall_s
+        ):
+            return False
         room = self.limits.max_num_batched_tokens - len(decoding)
         waiting = 0
         for seq in (*prefilling, *self.waiting):
@@ -137,6 +150,14 @@ class Scheduler:
             if waiting > room:
                 return True
         return False
+
+    def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
+        """The engine's timing of a step just computed: prefill-only steps teach how long the next would be."""
+        if not plan.prefill_only or plan.num_tokens <= 0:
+            return
+        full = seconds * self.limits.max_num_batched_tokens / plan.num_tokens
+        last = self._burst_step_s
+        self._burst_step_s = full if last is None else 0.7 * last + 0.3 * full
 
     def _schedule_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
         for seq in seqs:

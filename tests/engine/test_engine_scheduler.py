@@ -26,10 +26,12 @@ def _scheduler(policy: str = "short_first", burst_steps: int = 2, budget: int = 
     return Scheduler(limits, BlockPool(num_blocks=256, block_size=16))
 
 
-def _step(sched: Scheduler) -> dict[str, int]:
-    """Plan a step, then play the engine: count the tokens computed and sample one where due."""
+def _step(sched: Scheduler, seconds: float = 0.01) -> dict[str, int]:
+    """Plan a step, then play the engine: count the tokens computed, report the step's length (`seconds`)
+    and sample one token where due."""
     plan = sched.schedule()
     sched.on_step_computed(plan.scheduled)
+    sched.observe_step(plan, seconds)
     for item in plan.scheduled:
         if item.seq.num_uncomputed_tokens == 0:
             item.seq.token_ids.append(7)
@@ -66,6 +68,19 @@ def test_a_prompt_that_fits_beside_the_decodes_shares_the_step_with_them():
     plan = _step(sched)
     assert plan["p"] == 40 and all(plan[f"d{i}"] == 1 for i in range(8))
     assert sched.num_prefill_only_steps == 0
+
+
+def test_prefill_only_steps_stop_where_one_is_measured_too_long_for_the_decodes():
+    sched = _scheduler(burst_steps=2)  # burst_max_stall_s 0.25 by default
+    _decoding(sched, 8)
+    for i in range(6):
+        sched.add(_seq(f"p{i}", 40))
+    first = _step(sched, seconds=0.5)  # the probe: a full prefill-only step takes 0.5 s here
+    assert not any(r.startswith("d") for r in first)
+    for _ in range(4):  # two such steps would stall the decodes 1 s: every later step carries them
+        plan = _step(sched)
+        assert all(plan[f"d{i}"] == 1 for i in range(8))
+    assert sched.num_prefill_only_steps == 1
 
 
 def test_fcfs_and_a_zero_limit_never_leave_decodes_out():
