@@ -87,7 +87,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefill_only_steps = 0
         self._decodes_skipped = 0  # consecutive prefill-only steps so far
-        self._burst_step_s: float | None = None  # a full-budget prefill-only step's length, as measured
+        self._burst_step_s: float | None = None  # how long prefill-only steps take here, as measured
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -153,11 +153,11 @@ class Scheduler:
 
     def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
         """The engine's timing of a step just computed: prefill-only steps teach how long the next would be."""
-        if not plan.prefill_only or plan.num_tokens <= 0:
-            return
-        full = seconds * self.limits.max_num_batched_tokens / plan.num_tokens
-        last = self._burst_step_s
-        self._burst_step_s = full if last is None else 0.7 * last + 0.3 * full
+        # Not scaled up to a full budget: a step's fixed costs (the LM head for prompts that finish) would
+        # make a small step look slow.
+        if plan.prefill_only:
+            last = self._burst_step_s
+            self._burst_step_s = seconds if last is None else 0.7 * last + 0.3 * seconds
 
     def _schedule_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
         for seq in seqs:
