@@ -38,6 +38,9 @@ from qwenserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, router_pb2, ro
 from qwenserve.worker.decode_worker import DecodeWorker
 from qwenserve_services.decode.server import DecodeServicer
 
+sys.path.insert(0, str(Path(__file__).parent))
+from disagg_bench import _cpu_seconds, _pin  # noqa: E402  (a sibling script: the same helpers)
+
 VOCAB = 151_000  # ordinary tokens of the Qwen vocabulary: the source never emits special ids
 
 
@@ -108,15 +111,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _pin(pid: int, cores: str) -> None:
-    subprocess.run(["taskset", "-a", "-cp", cores, str(pid)], check=True, capture_output=True)
 
 
 async def _drive(call_one: Any, streams: int, duration_s: float) -> tuple[int, int, float]:

@@ -74,14 +74,20 @@ def _run(job: Callable[[int, int], np.ndarray], nbytes: int) -> list[np.ndarray]
     return list(_pool().map(lambda r: job(*r), ranges))
 
 
-def _chunked(buf: np.ndarray) -> str:
+def _chunked(dst: np.ndarray, src: np.ndarray | None = None) -> str:
+    """The chunked checksum of `dst`; with `src`, each chunk is first copied from there (then hashed
+    while still in cache)."""
+
     def job(first: int, end: int) -> np.ndarray:
         out = np.empty(end - first, dtype=np.uint64)
         for i in range(first, end):
-            out[i - first] = xxhash.xxh3_64_intdigest(buf[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES])
+            chunk = slice(i * CHUNK_BYTES, (i + 1) * CHUNK_BYTES)
+            if src is not None:
+                np.copyto(dst[chunk], src[chunk])
+            out[i - first] = xxhash.xxh3_64_intdigest(dst[chunk])
         return out
 
-    return _combine(_run(job, buf.nbytes))
+    return _combine(_run(job, dst.nbytes))
 
 
 def fused_copy(dst: torch.Tensor, src: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
@@ -94,17 +100,7 @@ def fused_copy(dst: torch.Tensor, src: torch.Tensor, algorithm: str = DEFAULT_AL
     if algorithm != CHUNKED or xxhash is None:
         dst.copy_(src)
         return compute_checksum(dst, algorithm)
-    d, s = _as_array(dst), _as_array(src)
-
-    def job(first: int, end: int) -> np.ndarray:
-        out = np.empty(end - first, dtype=np.uint64)
-        for i in range(first, end):
-            chunk = slice(i * CHUNK_BYTES, (i + 1) * CHUNK_BYTES)
-            np.copyto(d[chunk], s[chunk])
-            out[i - first] = xxhash.xxh3_64_intdigest(d[chunk])
-        return out
-
-    return _combine(_run(job, d.nbytes))
+    return _chunked(_as_array(dst), _as_array(src))
 
 
 def compute_checksum(data: torch.Tensor | memoryview, algorithm: str = DEFAULT_ALGORITHM) -> str:
