@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from qwenserve.cache import cache_root
 from qwenserve.tokenizer import builtin
 
 DEFAULT_MODEL_NAME = "qwen3-tiny-random-v1"
@@ -194,7 +195,7 @@ def write_checkpoint(
 
 def default_model_dir(cache_dir: Path | None = None) -> Path:
     """Where the default model lives (written or not)."""
-    return (cache_dir or builtin.cache_root()) / "models" / DEFAULT_MODEL_NAME
+    return (cache_dir or cache_root()) / "models" / DEFAULT_MODEL_NAME
 
 
 def ensure_default_model(cache_dir: Path | None = None) -> Path:

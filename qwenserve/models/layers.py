@@ -1,4 +1,5 @@
-"""Layers shared by the Qwen families: RMSNorm, rotary embeddings (default / linear / YaRN), SwiGLU MLP."""
+"""Layers shared by the Qwen families: linear products, RMSNorm, rotary embeddings (default / linear / YaRN),
+SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -8,7 +9,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwenserve import cpu_kernels
 from qwenserve.models.config import RopeConfig
+
+# Up to this many rows, fp32 products on CPU go to the streaming kernel: measured here it reads a layer's
+# weights 1.3-3.5x faster than the BLAS at 1-16 rows and matches it at 32; the BLAS wins from ~48 rows.
+SKINNY_MAX_ROWS = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           max_rows: int = SKINNY_MAX_ROWS) -> torch.Tensor:
+    """F.linear, with few rows of fp32 on CPU sent to cpu_kernels.skinny_matmul where the kernels load."""
+    if (x.dim() == 2 and x.shape[0] <= max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.dtype == torch.float32 and weight.is_contiguous() and cpu_kernels.available()):
+        y = cpu_kernels.skinny_matmul(x.contiguous(), weight)
+        return y if bias is None else y.add_(bias)
+    return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -98,9 +114,9 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to [num_tokens, hidden]."""
-        gate_up = F.linear(x, self.gate_up_proj)
+        gate_up = linear(x, self.gate_up_proj)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        return linear(F.silu(gate) * up, self.down_proj)
 
     def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the view of our fused parameter it fills."""

@@ -8,12 +8,14 @@ and the ForwardContext carries them.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qwenserve.engine.attention.base import ForwardContext
 from qwenserve.models.config import ModelConfig
-from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, linear
+
+# The LM head is far wider than any layer, so the streaming kernel keeps its lead over the BLAS longer.
+LM_HEAD_SKINNY_MAX_ROWS = 64
 
 
 class QwenAttention(nn.Module):
@@ -39,7 +41,7 @@ class QwenAttention(nn.Module):
     ) -> torch.Tensor:
         """Self-attention of [num_tokens, hidden] against each sequence's cached context."""
         n = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
@@ -48,7 +50,7 @@ class QwenAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attention(self.layer_idx, q, k, v)
-        return F.linear(out, self.o_proj)
+        return linear(out, self.o_proj)
 
     def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the view of our fused parameter it fills."""
@@ -109,10 +111,8 @@ class QwenForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        # The LM head is stored transposed, [hidden, vocab]: on CPU x @ W is measurably faster than
-        # x @ W.T for this one very wide matrix, at batch 1 and at batch 64. Tied checkpoints keep a single
-        # copy and look embeddings up as its columns.
-        self.lm_head_t = nn.Parameter(torch.empty(cfg.hidden_size, cfg.vocab_size, dtype=dtype), requires_grad=False)
+        # [vocab, hidden], as checkpoints store it; tied checkpoints keep this single copy for embeddings too.
+        self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.embed_tokens = (
             None
             if cfg.tie_word_embeddings
@@ -130,7 +130,7 @@ class QwenForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] (before the final norm) for flattened tokens."""
-        table = self.lm_head_t.t() if self.embed_tokens is None else self.embed_tokens
+        table = self.lm_head if self.embed_tokens is None else self.embed_tokens
         x = table[input_ids]
         cos, sin = self.rotary.lookup(positions)
         for layer in self.layers:
@@ -139,12 +139,12 @@ class QwenForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head for the selected rows; logits in fp32 for the sampler."""
-        return torch.mm(self.norm(hidden), self.lm_head_t).float()
+        return linear(self.norm(hidden), self.lm_head, max_rows=LM_HEAD_SKINNY_MAX_ROWS).float()
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """Every tensor the checkpoint must contain, mapped to the view of our parameters it fills.
         The loader uses this to fill fused matrices in place and to name missing or unexpected tensors."""
-        head = self.lm_head_t.data.t()
+        head = self.lm_head.data
         targets = {"model.norm.weight": self.norm.weight.data}
         if self.embed_tokens is None:
             targets["model.embed_tokens.weight"] = head

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenserve.models.config import ModelConfig
-from qwenserve.models.layers import SwiGLUMLP
+from qwenserve.models.layers import SwiGLUMLP, linear
 from qwenserve.models.qwen3 import QwenForCausalLM
 
 
@@ -44,8 +44,8 @@ class SparseMoeBlock(nn.Module):
             if count == 0:
                 continue
             tokens = token_of[start : start + count]
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).split(self.intermediate, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weight_of[start : start + count, None]
+            gate, up = linear(x[tokens], self.gate_up_proj[expert]).split(self.intermediate, dim=-1)
+            y = linear(F.silu(gate) * up, self.down_proj[expert]) * weight_of[start : start + count, None]
             out.index_add_(0, tokens, y)
             start += count
         return out

@@ -23,6 +23,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from qwenserve.cache import cache_root
+
 # Bump when the conversion changes, so that caches of an older conversion are not reused.
 CONVERSION_VERSION = 1
 
@@ -111,14 +113,6 @@ class BuiltinVocab(Enum):
                 return vocab
         known = ", ".join(v.value.name for v in cls)
         raise ValueError(f"unknown built-in vocabulary {name!r}; choose one of: {known}")
-
-
-def cache_root() -> Path:
-    """The folder qwen-serve caches converted files in: $QWENSERVE_CACHE, else $XDG_CACHE_HOME/qwen-serve."""
-    if env := os.environ.get("QWENSERVE_CACHE"):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "qwen-serve"
 
 
 def ranks_path(vocab: BuiltinVocab) -> Path:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qwenserve.cache import cache_root
 from qwenserve.tokenizer import builtin
 from qwenserve.tokenizer.chat_template import render_chat
 from qwenserve.tokenizer.errors import ChatTemplateError, CheckpointError, InvalidInput
@@ -368,7 +369,7 @@ def _merges_are_bpe_order(
     """
     merges = model.get("merges", [])
     digest = hashlib.sha256(json.dumps([merges, model.get("ignore_merges", False)]).encode()).hexdigest()
-    verdict_path = (cache or builtin.cache_root()) / "bpe-order" / f"{digest}.json"
+    verdict_path = (cache or cache_root()) / "bpe-order" / f"{digest}.json"
     if verdict_path.is_file():
         return bool(json.loads(verdict_path.read_text()))
     char_to_byte = {c: b for b, c in enumerate(builtin._byte_to_char())}

@@ -1,8 +1,10 @@
 """Portable attention over the paged KV cache with plain PyTorch ops (CPU and CUDA).
 
-Decode rows (one query token) are attended as one padded batch: their blocks are gathered with a single
-index into [batch, max_context, kv_heads, head_dim] and masked by length. Prefill chunks are attended one
-sequence at a time, which costs nothing extra because each chunk is already a large matrix product.
+Decode rows (one query token) in fp32 on CPU go to the C kernel of qwenserve.cpu_kernels, which reads each
+sequence's blocks where they lie. Elsewhere, or without a C compiler, they are attended as one padded batch:
+their blocks are gathered with a single index into [batch, max_context, kv_heads, head_dim] and masked by
+length. Prefill chunks are attended one sequence at a time, which costs nothing extra because each chunk is
+already a large matrix product.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from qwenserve import cpu_kernels
 from qwenserve.engine.attention.base import AttentionBatch
 
 
@@ -21,6 +24,7 @@ class TorchAttentionMeta:
     num_decodes: int
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool: key is real
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int64, for the CPU kernel (None: gather + SDPA)
     prefills: list[tuple[int, int, int, torch.Tensor | None]]  # (token start, query len, context len, block ids)
 
 
@@ -29,8 +33,10 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, cpu_kernel_for_fp32: bool = True) -> None:
+        """`cpu_kernel_for_fp32`: send fp32 CPU decode rows to the C kernel where it loads."""
         self.block_size = block_size
+        self.cpu_kernel = cpu_kernel_for_fp32 and cpu_kernels.available()
         # Reused buffers for gathered keys and values. A fresh multi-megabyte tensor per layer is
         # mmap'ed by the allocator and page-faulted on first touch, which cost ~5x the copy itself on CPU.
         self._workspace: list[torch.Tensor | None] = [None, None]
@@ -49,14 +55,17 @@ class TorchAttentionBackend:
     def prepare(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMeta:
         """Pad the decode rows' block tables and build their length mask; list the prefill segments."""
         nd = batch.num_decodes
-        table = mask = None
+        table = mask = kernel_lens = None
         if nd:
             max_blocks = max(len(t) for t in batch.block_tables[:nd])
             padded = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables[:nd]]
             table = torch.tensor(padded, dtype=torch.long, device=device)
             lens = torch.tensor(batch.context_lens[:nd], dtype=torch.long, device=device)
-            keys = torch.arange(max_blocks * self.block_size, device=device)
-            mask = (keys[None, :] < lens[:, None])[:, None, None, :]
+            if self.cpu_kernel and device.type == "cpu":
+                kernel_lens = lens
+            else:
+                keys = torch.arange(max_blocks * self.block_size, device=device)
+                mask = (keys[None, :] < lens[:, None])[:, None, None, :]
         prefills = []
         start = nd
         for i in range(nd, len(batch.query_lens)):
@@ -68,7 +77,7 @@ class TorchAttentionBackend:
                 blocks = torch.tensor(used, dtype=torch.long, device=device)
             prefills.append((start, qlen, ctx, blocks))
             start += qlen
-        return TorchAttentionMeta(batch.slot_mapping, nd, table, mask, prefills)
+        return TorchAttentionMeta(batch.slot_mapping, nd, table, mask, kernel_lens, prefills)
 
     def forward(
         self,
@@ -89,8 +98,14 @@ class TorchAttentionBackend:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         gqa = num_heads != kv_heads
         nd = meta.num_decodes
-        if nd:
+        if nd and meta.decode_context_lens is not None and q.dtype == torch.float32:
+            cpu_kernels.paged_decode_attention(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_table,
+                                              meta.decode_context_lens, out[:nd], head_dim**-0.5)
+        elif nd:
             table = meta.decode_block_table
+            if meta.decode_mask is None:  # fp16/bf16 on CPU: no kernel for it, so build the mask here
+                keys = torch.arange(table.shape[1] * self.block_size, device=q.device)
+                meta.decode_mask = (keys[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
             keys = self._gather(k_cache, table, 0).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
             values = self._gather(v_cache, table, 1).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
             out[:nd] = F.scaled_dot_product_attention(

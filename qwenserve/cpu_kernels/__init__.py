@@ -1,0 +1,147 @@
+"""C kernels for fp32 on CPU, where PyTorch's own ops leave memory bandwidth unused: decode attention straight
+from the paged KV cache (paged_decode.c) and products of few rows with a large matrix (skinny_matmul.c).
+
+They are compiled once per machine with its C compiler and loaded with ctypes (no Python or torch headers,
+so no ABI to keep). They accelerate, never required: where no C compiler exists, the build fails, or
+QWENSERVE_CPU_KERNEL=0, `load()` returns None and callers keep their portable PyTorch path. The shared object
+is cached under cache_root()/kernels, named by a digest of the sources, the flags and the compiler, so an
+edit or a new compiler rebuilds it and concurrent processes never load a half-written file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from qwenserve.cache import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("skinny_matmul.c"))
+ENV_SWITCH = "QWENSERVE_CPU_KERNEL"
+# -march=native: the object is built on the machine that runs it; a compiler that refuses it builds generic.
+# -fopenmp: the library then needs libgomp.so.1, which torch has already loaded, so both share one pool.
+_FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-fPIC", "-shared"],
+    ["-O3", "-fopenmp", "-std=gnu11", "-fPIC", "-shared"],
+    ["-O3", "-std=gnu11", "-fPIC", "-shared"],
+)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _compiler_identity(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return cc
+
+
+def _build(cc: str, flags: list[str], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The loaded kernel, or None (and a logged reason) where it cannot be had."""
+    if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "false", "no", "off"):
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.info("no C compiler found: the portable PyTorch paths are used")
+        return None
+    identity = _compiler_identity(cc)
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    for flags in _FLAG_SETS:
+        digest = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), identity.encode(),
+                                             platform.machine().encode()])).hexdigest()[:16]
+        target = cache_root() / "kernels" / f"qwenserve-cpu-{digest}.so"
+        try:
+            if not target.is_file():
+                _build(cc, flags, target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            log.warning("building the CPU kernels with %s %s failed: %s", cc, " ".join(flags), detail)
+            continue
+        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.paged_decode_attention.restype = ctypes.c_int
+        lib.paged_decode_attention.argtypes = [pointer] * 4 + [i64] + [pointer] * 2 + [i64] * 5 + [ctypes.c_float, i64]
+        lib.skinny_matmul.restype = None
+        lib.skinny_matmul.argtypes = [pointer] * 3 + [i64] * 4
+        return lib
+    log.warning("the portable PyTorch paths are used")
+    return None
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [batch, heads, dim] fp32 contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, dim] of one layer, contiguous
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [batch, max_blocks] int64 contiguous
+    context_lens: torch.Tensor,  # [batch] int64
+    out: torch.Tensor,  # [batch, heads, dim] fp32 contiguous, written
+    scale: float,
+) -> None:
+    """softmax(q·K^T · scale)·V over each sequence's first context_lens[b] cached tokens (the kernel must be
+    available; every tensor on CPU). The GIL is released while it runs."""
+    lib = load()
+    assert lib is not None, "CPU kernels unavailable"
+    batch, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    for t in (q, k_cache, v_cache, out):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("paged_decode_attention wants contiguous fp32 CPU tensors")
+    if block_table.dtype != torch.int64 or context_lens.dtype != torch.int64 or not block_table.is_contiguous():
+        raise ValueError("block_table and context_lens must be contiguous int64")
+    if heads % kv_heads or out.shape != q.shape or block_table.shape[0] != batch or context_lens.numel() != batch:
+        raise ValueError("paged_decode_attention: inconsistent shapes")
+    status = lib.paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.shape[1],
+        context_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim, block_size, scale,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("paged_decode_attention could not allocate its scratch")
+
+
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [m, k] @ weight[n, k]ᵀ -> [m, n], like F.linear without bias, for contiguous fp32 CPU tensors (the
+    kernels must be available). Meant for few rows (see SKINNY_MAX_ROWS); the GIL is released while it runs."""
+    lib = load()
+    assert lib is not None, "CPU kernels unavailable"
+    m, k = x.shape
+    n = weight.shape[0]
+    for t in (x, weight):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("skinny_matmul wants contiguous fp32 CPU tensors")
+    if weight.shape[1] != k:
+        raise ValueError(f"skinny_matmul: x has {k} columns, weight {weight.shape[1]}")
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.skinny_matmul(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, k, n, torch.get_num_threads())
+    return y

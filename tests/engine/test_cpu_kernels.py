@@ -1,0 +1,127 @@
+"""The C kernels for fp32 on CPU: equal to the PyTorch paths they replace, and optional."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwenserve import cpu_kernels
+from qwenserve.engine.attention.base import AttentionBatch
+from qwenserve.engine.attention.torch_backend import TorchAttentionBackend
+from qwenserve.engine.config import EngineConfig
+from qwenserve.engine.engine import LLMEngine
+from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.models.layers import linear
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                    reason="no C compiler: the kernels cannot be built here")
+
+
+@pytest.fixture
+def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """load() re-run against an empty cache folder, and its cached answer restored afterwards."""
+    monkeypatch.setenv("QWENSERVE_CACHE", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    yield
+    monkeypatch.undo()
+    cpu_kernels.load.cache_clear()
+
+
+@needs_compiler
+def test_kernels_build_on_this_machine() -> None:
+    assert cpu_kernels.available()
+
+
+@needs_compiler
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [(16, 8, 128, 16), (8, 2, 36, 4), (4, 4, 64, 16),
+                                                                      (12, 3, 8, 2)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_decode_equals_gather_and_sdpa(heads: int, kv_heads: int, dim: int, block_size: int,
+                                             threads: int) -> None:
+    """Scattered blocks, lengths that end mid-block (and a context of one), GQA ratios 1-4, head dims with a
+    tail that is not a multiple of the vector width; the kernel writes only the decode rows."""
+    gen = torch.Generator().manual_seed(heads * dim + block_size)
+    num_blocks, lens = 64, [1, block_size, 3 * block_size + 1, 37, 5]
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    tables = [torch.randperm(num_blocks, generator=gen)[: -(-n // block_size)].tolist() for n in lens]
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    outs = []
+    for use_kernel in (True, False):
+        backend = TorchAttentionBackend(block_size, cpu_kernel_for_fp32=use_kernel)
+        assert backend.cpu_kernel is use_kernel
+        batch = AttentionBatch(query_lens=[1] * len(lens), context_lens=lens, block_tables=tables,
+                               slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=len(lens))
+        meta = backend.prepare(batch, torch.device("cpu"))
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outs.append(backend.forward(q, q[:0, :kv_heads], q[:0, :kv_heads], k_cache, v_cache, meta))
+        finally:
+            torch.set_num_threads(previous)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32])
+@pytest.mark.parametrize(("k", "n"), [(64, 96), (37, 13), (1024, 4099)])
+def test_skinny_matmul_equals_linear(rows: int, k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(rows * k + n)
+    x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    torch.testing.assert_close(cpu_kernels.skinny_matmul(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@needs_compiler
+def test_kernels_refuse_what_they_cannot_read() -> None:
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        cpu_kernels.skinny_matmul(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="columns"):
+        cpu_kernels.skinny_matmul(torch.randn(2, 8), torch.randn(4, 9))
+    # linear() itself takes anything F.linear takes: transposed weights and other dtypes use the BLAS.
+    x, w = torch.randn(3, 8), torch.randn(8, 5)
+    torch.testing.assert_close(linear(x, w.t()), F.linear(x, w.t()))
+
+
+def test_switched_off_by_environment(fresh_load: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QWENSERVE_CPU_KERNEL", "0")
+    assert cpu_kernels.load() is None
+    assert TorchAttentionBackend(16).cpu_kernel is False
+
+
+def test_a_failing_compiler_leaves_the_portable_path(fresh_load: None, monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: out of order' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    assert cpu_kernels.load() is None
+    assert "out of order" in caplog.text
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w))
+
+
+@needs_compiler
+def test_engine_tokens_equal_with_and_without_kernels(fresh_load: None, monkeypatch: pytest.MonkeyPatch,
+                                                      checkpoint) -> None:
+    """Greedy decoding of mixed-length prompts (decode batches of several rows, contexts across blocks) gives
+    the same tokens through the kernels and through the portable paths."""
+    folder = checkpoint("qwen3_gqa4")
+    prompts = [[(7 * i + j) % 900 + 3 for j in range(5 + 11 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("QWENSERVE_CPU_KERNEL", switch)
+        cpu_kernels.load.cache_clear()
+        engine = LLMEngine.from_pretrained(folder, EngineConfig(block_size=4, num_threads=2))
+        try:
+            assert engine.runner.backend.cpu_kernel is (switch == "1")
+            runs.append(engine.generate_sync(prompts, params))
+        finally:
+            engine.shutdown()
+    assert runs[0] == runs[1]
