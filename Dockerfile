@@ -56,6 +56,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/tmp
 WORKDIR /src
+# A C compiler: qwenserve.cpu_kernels builds its fp32 kernels at first use for the CPU the pod lands on
+# (-march=native, so they cannot be built here); without one the portable, slower paths run.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 # What the package build needs, and nothing else (.dockerignore keeps tests, charts and caches out).
 COPY pyproject.toml README.md ./

@@ -49,6 +49,15 @@ def _compiler_identity(cc: str) -> str:
         return cc
 
 
+def _cpu_identity() -> str:
+    """What -march=native compiles for: a cache shared by hosts of other CPUs must not hand them this object."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
 def _build(cc: str, flags: list[str], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
@@ -75,7 +84,7 @@ def load() -> ctypes.CDLL | None:
     source = b"\0".join(path.read_bytes() for path in SOURCES)
     for flags in _FLAG_SETS:
         digest = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), identity.encode(),
-                                             platform.machine().encode()])).hexdigest()[:16]
+                                             platform.machine().encode(), _cpu_identity().encode()])).hexdigest()[:16]
         target = cache_root() / "kernels" / f"qwenserve-cpu-{digest}.so"
         try:
             if not target.is_file():
