@@ -21,36 +21,49 @@ static inline float hsum(v8f v) {
     return s;
 }
 
-/* Rows [j, j + 4) of W against rows [m, m + rows) of x, rows <= 4. */
-static inline void tile4(const float *x, const float *w, float *y, int64_t m, int64_t rows, int64_t j, int64_t k,
-                         int64_t n) {
+/* Rows [j, j + 4) of W against rows [m, m + 4) of x: sixteen accumulators, named so they stay in registers. */
+static void tile_4x4(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
     const float *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-    v8f acc[4][4] = {{{0}}};
+    const float *x0 = x + m * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
+    v8f c00 = {0}, c01 = {0}, c02 = {0}, c03 = {0}, c10 = {0}, c11 = {0}, c12 = {0}, c13 = {0};
+    v8f c20 = {0}, c21 = {0}, c22 = {0}, c23 = {0}, c30 = {0}, c31 = {0}, c32 = {0}, c33 = {0};
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
         const v8f a0 = load8(w0 + i), a1 = load8(w1 + i), a2 = load8(w2 + i), a3 = load8(w3 + i);
-        for (int64_t r = 0; r < rows; r++) {
-            const v8f b = load8(x + (m + r) * k + i);
-            acc[r][0] += a0 * b;
-            acc[r][1] += a1 * b;
-            acc[r][2] += a2 * b;
-            acc[r][3] += a3 * b;
-        }
+        v8f b = load8(x0 + i);
+        c00 += a0 * b, c01 += a1 * b, c02 += a2 * b, c03 += a3 * b;
+        b = load8(x1 + i);
+        c10 += a0 * b, c11 += a1 * b, c12 += a2 * b, c13 += a3 * b;
+        b = load8(x2 + i);
+        c20 += a0 * b, c21 += a1 * b, c22 += a2 * b, c23 += a3 * b;
+        b = load8(x3 + i);
+        c30 += a0 * b, c31 += a1 * b, c32 += a2 * b, c33 += a3 * b;
     }
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + (m + r) * k;
-        float s0 = hsum(acc[r][0]), s1 = hsum(acc[r][1]), s2 = hsum(acc[r][2]), s3 = hsum(acc[r][3]);
-        for (int64_t t = i; t < k; t++) {
-            s0 += w0[t] * xr[t];
-            s1 += w1[t] * xr[t];
-            s2 += w2[t] * xr[t];
-            s3 += w3[t] * xr[t];
+    const v8f acc[4][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}, {c30, c31, c32, c33}};
+    const float *xs[4] = {x0, x1, x2, x3}, *ws[4] = {w0, w1, w2, w3};
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) {
+            float sum = hsum(acc[r][c]);
+            for (int64_t t = i; t < k; t++) sum += ws[c][t] * xs[r][t];
+            y[(m + r) * n + j + c] = sum;
         }
-        float *yr = y + (m + r) * n + j;
-        yr[0] = s0;
-        yr[1] = s1;
-        yr[2] = s2;
-        yr[3] = s3;
+}
+
+/* Rows [j, j + 4) of W against row m of x. */
+static void tile_4x1(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
+    const float *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k, *x0 = x + m * k;
+    v8f c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        const v8f b = load8(x0 + i);
+        c0 += load8(w0 + i) * b, c1 += load8(w1 + i) * b, c2 += load8(w2 + i) * b, c3 += load8(w3 + i) * b;
+    }
+    const v8f acc[4] = {c0, c1, c2, c3};
+    const float *ws[4] = {w0, w1, w2, w3};
+    for (int c = 0; c < 4; c++) {
+        float sum = hsum(acc[c]);
+        for (int64_t t = i; t < k; t++) sum += ws[c][t] * x0[t];
+        y[m * n + j + c] = sum;
     }
 }
 
@@ -60,7 +73,11 @@ void skinny_matmul(const float *x, const float *w, float *y, int64_t m, int64_t 
     const int64_t tiles = n / 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < tiles; t++)
-        for (int64_t r = 0; r < m; r += 4) tile4(x, w, y, r, m - r < 4 ? m - r : 4, t * 4, k, n);
+    {
+        int64_t r = 0;
+        for (; r + 4 <= m; r += 4) tile_4x4(x, w, y, r, t * 4, k, n);
+        for (; r < m; r++) tile_4x1(x, w, y, r, t * 4, k, n);
+    }
     for (int64_t j = tiles * 4; j < n; j++) {
         const float *wj = w + j * k;
         for (int64_t r = 0; r < m; r++) {

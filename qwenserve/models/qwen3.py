@@ -14,8 +14,9 @@ from qwenserve.engine.attention.base import ForwardContext
 from qwenserve.models.config import ModelConfig
 from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, linear
 
-# The LM head is far wider than any layer, so the streaming kernel keeps its lead over the BLAS longer.
-LM_HEAD_SKINNY_MAX_ROWS = 64
+# The LM head is far wider than any layer, so the streaming kernel keeps its lead over the BLAS longer
+# (measured: 2x at 1 row, 1.4x at 96).
+LM_HEAD_SKINNY_MAX_ROWS = 96
 
 
 class QwenAttention(nn.Module):

@@ -68,7 +68,7 @@ def test_paged_decode_equals_gather_and_sdpa(heads: int, kv_heads: int, dim: int
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32, 63])
 @pytest.mark.parametrize(("k", "n"), [(64, 96), (37, 13), (1024, 4099)])
 def test_skinny_matmul_equals_linear(rows: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(rows * k + n)
