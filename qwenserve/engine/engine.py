@@ -34,6 +34,7 @@ from qwenserve.engine.errors import (
     RequestError,
     RequestTooLargeError,
 )
+from qwenserve.engine.host_memory import keep_freed_memory
 from qwenserve.engine.kv_layout import KVExportSink, KVImport, KVLayout, check_compatible
 from qwenserve.engine.model_runner import ModelRunner
 from qwenserve.engine.outputs import EngineStats, RequestOutput, Usage
@@ -59,6 +60,7 @@ class LLMEngine:
         device, dtype = config.torch_device(), config.torch_dtype()
         if device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            keep_freed_memory()
         self.max_model_len = min(config.max_model_len or min(model_cfg.max_position_embeddings, 32768),
                                  model_cfg.max_position_embeddings)
         self.eos_token_ids: list[int] = list(model_cfg.eos_token_ids)
