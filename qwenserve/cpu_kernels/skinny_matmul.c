@@ -49,6 +49,40 @@ static void tile_4x4(const float *x, const float *w, float *y, int64_t m, int64_
         }
 }
 
+/* Rows [j, j + 4) of W against rows [m, m + 6) of x: 24 accumulators, for CPUs with 32 vector registers. */
+static void tile_4x6(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
+    const float *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+    const float *x0 = x + m * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k, *x4 = x3 + k, *x5 = x4 + k;
+    v8f c00 = {0}, c01 = {0}, c02 = {0}, c03 = {0}, c10 = {0}, c11 = {0}, c12 = {0}, c13 = {0};
+    v8f c20 = {0}, c21 = {0}, c22 = {0}, c23 = {0}, c30 = {0}, c31 = {0}, c32 = {0}, c33 = {0};
+    v8f c40 = {0}, c41 = {0}, c42 = {0}, c43 = {0}, c50 = {0}, c51 = {0}, c52 = {0}, c53 = {0};
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        const v8f a0 = load8(w0 + i), a1 = load8(w1 + i), a2 = load8(w2 + i), a3 = load8(w3 + i);
+        v8f b = load8(x0 + i);
+        c00 += a0 * b, c01 += a1 * b, c02 += a2 * b, c03 += a3 * b;
+        b = load8(x1 + i);
+        c10 += a0 * b, c11 += a1 * b, c12 += a2 * b, c13 += a3 * b;
+        b = load8(x2 + i);
+        c20 += a0 * b, c21 += a1 * b, c22 += a2 * b, c23 += a3 * b;
+        b = load8(x3 + i);
+        c30 += a0 * b, c31 += a1 * b, c32 += a2 * b, c33 += a3 * b;
+        b = load8(x4 + i);
+        c40 += a0 * b, c41 += a1 * b, c42 += a2 * b, c43 += a3 * b;
+        b = load8(x5 + i);
+        c50 += a0 * b, c51 += a1 * b, c52 += a2 * b, c53 += a3 * b;
+    }
+    const v8f acc[6][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23},
+                           {c30, c31, c32, c33}, {c40, c41, c42, c43}, {c50, c51, c52, c53}};
+    const float *xs[6] = {x0, x1, x2, x3, x4, x5}, *ws[4] = {w0, w1, w2, w3};
+    for (int r = 0; r < 6; r++)
+        for (int c = 0; c < 4; c++) {
+            float sum = hsum(acc[r][c]);
+            for (int64_t t = i; t < k; t++) sum += ws[c][t] * xs[r][t];
+            y[(m + r) * n + j + c] = sum;
+        }
+}
+
 /* Rows [j, j + 4) of W against row m of x. */
 static void tile_4x1(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
     const float *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k, *x0 = x + m * k;
@@ -75,6 +109,9 @@ void skinny_matmul(const float *x, const float *w, float *y, int64_t m, int64_t 
     for (int64_t t = 0; t < tiles; t++)
     {
         int64_t r = 0;
+#ifdef __AVX512VL__
+        for (; r + 6 <= m; r += 6) tile_4x6(x, w, y, r, t * 4, k, n);
+#endif
         for (; r + 4 <= m; r += 4) tile_4x4(x, w, y, r, t * 4, k, n);
         for (; r < m; r++) tile_4x1(x, w, y, r, t * 4, k, n);
     }
