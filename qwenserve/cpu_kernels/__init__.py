@@ -1,5 +1,5 @@
-"""C kernels for fp32 on CPU, where PyTorch's own ops leave memory bandwidth unused: decode attention straight
-from the paged KV cache (paged_decode.c) and products of few rows with a large matrix (skinny_matmul.c).
+"""C kernels for fp32 on CPU, where PyTorch's own ops leave speed unused: decode attention straight from the
+paged KV cache (paged_decode.c) and the linear layers' x · Wᵀ (linear.c).
 
 They are compiled once per machine with its C compiler and loaded with ctypes (no Python or torch headers,
 so no ABI to keep). They accelerate, never required: where no C compiler exists, the build fails, or
@@ -27,7 +27,7 @@ from qwenserve.cache import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("skinny_matmul.c"))
+SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("linear.c"))
 ENV_SWITCH = "QWENSERVE_CPU_KERNEL"
 # -march=native: the object is built on the machine that runs it; a compiler that refuses it builds generic.
 # -fopenmp: the library then needs libgomp.so.1, which torch has already loaded, so both share one pool.
@@ -38,7 +38,7 @@ _FLAG_SETS = (
 )
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
@@ -58,7 +58,8 @@ def _cpu_identity() -> str:
         return platform.processor()
 
 
-def _build(cc: str, flags: list[str], target: Path) -> None:
+def build(cc: str, flags: list[str], target: Path) -> None:
+    """Compile the kernels with `cc` and `flags` into the shared object `target` (atomically)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
@@ -76,7 +77,7 @@ def load() -> ctypes.CDLL | None:
     """The loaded kernel, or None (and a logged reason) where it cannot be had."""
     if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "false", "no", "off"):
         return None
-    cc = _compiler()
+    cc = compiler()
     if cc is None:
         log.info("no C compiler found: the portable PyTorch paths are used")
         return None
@@ -88,7 +89,7 @@ def load() -> ctypes.CDLL | None:
         target = cache_root() / "kernels" / f"qwenserve-cpu-{digest}.so"
         try:
             if not target.is_file():
-                _build(cc, flags, target)
+                build(cc, flags, target)
             lib = ctypes.CDLL(str(target))
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or exc
@@ -97,8 +98,8 @@ def load() -> ctypes.CDLL | None:
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.paged_decode_attention.restype = ctypes.c_int
         lib.paged_decode_attention.argtypes = [pointer] * 4 + [i64] + [pointer] * 2 + [i64] * 5 + [ctypes.c_float, i64]
-        lib.skinny_matmul.restype = None
-        lib.skinny_matmul.argtypes = [pointer] * 3 + [i64] * 4
+        lib.linear_nt.restype = None
+        lib.linear_nt.argtypes = [pointer] * 3 + [i64] * 4
         return lib
     log.warning("the portable PyTorch paths are used")
     return None
@@ -139,18 +140,18 @@ def paged_decode_attention(
         raise MemoryError("paged_decode_attention could not allocate its scratch")
 
 
-def skinny_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ weight[n, k]ᵀ -> [m, n], like F.linear without bias, for contiguous fp32 CPU tensors (the
-    kernels must be available). Meant for few rows (see SKINNY_MAX_ROWS); the GIL is released while it runs."""
+    kernels must be available). The GIL is released while it runs."""
     lib = load()
     assert lib is not None, "CPU kernels unavailable"
     m, k = x.shape
     n = weight.shape[0]
     for t in (x, weight):
         if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError("skinny_matmul wants contiguous fp32 CPU tensors")
+            raise ValueError("linear_nt wants contiguous fp32 CPU tensors")
     if weight.shape[1] != k:
-        raise ValueError(f"skinny_matmul: x has {k} columns, weight {weight.shape[1]}")
+        raise ValueError(f"linear_nt: x has {k} columns, weight {weight.shape[1]}")
     y = torch.empty(m, n, dtype=torch.float32)
-    lib.skinny_matmul(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, k, n, torch.get_num_threads())
+    lib.linear_nt(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, k, n, torch.get_num_threads())
     return y

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,21 +69,41 @@ def test_paged_decode_equals_gather_and_sdpa(heads: int, kv_heads: int, dim: int
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32, 63])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32, 63, 130])
 @pytest.mark.parametrize(("k", "n"), [(64, 96), (37, 13), (1024, 4099)])
-def test_skinny_matmul_equals_linear(rows: int, k: int, n: int) -> None:
+def test_linear_nt_equals_linear(rows: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(rows * k + n)
     x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    torch.testing.assert_close(cpu_kernels.skinny_matmul(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.linear_nt(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@needs_compiler
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86-64 build target")
+def test_the_sixteen_register_build_is_right_too(tmp_path: Path) -> None:
+    """This host has 32 vector registers, so load() builds the wide tiles; a CPU with AVX2 only (16 registers)
+    gets the narrow tile: build that variant explicitly and check it."""
+    import ctypes
+
+    target = tmp_path / "avx2.so"
+    cpu_kernels.build(cpu_kernels.compiler(), ["-O3", "-march=x86-64-v3", "-fopenmp", "-std=gnu11", "-fPIC",
+                                               "-shared"], target)
+    lib = ctypes.CDLL(str(target))
+    lib.linear_nt.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+    gen = torch.Generator().manual_seed(16)
+    for rows, k, n in [(1, 64, 96), (5, 37, 13), (33, 1024, 4099)]:
+        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+        y = torch.empty(rows, n)
+        lib.linear_nt(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, k, n, 2)
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
 @needs_compiler
 def test_kernels_refuse_what_they_cannot_read() -> None:
     with pytest.raises(ValueError, match="contiguous fp32"):
-        cpu_kernels.skinny_matmul(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
+        cpu_kernels.linear_nt(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="columns"):
-        cpu_kernels.skinny_matmul(torch.randn(2, 8), torch.randn(4, 9))
+        cpu_kernels.linear_nt(torch.randn(2, 8), torch.randn(4, 9))
     # linear() itself takes anything F.linear takes: transposed weights and other dtypes use the BLAS.
     x, w = torch.randn(3, 8), torch.randn(8, 5)
     torch.testing.assert_close(linear(x, w.t()), F.linear(x, w.t()))
