@@ -31,114 +31,102 @@ static inline float hsum(v8f v) {
     return s;
 }
 
-/* Rows [j, j + 4) of W against rows [m, m + 4) of x: sixteen accumulators, named so they stay in registers. */
-static void tile_4x4(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
-    const float *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-    const float *x0 = x + m * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
-    v8f c00 = {0}, c01 = {0}, c02 = {0}, c03 = {0}, c10 = {0}, c11 = {0}, c12 = {0}, c13 = {0};
-    v8f c20 = {0}, c21 = {0}, c22 = {0}, c23 = {0}, c30 = {0}, c31 = {0}, c32 = {0}, c33 = {0};
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-        v8f a0 = load8(w0 + i), a1 = load8(w1 + i), a2 = load8(w2 + i), a3 = load8(w3 + i);
-        IN_REGISTER(a0);
-        IN_REGISTER(a1);
-        IN_REGISTER(a2);
-        IN_REGISTER(a3);
-        v8f b = load8(x0 + i);
-        IN_REGISTER(b);
-        c00 += a0 * b, c01 += a1 * b, c02 += a2 * b, c03 += a3 * b;
-        b = load8(x1 + i);
-        IN_REGISTER(b);
-        c10 += a0 * b, c11 += a1 * b, c12 += a2 * b, c13 += a3 * b;
-        b = load8(x2 + i);
-        IN_REGISTER(b);
-        c20 += a0 * b, c21 += a1 * b, c22 += a2 * b, c23 += a3 * b;
-        b = load8(x3 + i);
-        IN_REGISTER(b);
-        c30 += a0 * b, c31 += a1 * b, c32 += a2 * b, c33 += a3 * b;
-    }
-    const v8f acc[4][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}, {c30, c31, c32, c33}};
-    const float *xs[4] = {x0, x1, x2, x3}, *ws[4] = {w0, w1, w2, w3};
-    for (int r = 0; r < 4; r++)
+/* The sums of a tile's accumulators, plus the columns past the last multiple of 8, into y. */
+static void finish_tile(const v8f acc[][4], int rows, const float *x, const float *w, float *y, int64_t m,
+                        int64_t j, int64_t k, int64_t n, int64_t done) {
+    for (int r = 0; r < rows; r++)
         for (int c = 0; c < 4; c++) {
+            const float *xr = x + (m + r) * k, *wc = w + (j + c) * k;
             float sum = hsum(acc[r][c]);
-            for (int64_t t = i; t < k; t++) sum += ws[c][t] * xs[r][t];
+            for (int64_t t = done; t < k; t++) sum += wc[t] * xr[t];
             y[(m + r) * n + j + c] = sum;
         }
+}
+
+/* A tile's parts: W rows j..j+3 at column i into a0..a3, then ROW(r) for each x row of the tile, four
+ * multiply-adds into the accumulators c<r>0..c<r>3 (named, so that they stay in registers). */
+#define W_ROWS const float *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k
+#define ACCUMULATORS(r) v8f c##r##0 = {0}, c##r##1 = {0}, c##r##2 = {0}, c##r##3 = {0}
+#define LOAD_W                                                                                          \
+    v8f a0 = load8(w0 + i), a1 = load8(w1 + i), a2 = load8(w2 + i), a3 = load8(w3 + i);                 \
+    IN_REGISTER(a0);                                                                                    \
+    IN_REGISTER(a1);                                                                                    \
+    IN_REGISTER(a2);                                                                                    \
+    IN_REGISTER(a3)
+#define ROW(r)                                                                                          \
+    do {                                                                                                \
+        v8f b = load8(x + (m + r) * k + i);                                                             \
+        IN_REGISTER(b);                                                                                 \
+        c##r##0 += a0 * b, c##r##1 += a1 * b, c##r##2 += a2 * b, c##r##3 += a3 * b;                     \
+    } while (0)
+#define SUMS(r) {c##r##0, c##r##1, c##r##2, c##r##3}
+
+/* 32 vector registers leave room for 24 accumulators beside the W and x vectors; 16 for 8. */
+#if defined(__AVX512VL__) || defined(__aarch64__)
+#define WIDE_TILES 1
+#else
+#define WIDE_TILES 0
+#endif
+
+#if !WIDE_TILES
+/* Rows [j, j + 4) of W against rows [m, m + 2) of x: the tile for CPUs with 16 vector registers. */
+static void tile_4x2(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
+    W_ROWS;
+    ACCUMULATORS(0);
+    ACCUMULATORS(1);
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        LOAD_W;
+        ROW(0);
+        ROW(1);
+    }
+    const v8f acc[2][4] = {SUMS(0), SUMS(1)};
+    finish_tile(acc, 2, x, w, y, m, j, k, n, i);
+}
+#else
+
+/* Rows [j, j + 4) of W against rows [m, m + 4) of x: 16 accumulators, for CPUs with 32 vector registers. */
+static void tile_4x4(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
+    W_ROWS;
+    ACCUMULATORS(0);
+    ACCUMULATORS(1);
+    ACCUMULATORS(2);
+    ACCUMULATORS(3);
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        LOAD_W;
+        ROW(0);
+        ROW(1);
+        ROW(2);
+        ROW(3);
+    }
+    const v8f acc[4][4] = {SUMS(0), SUMS(1), SUMS(2), SUMS(3)};
+    finish_tile(acc, 4, x, w, y, m, j, k, n, i);
 }
 
 /* Rows [j, j + 4) of W against rows [m, m + 6) of x: 24 accumulators, for CPUs with 32 vector registers. */
 static void tile_4x6(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
-    const float *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-    const float *x0 = x + m * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k, *x4 = x3 + k, *x5 = x4 + k;
-    v8f c00 = {0}, c01 = {0}, c02 = {0}, c03 = {0}, c10 = {0}, c11 = {0}, c12 = {0}, c13 = {0};
-    v8f c20 = {0}, c21 = {0}, c22 = {0}, c23 = {0}, c30 = {0}, c31 = {0}, c32 = {0}, c33 = {0};
-    v8f c40 = {0}, c41 = {0}, c42 = {0}, c43 = {0}, c50 = {0}, c51 = {0}, c52 = {0}, c53 = {0};
+    W_ROWS;
+    ACCUMULATORS(0);
+    ACCUMULATORS(1);
+    ACCUMULATORS(2);
+    ACCUMULATORS(3);
+    ACCUMULATORS(4);
+    ACCUMULATORS(5);
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
-        v8f a0 = load8(w0 + i), a1 = load8(w1 + i), a2 = load8(w2 + i), a3 = load8(w3 + i);
-        IN_REGISTER(a0);
-        IN_REGISTER(a1);
-        IN_REGISTER(a2);
-        IN_REGISTER(a3);
-        v8f b = load8(x0 + i);
-        IN_REGISTER(b);
-        c00 += a0 * b, c01 += a1 * b, c02 += a2 * b, c03 += a3 * b;
-        b = load8(x1 + i);
-        IN_REGISTER(b);
-        c10 += a0 * b, c11 += a1 * b, c12 += a2 * b, c13 += a3 * b;
-        b = load8(x2 + i);
-        IN_REGISTER(b);
-        c20 += a0 * b, c21 += a1 * b, c22 += a2 * b, c23 += a3 * b;
-        b = load8(x3 + i);
-        IN_REGISTER(b);
-        c30 += a0 * b, c31 += a1 * b, c32 += a2 * b, c33 += a3 * b;
-        b = load8(x4 + i);
-        IN_REGISTER(b);
-        c40 += a0 * b, c41 += a1 * b, c42 += a2 * b, c43 += a3 * b;
-        b = load8(x5 + i);
-        IN_REGISTER(b);
-        c50 += a0 * b, c51 += a1 * b, c52 += a2 * b, c53 += a3 * b;
+        LOAD_W;
+        ROW(0);
+        ROW(1);
+        ROW(2);
+        ROW(3);
+        ROW(4);
+        ROW(5);
     }
-    const v8f acc[6][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23},
-                           {c30, c31, c32, c33}, {c40, c41, c42, c43}, {c50, c51, c52, c53}};
-    const float *xs[6] = {x0, x1, x2, x3, x4, x5}, *ws[4] = {w0, w1, w2, w3};
-    for (int r = 0; r < 6; r++)
-        for (int c = 0; c < 4; c++) {
-            float sum = hsum(acc[r][c]);
-            for (int64_t t = i; t < k; t++) sum += ws[c][t] * xs[r][t];
-            y[(m + r) * n + j + c] = sum;
-        }
+    const v8f acc[6][4] = {SUMS(0), SUMS(1), SUMS(2), SUMS(3), SUMS(4), SUMS(5)};
+    finish_tile(acc, 6, x, w, y, m, j, k, n, i);
 }
-
-/* Rows [j, j + 4) of W against rows [m, m + 2) of x: the tile for CPUs with 16 vector registers. */
-static void tile_4x2(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
-    const float *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-    const float *x0 = x + m * k, *x1 = x0 + k;
-    v8f c00 = {0}, c01 = {0}, c02 = {0}, c03 = {0}, c10 = {0}, c11 = {0}, c12 = {0}, c13 = {0};
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-        v8f a0 = load8(w0 + i), a1 = load8(w1 + i), a2 = load8(w2 + i), a3 = load8(w3 + i);
-        IN_REGISTER(a0);
-        IN_REGISTER(a1);
-        IN_REGISTER(a2);
-        IN_REGISTER(a3);
-        v8f b = load8(x0 + i);
-        IN_REGISTER(b);
-        c00 += a0 * b, c01 += a1 * b, c02 += a2 * b, c03 += a3 * b;
-        b = load8(x1 + i);
-        IN_REGISTER(b);
-        c10 += a0 * b, c11 += a1 * b, c12 += a2 * b, c13 += a3 * b;
-    }
-    const v8f acc[2][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}};
-    const float *xs[2] = {x0, x1}, *ws[4] = {w0, w1, w2, w3};
-    for (int r = 0; r < 2; r++)
-        for (int c = 0; c < 4; c++) {
-            float sum = hsum(acc[r][c]);
-            for (int64_t t = i; t < k; t++) sum += ws[c][t] * xs[r][t];
-            y[(m + r) * n + j + c] = sum;
-        }
-}
+#endif
 
 /* Rows [j, j + 4) of W against row m of x. */
 static void tile_4x1(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
@@ -149,13 +137,8 @@ static void tile_4x1(const float *x, const float *w, float *y, int64_t m, int64_
         const v8f b = load8(x0 + i);
         c0 += load8(w0 + i) * b, c1 += load8(w1 + i) * b, c2 += load8(w2 + i) * b, c3 += load8(w3 + i) * b;
     }
-    const v8f acc[4] = {c0, c1, c2, c3};
-    const float *ws[4] = {w0, w1, w2, w3};
-    for (int c = 0; c < 4; c++) {
-        float sum = hsum(acc[c]);
-        for (int64_t t = i; t < k; t++) sum += ws[c][t] * x0[t];
-        y[m * n + j + c] = sum;
-    }
+    const v8f acc[1][4] = {{c0, c1, c2, c3}};
+    finish_tile(acc, 1, x, w, y, m, j, k, n, i);
 }
 
 /* x [m, k], w [n, k], y [m, n]; all contiguous. */
@@ -166,8 +149,7 @@ void linear_nt(const float *x, const float *w, float *y, int64_t m, int64_t k, i
     for (int64_t t = 0; t < tiles; t++)
     {
         int64_t r = 0;
-#if defined(__AVX512VL__) || defined(__aarch64__)
-        /* 32 vector registers: room for 24 accumulators with the W and x vectors beside them. */
+#if WIDE_TILES
         for (; r + 6 <= m; r += 6) tile_4x6(x, w, y, r, t * 4, k, n);
         for (; r + 4 <= m; r += 4) tile_4x4(x, w, y, r, t * 4, k, n);
 #else
