@@ -4,8 +4,9 @@ paged KV cache (paged_decode.c) and the linear layers' x · Wᵀ (linear.c).
 They are compiled once per machine with its C compiler and loaded with ctypes (no Python or torch headers,
 so no ABI to keep). They accelerate, never required: where no C compiler exists, the build fails, or
 QWENSERVE_CPU_KERNEL=0, `load()` returns None and callers keep their portable PyTorch path. The shared object
-is cached under cache_root()/kernels, named by a digest of the sources, the flags and the compiler, so an
-edit or a new compiler rebuilds it and concurrent processes never load a half-written file.
+is cached under cache_root()/kernels, named by a digest of the sources, the flags, the compiler and the CPU's
+features, so an edit, a new compiler or another CPU rebuilds it; concurrent processes never load a
+half-written file (it is renamed into place).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ _FLAG_SETS = (
 
 
 def compiler() -> str | None:
+    """$CC, else the first of cc, gcc, clang on PATH."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
