@@ -1,5 +1,6 @@
 """C kernels for fp32 on CPU, where PyTorch's own ops leave speed unused: decode attention straight from the
-paged KV cache (paged_decode.c) and the linear layers' x · Wᵀ (linear.c).
+paged KV cache (paged_decode.c) and the linear layers' x · Wᵀ (linear.c), on weights as checkpoints store
+them or packed in panels of 16 output columns (`pack_weight`), the layout the fastest product wants.
 
 They are compiled once per machine with its C compiler and loaded with ctypes (no Python or torch headers,
 so no ABI to keep). They accelerate, never required: where no C compiler exists, the build fails, or
@@ -28,6 +29,7 @@ from qwenserve.cache import cache_root
 
 log = logging.getLogger(__name__)
 
+PANEL = 16  # output columns per panel of a packed weight (linear.c's PANEL)
 SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("linear.c"))
 ENV_SWITCH = "QWENSERVE_CPU_KERNEL"
 # -march=native: the object is built on the machine that runs it; a compiler that refuses it builds generic.
@@ -102,6 +104,8 @@ def load() -> ctypes.CDLL | None:
         lib.paged_decode_attention.argtypes = [pointer] * 4 + [i64] + [pointer] * 2 + [i64] * 5 + [ctypes.c_float, i64]
         lib.linear_nt.restype = None
         lib.linear_nt.argtypes = [pointer] * 3 + [i64] * 4
+        lib.linear_packed.restype = None
+        lib.linear_packed.argtypes = [pointer] * 3 + [i64] * 4
         return lib
     log.warning("the portable PyTorch paths are used")
     return None
@@ -156,4 +160,45 @@ def linear_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"linear_nt: x has {k} columns, weight {weight.shape[1]}")
     y = torch.empty(m, n, dtype=torch.float32)
     lib.linear_nt(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, k, n, torch.get_num_threads())
+    return y
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether `weight` [..., n, k] can be packed: fp32 on CPU with n a multiple of PANEL."""
+    return (weight.dim() >= 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.shape[-2] % PANEL == 0)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[..., n, k] -> [..., n / PANEL, k, PANEL]: panel q holds output columns PANEL*q.. side by side for every
+    input column, so the product broadcasts one x value against a whole panel (see linear.c)."""
+    if not packable(weight):
+        raise ValueError(f"pack_weight wants fp32 CPU weights with rows a multiple of {PANEL}, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    *lead, n, k = weight.shape
+    return weight.reshape(*lead, n // PANEL, PANEL, k).transpose(-1, -2).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_weight (a copy)."""
+    *lead, panels, k, width = packed.shape
+    return packed.transpose(-1, -2).reshape(*lead, panels * width, k).contiguous()
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [m, k] @ Wᵀ -> [m, n] for W packed by pack_weight into [n / PANEL, k, PANEL]; contiguous fp32 CPU
+    tensors (the kernels must be available). The GIL is released while it runs."""
+    lib = load()
+    assert lib is not None, "CPU kernels unavailable"
+    for t in (x, packed):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("linear_packed wants contiguous fp32 CPU tensors")
+    if x.dim() != 2 or packed.dim() != 3 or packed.shape[2] != PANEL:
+        raise ValueError(f"linear_packed wants x [m, k] and a packed weight [n/{PANEL}, k, {PANEL}]")
+    m, k = x.shape
+    if packed.shape[1] != k:
+        raise ValueError(f"linear_packed: x has {k} columns, the weight {packed.shape[1]}")
+    n = packed.shape[0] * PANEL
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.linear_packed(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, k, n, torch.get_num_threads())
     return y

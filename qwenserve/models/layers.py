@@ -12,15 +12,46 @@ from torch import nn
 from qwenserve import cpu_kernels
 from qwenserve.models.config import RopeConfig
 
+# The weights pack_linear_weights packs: every matrix a token's hidden state is multiplied by.
+PACKED_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; fp32 on CPU goes to cpu_kernels.linear_nt where the kernels load (faster than the BLAS here at
-    every row count measured, 1-512; QWENSERVE_CPU_KERNEL=0 gives the BLAS back)."""
+    """F.linear on a weight [n, k]; or on a weight packed by pack_linear_weights ([n/16, k, 16], a third
+    dimension), through cpu_kernels.linear_packed. Unpacked fp32 on CPU goes to cpu_kernels.linear_nt where the
+    kernels load (faster than the BLAS here at every row count measured, 1-512; QWENSERVE_CPU_KERNEL=0 gives
+    the BLAS back)."""
+    if weight.dim() == 3:
+        y = cpu_kernels.linear_packed(x.reshape(-1, x.shape[-1]).contiguous(), weight)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y.add_(bias)
     if (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
             and weight.is_contiguous() and cpu_kernels.available()):
         y = cpu_kernels.linear_nt(x.contiguous(), weight)
         return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Repack the model's linear weights in place for cpu_kernels.linear_packed (fp32 on CPU, output rows a
+    multiple of 16; others stay as they are) and return how many were packed. Call it after the checkpoint is
+    loaded: checkpoint_targets describes the unpacked layout."""
+    packed = 0
+    for module in model.modules():
+        for name in PACKED_WEIGHTS:
+            param = module._parameters.get(name)
+            if param is not None and cpu_kernels.packable(param.data):
+                param.data = cpu_kernels.pack_weight(param.data)
+                packed += 1
+    return packed
+
+
+def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an embedding table [vocab, hidden], or of a tied LM head packed by pack_linear_weights
+    ([vocab/16, hidden, 16]: row v is column v % 16 of panel v // 16)."""
+    if table.dim() == 3:
+        return table[ids // table.shape[2], :, ids % table.shape[2]]
+    return table[ids]
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,7 @@ from torch import nn
 
 from qwenserve.engine.attention.base import ForwardContext
 from qwenserve.models.config import ModelConfig
-from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, linear
+from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, embedding_rows, linear
 
 
 class QwenAttention(nn.Module):
@@ -128,7 +128,7 @@ class QwenForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] (before the final norm) for flattened tokens."""
         table = self.lm_head if self.embed_tokens is None else self.embed_tokens
-        x = table[input_ids]
+        x = embedding_rows(table, input_ids)
         cos, sin = self.rotary.lookup(positions)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)

@@ -30,7 +30,7 @@ CONFIG_4X: dict[str, dict] = {
         "config": {
             "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
-            "head_dim": 32, "vocab_size": 1000, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+            "head_dim": 32, "vocab_size": 1024, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
             "rope_theta": 1000000.0,
             "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
             "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",

@@ -79,6 +79,36 @@ def test_linear_nt_equals_linear(rows: int, k: int, n: int) -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 130])
+@pytest.mark.parametrize(("k", "n"), [(64, 16), (37, 48), (1000, 80), (1024, 4096)])
+def test_linear_packed_equals_linear(rows: int, k: int, n: int) -> None:
+    """Row tails of the 6-row tile and panel tails of the 4-panel tile (1, 3, 5 panels), odd k."""
+    gen = torch.Generator().manual_seed(rows * k + n + 1)
+    x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = cpu_kernels.pack_weight(w)
+    assert packed.shape == (n // 16, k, 16)
+    torch.testing.assert_close(cpu_kernels.linear_packed(x, packed), F.linear(x, w), rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), rtol=1e-4, atol=2e-4)
+    # Leading dimensions are flattened and restored, as F.linear does.
+    x3 = x.reshape(1, rows, k)
+    torch.testing.assert_close(linear(x3, packed), F.linear(x3, w), rtol=1e-4, atol=2e-4)
+
+
+def test_packing_round_trips_and_refuses_what_it_cannot_pack() -> None:
+    experts = torch.randn(3, 32, 24)  # stacked MoE experts: each packs on its own
+    packed = cpu_kernels.pack_weight(experts)
+    assert packed.shape == (3, 2, 24, 16)
+    assert torch.equal(packed[1], cpu_kernels.pack_weight(experts[1]))
+    assert torch.equal(cpu_kernels.unpack_weight(packed), experts)
+    # Column c of panel q is row 16q + c: what embedding_rows reads for a tied, packed LM head.
+    assert torch.equal(packed[2][1][:, 5], experts[2][21])
+    for weight in (torch.randn(24, 8), torch.randn(32, 8, dtype=torch.float64)):
+        assert not cpu_kernels.packable(weight)
+        with pytest.raises(ValueError, match="multiple of 16"):
+            cpu_kernels.pack_weight(weight)
+
+
+@needs_compiler
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86-64 build target")
 def test_the_sixteen_register_build_is_right_too(tmp_path: Path) -> None:
     """This host has 32 vector registers, so load() builds the wide tiles; a CPU with AVX2 only (16 registers)
@@ -96,6 +126,12 @@ def test_the_sixteen_register_build_is_right_too(tmp_path: Path) -> None:
         y = torch.empty(rows, n)
         lib.linear_nt(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, k, n, 2)
         torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=1e-4)
+    lib.linear_packed.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+    for rows, k, n in [(1, 64, 16), (7, 37, 48), (33, 1024, 4096)]:
+        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+        y, packed = torch.empty(rows, n), cpu_kernels.pack_weight(w)  # held: a temporary's memory is reused
+        lib.linear_packed(x.data_ptr(), packed.data_ptr(), y.data_ptr(), rows, k, n, 2)
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=2e-4)
 
 
 @needs_compiler
@@ -104,6 +140,10 @@ def test_kernels_refuse_what_they_cannot_read() -> None:
         cpu_kernels.linear_nt(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="columns"):
         cpu_kernels.linear_nt(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError, match="columns"):
+        cpu_kernels.linear_packed(torch.randn(2, 8), cpu_kernels.pack_weight(torch.randn(16, 9)))
+    with pytest.raises(ValueError, match="packed weight"):
+        cpu_kernels.linear_packed(torch.randn(2, 8), torch.randn(1, 8, 8))
     # linear() itself takes anything F.linear takes: transposed weights and other dtypes use the BLAS.
     x, w = torch.randn(3, 8), torch.randn(8, 5)
     torch.testing.assert_close(linear(x, w.t()), F.linear(x, w.t()))
@@ -142,6 +182,8 @@ def test_engine_tokens_equal_with_and_without_kernels(fresh_load: None, monkeypa
         engine = LLMEngine.from_pretrained(folder, EngineConfig(block_size=4, num_threads=2))
         try:
             assert engine.runner.backend.cpu_kernel is (switch == "1")
+            # The tied LM head (1024 rows) is packed only where the kernels run; embeddings read it either way.
+            assert engine.runner.model.lm_head.dim() == (3 if switch == "1" else 2)
             runs.append(engine.generate_sync(prompts, params))
         finally:
             engine.shutdown()

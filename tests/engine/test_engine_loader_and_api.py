@@ -70,8 +70,8 @@ def test_invalid_requests_raise_typed_errors(make_engine):
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
     with pytest.raises(EmptyPromptError):
         engine.generate_sync([[]], greedy)
-    with pytest.raises(InvalidTokenError, match="1000"):
-        engine.generate_sync([[1, 1000]], greedy)
+    with pytest.raises(InvalidTokenError, match="1024"):
+        engine.generate_sync([[1, 1024]], greedy)
     with pytest.raises(ContextLengthExceededError, match="max_model_len"):
         engine.generate_sync([[1] * 150], SamplingParams(max_tokens=60))
     with pytest.raises(RequestTooLargeError, match="KV blocks"):
