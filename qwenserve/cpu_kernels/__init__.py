@@ -185,9 +185,10 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     return packed.transpose(-1, -2).reshape(*lead, panels * width, k).contiguous()
 
 
-def linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] @ Wᵀ -> [m, n] for W packed by pack_weight into [n / PANEL, k, PANEL]; contiguous fp32 CPU
-    tensors (the kernels must be available). The GIL is released while it runs."""
+    tensors (the kernels must be available), written into `out` [m, n] when given. The GIL is released while
+    it runs."""
     lib = load()
     assert lib is not None, "CPU kernels unavailable"
     for t in (x, packed):
@@ -199,6 +200,11 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     if packed.shape[1] != k:
         raise ValueError(f"linear_packed: x has {k} columns, the weight {packed.shape[1]}")
     n = packed.shape[0] * PANEL
-    y = torch.empty(m, n, dtype=torch.float32)
+    if out is None:
+        y = torch.empty(m, n, dtype=torch.float32)
+    elif out.shape != (m, n) or out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"linear_packed: out must be a contiguous fp32 CPU tensor of shape {(m, n)}")
+    else:
+        y = out
     lib.linear_packed(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, k, n, torch.get_num_threads())
     return y

@@ -29,6 +29,7 @@ class ModelRunner:
         cfg = model.cfg
         self.model = model
         self.backend = backend
+        self._logits = torch.empty(0)
         self.block_size = block_size
         self.device = device
         self.kv_cache = torch.zeros(
@@ -71,7 +72,18 @@ class ModelRunner:
         if not sampling:
             return torch.empty(0), sampling
         rows = hidden[torch.tensor(sample_index, device=self.device)]
-        return self.model.compute_logits(rows).cpu(), sampling
+        return self.model.compute_logits(rows, self._logits_buffer(len(sampling))).cpu(), sampling
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor | None:
+        """A reused [rows, vocab] buffer for the CPU's logits, or None elsewhere: at 64 rows of a 152k vocabulary
+        they are 39 MB, past malloc's mmap threshold, so a fresh tensor was faulted in page by page at every
+        step (~15 ms). The sampler is done with one step's logits before the next step computes."""
+        if self.device.type != "cpu":
+            return None
+        vocab = self.model.cfg.vocab_size
+        if self._logits.numel() < rows * vocab:
+            self._logits = torch.empty(rows * vocab, dtype=torch.float32)
+        return self._logits[: rows * vocab].view(rows, vocab)
 
     def _token_slots(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
         bs, table = self.block_size, seq.block_table

@@ -134,9 +134,10 @@ class QwenForCausalLM(nn.Module):
             x = layer(x, cos, sin, ctx)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head for the selected rows; logits in fp32 for the sampler."""
-        return linear(self.norm(hidden), self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and LM head for the selected rows; logits in fp32 for the sampler (in `out` [rows, vocab]
+        where the CPU kernels take it, see `linear`)."""
+        return linear(self.norm(hidden), self.lm_head, out=out).float()
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """Every tensor the checkpoint must contain, mapped to the view of our parameters it fills.
