@@ -272,6 +272,57 @@ static void any_panel_tile(const float *x, const float *wp, float *y, int64_t k,
 #endif
 }
 
+#if TILE_PANELS == 4
+/* Few rows of x (m <= 16) against short panels (k <= 512, so a panel stays in L1): each panel is streamed from
+ * memory once, for up to 12 rows at a time (passes over the same panel hit L1), with a software prefetch 16 KiB
+ * ahead, since the 6-row tiles left the memory idle while they computed on cached panels. On the LM head of
+ * a hidden size of 256 at 16 rows and one core: 6.5 ms where the 6-row tiles took 9.7. */
+#define TALL_ROWS 12
+#define TALL_MAX_M 16
+#define TALL_MAX_K 512
+#define TALL_PREFETCH_STEPS 256
+
+static inline __attribute__((always_inline)) void tall_tile(const float *x, const float *wp, float *y, int64_t k,
+                                                            int64_t n, int64_t q, const int rows) {
+    vecp acc[TALL_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = SPLAT(0.0f);
+    const float *wq = wp + q * k * PANEL;
+    for (int64_t i = 0; i < k; i++) {
+        __builtin_prefetch(wq + (i + TALL_PREFETCH_STEPS) * PANEL);
+        vecp b = loadp(wq + i * PANEL);
+        PANEL_IN_REGISTER(b);
+        for (int r = 0; r < rows; r++) {
+            const float s = x[r * k + i];
+            acc[r] += SPLAT(s) * b;
+        }
+    }
+    for (int r = 0; r < rows; r++) memcpy(y + r * n + q * PANEL, &acc[r], sizeof(vecp));
+}
+
+#define TALL(r) case r: tall_tile(x, wp, y, k, n, q, r); break
+static void any_tall_tile(const float *x, const float *wp, float *y, int64_t k, int64_t n, int64_t q, int rows) {
+    switch (rows) {
+    TALL(12); TALL(11); TALL(10); TALL(9); TALL(8); TALL(7); TALL(6); TALL(5); TALL(4); TALL(3); TALL(2); default: TALL(1);
+    }
+}
+
+/* Panels [q_lo, q_hi) for all m rows, in passes of at most TALL_ROWS rows of equal size. */
+static void tall_panels(const float *x, const float *wp, float *y, int64_t m, int64_t k, int64_t n, int64_t q_lo,
+                        int64_t q_hi) {
+    const int64_t passes = (m + TALL_ROWS - 1) / TALL_ROWS, per = (m + passes - 1) / passes;
+    for (int64_t q = q_lo; q < q_hi; q++)
+        for (int64_t m0 = 0; m0 < m; m0 += per)
+            any_tall_tile(x + m0 * k, wp, y + m0 * n, k, n, q, (int)(m - m0 < per ? m - m0 : per));
+}
+#else
+#define TALL_MAX_M 0
+#define TALL_MAX_K 0
+static void tall_panels(const float *x, const float *wp, float *y, int64_t m, int64_t k, int64_t n, int64_t q_lo,
+                        int64_t q_hi) {
+    (void)x, (void)wp, (void)y, (void)m, (void)k, (void)n, (void)q_lo, (void)q_hi;
+}
+#endif
+
 /* x [m, k], wp [n / 16][k][16] (n a multiple of 16), y [m, n]; all contiguous. Threads take groups of panels
  * small enough to stay in L2 while every tile of x's rows passes over them. */
 void linear_packed(const float *x, const float *wp, float *y, int64_t m, int64_t k, int64_t n,
@@ -284,6 +335,10 @@ void linear_packed(const float *x, const float *wp, float *y, int64_t m, int64_t
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t q_lo = g * group, q_hi = q_lo + group < panels ? q_lo + group : panels;
+        if (m <= TALL_MAX_M && k <= TALL_MAX_K) {
+            tall_panels(x, wp, y, m, k, n, q_lo, q_hi);
+            continue;
+        }
         for (int64_t m0 = 0; m0 < m; m0 += TILE_ROWS) {
             const int rows = m - m0 >= TILE_ROWS ? TILE_ROWS : (int)(m - m0);
             for (int64_t q = q_lo; q < q_hi; q += TILE_PANELS)

@@ -79,10 +79,11 @@ def test_linear_nt_equals_linear(rows: int, k: int, n: int) -> None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 130])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 16, 17, 64, 130])
 @pytest.mark.parametrize(("k", "n"), [(64, 16), (37, 48), (1000, 80), (1024, 4096)])
 def test_linear_packed_equals_linear(rows: int, k: int, n: int) -> None:
-    """Row tails of the 6-row tile and panel tails of the 4-panel tile (1, 3, 5 panels), odd k."""
+    """Row tails of the 6-row tile, panel tails of the 4-panel tile (1, 3, 5 panels), odd k; at k <= 512 and
+    up to 16 rows the one-panel tiles of up to 12 rows (one and two passes)."""
     gen = torch.Generator().manual_seed(rows * k + n + 1)
     x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     packed = cpu_kernels.pack_weight(w)
