@@ -6,7 +6,8 @@ and the router's relay cost. Run by hand; prints figures and ratios measured in 
 1. TTFT of one long prompt: disaggregated (prefill worker + shm handoff) vs prefilled on the decode worker;
    the difference is what the handoff (export, checksum, fetch, import) adds.
 2. Interference: `--streams` requests decoding while long prompts keep arriving. P99 inter-token latency with
-   prefill and decode in separate processes pinned to separate cores (router and tokenizer share prefill's core)
+   prefill and decode in separate processes pinned to separate cores (router and tokenizer share prefill's core;
+   prefill at `qwen-serve up`'s default --prefill-nice 10, so the relay is not queued behind its steps)
    vs one colocated process using both cores (router and tokenizer unpinned), with the default admission and
    with its prefill-only burst steps off; the long prompts' TTFT beside it.
 3. Router relay: tokens the router passes per second of its own CPU time (its capacity on one core), and its

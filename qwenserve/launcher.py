@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,18 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _child_setup(nice: int) -> Callable[[], None]:
+    """What runs in a child before exec: die with the launcher, and lower its CPU priority by `nice` (every
+    thread it will start inherits it)."""
+
+    def setup() -> None:
+        _die_with_parent()
+        if nice:
+            os.nice(nice)
+
+    return setup
+
+
 @dataclass
 class Child:
     """One stage process."""
@@ -74,6 +87,9 @@ class LocalCluster:
     extra_worker_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
+    # Prefill's long prompt steps are throughput work; on one host they yield the cores to the latency-critical
+    # decode steps and the router's token relay (0 turns this off).
+    prefill_nice: int = 10
     children: list[Child] = field(default_factory=list)
 
     def _stage(self, stage: str, port: int, extra: list[str]) -> Child:
@@ -128,7 +144,7 @@ class LocalCluster:
             # Children's own output never mixes with the launcher's stdout (which carries the ready line).
             child.process = subprocess.Popen(
                 child.argv, env=env, stdout=out or sys.stderr, stderr=subprocess.STDOUT if out else None,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_child_setup(self.prefill_nice if child.name.startswith("prefill") else 0),
             )
         try:
             self.wait_healthy(timeout_s)
@@ -192,6 +208,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--http-port", type=int, default=8000, help="router OpenAI HTTP port")
     parser.add_argument("--kv-transfer", choices=["shm", "network"], default="shm")
     parser.add_argument("--log-dir", type=Path, default=None, help="write each child's log to a file here")
+    parser.add_argument("--prefill-nice", type=int, default=10,
+                        help="lower prefill processes' CPU priority by this much, so that on shared cores their "
+                             "long prompt steps yield to decode steps and the router's relay (0: equal priority)")
     args, router_extra = parser.parse_known_args(argv)
     if args.prefill < 0 or args.decode < 1:
         parser.error("need --decode >= 1 and --prefill >= 0")
@@ -202,7 +221,7 @@ def main(argv: list[str]) -> int:
     cluster = LocalCluster(
         model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
         router_port=args.port, http_port=args.http_port, kv_transfer=args.kv_transfer,
-        extra_router_args=router_extra, log_dir=args.log_dir,
+        extra_router_args=router_extra, log_dir=args.log_dir, prefill_nice=args.prefill_nice,
     )
     cluster.plan()
     stop = {"signal": 0}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import subprocess
 import sys
@@ -87,6 +88,18 @@ def test_greedy_tokens_are_identical_disaggregated_local_and_in_process(
     assert disaggregated == local
     assert disaggregated == _reference(tiny_model, prompts)
     assert all(len(t) == MAX_TOKENS for t in disaggregated)
+
+
+def test_prefill_runs_at_a_lower_cpu_priority_than_decode_and_router(cluster: LocalCluster) -> None:
+    """Every thread of a prefill process (its engine and torch's pool, started after exec) inherits the nice
+    value; decode and the router keep the launcher's."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    for child in cluster.children:
+        pid = child.process.pid
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        expected = base + cluster.prefill_nice if child.name.startswith("prefill") else base
+        assert cluster.prefill_nice == 10 and len(threads) > 1
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in threads} == {min(expected, 19)}, child.name
 
 
 def test_usage_and_a_single_terminal_message(cluster: LocalCluster) -> None:
