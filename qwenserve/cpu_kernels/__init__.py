@@ -1,6 +1,7 @@
 """C kernels for fp32 on CPU, where PyTorch's own ops leave speed unused: decode attention straight from the
-paged KV cache (paged_decode.c) and the linear layers' x · Wᵀ (linear.c), on weights as checkpoints store
-them or packed in panels of 16 output columns (`pack_weight`), the layout the fastest product wants.
+paged KV cache (paged_decode.c); the linear layers' x · Wᵀ (linear.c), on weights as checkpoints store them or
+packed in panels of 16 output columns (`pack_weight`), the layout the fastest product wants; RMSNorm
+(rms_norm.c) and rotary embeddings (rotary.c) in one pass each, where PyTorch makes five or six.
 
 They are compiled once per machine with its C compiler and loaded with ctypes (no Python or torch headers,
 so no ABI to keep). They accelerate, never required: where no C compiler exists, the build fails, or
@@ -30,7 +31,7 @@ from qwenserve.cache import cache_root
 log = logging.getLogger(__name__)
 
 PANEL = 16  # output columns per panel of a packed weight (linear.c's PANEL)
-SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("linear.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "linear.c", "rms_norm.c", "rotary.c"))
 ENV_SWITCH = "QWENSERVE_CPU_KERNEL"
 # -march=native: the object is built on the machine that runs it; a compiler that refuses it builds generic.
 # -fopenmp: the library then needs libgomp.so.1, which torch has already loaded, so both share one pool.
@@ -106,6 +107,10 @@ def load() -> ctypes.CDLL | None:
         lib.linear_nt.argtypes = [pointer] * 3 + [i64] * 4
         lib.linear_packed.restype = None
         lib.linear_packed.argtypes = [pointer] * 3 + [i64] * 4
+        lib.rms_norm.restype = None
+        lib.rms_norm.argtypes = [pointer] * 3 + [i64] * 2 + [ctypes.c_float, i64]
+        lib.rotary.restype = None
+        lib.rotary.argtypes = [pointer] * 4 + [i64] * 6
         return lib
     log.warning("the portable PyTorch paths are used")
     return None
@@ -207,4 +212,41 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor | Non
     else:
         y = out
     lib.linear_packed(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, k, n, torch.get_num_threads())
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x², last dim) + eps) * weight for a contiguous fp32 CPU tensor (the kernels must be
+    available); one pass per row instead of PyTorch's six elementwise ops. The GIL is released while it runs."""
+    lib = load()
+    assert lib is not None, "CPU kernels unavailable"
+    for t in (x, weight):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("rms_norm wants contiguous fp32 CPU tensors")
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"rms_norm: x has {dim} features, the weight {tuple(weight.shape)}")
+    y = torch.empty_like(x)
+    lib.rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim if dim else 0, dim, eps,
+                 torch.get_num_threads())
+    return y
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [tokens, heads, dim] (fp32 on CPU, its last dimension contiguous) by cos and sin [tokens, dim]
+    (contiguous) in the half-split convention; a new contiguous tensor, equal to PyTorch's
+    x * cos + cat(-x2, x1) * sin (the kernels must be available)."""
+    lib = load()
+    assert lib is not None, "CPU kernels unavailable"
+    tokens, heads, dim = x.shape
+    for t in (x, cos, sin):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+            raise ValueError("rotary wants fp32 CPU tensors with a contiguous last dimension")
+    if cos.shape != (tokens, dim) or sin.shape != (tokens, dim) or not cos.is_contiguous() or not sin.is_contiguous():
+        raise ValueError(f"rotary: cos and sin must be contiguous [{tokens}, {dim}]")
+    if dim % 2:
+        raise ValueError("rotary: head_dim must be even")
+    y = torch.empty(tokens, heads, dim, dtype=torch.float32)
+    lib.rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), tokens, heads, dim, x.stride(0),
+               x.stride(1), torch.get_num_threads())
     return y

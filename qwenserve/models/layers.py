@@ -66,7 +66,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise over the last dimension."""
+        """Normalise over the last dimension (fp32 on CPU through cpu_kernels.rms_norm where they load)."""
+        if (x.dtype == torch.float32 and x.device.type == "cpu" and x.numel()
+                and self.weight.dtype == torch.float32 and cpu_kernels.available()):
+            return cpu_kernels.rms_norm(x.contiguous(), self.weight, self.eps)  # q/k arrive as strided views
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -127,7 +130,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [num_tokens, heads, head_dim] by the half-split convention Qwen checkpoints use."""
+    """Rotate [num_tokens, heads, head_dim] by the half-split convention Qwen checkpoints use (fp32 on CPU in
+    one pass through cpu_kernels.rotary where they load; cos and sin come as [num_tokens, 1, head_dim])."""
+    if (x.dim() == 3 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+            and cos.dtype == torch.float32 and cos.dim() == 3 and cos.is_contiguous() and sin.is_contiguous()
+            and cpu_kernels.available()):
+        return cpu_kernels.rotary(x, cos.squeeze(1), sin.squeeze(1))
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

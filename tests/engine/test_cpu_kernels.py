@@ -17,7 +17,7 @@ from qwenserve.engine.attention.torch_backend import TorchAttentionBackend
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
-from qwenserve.models.layers import linear
+from qwenserve.models.layers import RMSNorm, apply_rotary, linear
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler: the kernels cannot be built here")
@@ -136,6 +136,33 @@ def test_the_sixteen_register_build_is_right_too(tmp_path: Path) -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("shape", [(1, 8), (64, 1024), (7, 3, 33), (512, 96)])
+def test_rms_norm_equals_the_pytorch_formula(shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(sum(shape))
+    x, w = torch.randn(*shape, generator=gen), torch.randn(shape[-1], generator=gen)
+    expected = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-6), expected, rtol=1e-5, atol=1e-5)
+    norm = RMSNorm(shape[-1], 1e-6)
+    norm.weight.data = w
+    strided = torch.cat([x, x], dim=-1)[..., : shape[-1]]  # q and k reach their norms as views of qkv
+    torch.testing.assert_close(norm(strided), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 1, 2), (5, 2, 24), (64, 16, 128), (300, 8, 64)])
+def test_rotary_equals_pytorch_bit_for_bit(tokens: int, heads: int, dim: int) -> None:
+    """Products and sums rounded as PyTorch rounds them: equal, not merely close; strided input as a view of qkv."""
+    gen = torch.Generator().manual_seed(tokens + heads + dim)
+    qkv = torch.randn(tokens, 3 * heads * dim, generator=gen)
+    x = qkv[:, heads * dim : 2 * heads * dim].reshape(tokens, heads, dim)
+    cos, sin = torch.randn(tokens, 1, dim, generator=gen), torch.randn(tokens, 1, dim, generator=gen)
+    half = dim // 2
+    expected = x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    assert torch.equal(cpu_kernels.rotary(x, cos.squeeze(1), sin.squeeze(1)), expected)
+    assert torch.equal(apply_rotary(x, cos, sin), expected)
+
+
+@needs_compiler
 def test_kernels_refuse_what_they_cannot_read() -> None:
     with pytest.raises(ValueError, match="contiguous fp32"):
         cpu_kernels.linear_nt(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
@@ -145,6 +172,14 @@ def test_kernels_refuse_what_they_cannot_read() -> None:
         cpu_kernels.linear_packed(torch.randn(2, 8), cpu_kernels.pack_weight(torch.randn(16, 9)))
     with pytest.raises(ValueError, match="packed weight"):
         cpu_kernels.linear_packed(torch.randn(2, 8), torch.randn(1, 8, 8))
+    with pytest.raises(ValueError, match="features"):
+        cpu_kernels.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.rms_norm(torch.randn(8, 2).t(), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="cos and sin"):
+        cpu_kernels.rotary(torch.randn(2, 1, 8), torch.randn(3, 8), torch.randn(3, 8))
+    with pytest.raises(ValueError, match="even"):
+        cpu_kernels.rotary(torch.randn(2, 1, 7), torch.randn(2, 7), torch.randn(2, 7))
     # linear() itself takes anything F.linear takes: transposed weights and other dtypes use the BLAS.
     x, w = torch.randn(3, 8), torch.randn(8, 5)
     torch.testing.assert_close(linear(x, w.t()), F.linear(x, w.t()))
