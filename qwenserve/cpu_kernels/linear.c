@@ -1,11 +1,9 @@
-/* y = x · Wᵀ (a linear layer without bias), fp32 on CPU: linear_nt on W as checkpoints store it ([n, k], for
- * the weights that cannot be packed), linear_packed (below) on W packed in panels, which the engine uses.
+/* y = x · Wᵀ (a linear layer without bias), fp32 on CPU: linear_packed (below) on W packed in panels, which the
+ * engine uses; linear_nt on W as checkpoints store it ([n, k]), for the weights that cannot be packed (a row
+ * count that is not a multiple of 16: rare, so it stays simple).
  *
- * linear_nt: threads take bands of W's rows and stream them once, four rows at a time, against every row of x (which
- * stays in cache), accumulating a register tile of x rows × W rows. With few rows (decode) the product is a
- * read of W, and this reads at the memory's rate where the BLAS read at half of it; with many (prefill) the
- * tile keeps both FMA pipes busy. Measured here against PyTorch's BLAS on the Qwen3-0.6B layer shapes:
- * 1.4-2.2x at 1-28 rows, 1.1-1.3x at 64-512.
+ * linear_nt: threads take bands of W's rows and stream them once, four rows at a time, against every row of x
+ * (which stays in cache), accumulating a register tile of 2 x rows × 4 W rows.
  */
 #include <stdint.h>
 #include <string.h>
@@ -62,15 +60,7 @@ static void finish_tile(const v8f acc[][4], int rows, const float *x, const floa
     } while (0)
 #define SUMS(r) {c##r##0, c##r##1, c##r##2, c##r##3}
 
-/* 32 vector registers leave room for 24 accumulators beside the W and x vectors; 16 for 8. */
-#if defined(__AVX512VL__) || defined(__aarch64__)
-#define WIDE_TILES 1
-#else
-#define WIDE_TILES 0
-#endif
-
-#if !WIDE_TILES
-/* Rows [j, j + 4) of W against rows [m, m + 2) of x: the tile for CPUs with 16 vector registers. */
+/* Rows [j, j + 4) of W against rows [m, m + 2) of x: 8 accumulators, which fit 16 vector registers. */
 static void tile_4x2(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
     W_ROWS;
     ACCUMULATORS(0);
@@ -84,50 +74,6 @@ static void tile_4x2(const float *x, const float *w, float *y, int64_t m, int64_
     const v8f acc[2][4] = {SUMS(0), SUMS(1)};
     finish_tile(acc, 2, x, w, y, m, j, k, n, i);
 }
-#else
-
-/* Rows [j, j + 4) of W against rows [m, m + 4) of x: 16 accumulators, for CPUs with 32 vector registers. */
-static void tile_4x4(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
-    W_ROWS;
-    ACCUMULATORS(0);
-    ACCUMULATORS(1);
-    ACCUMULATORS(2);
-    ACCUMULATORS(3);
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-        LOAD_W;
-        ROW(0);
-        ROW(1);
-        ROW(2);
-        ROW(3);
-    }
-    const v8f acc[4][4] = {SUMS(0), SUMS(1), SUMS(2), SUMS(3)};
-    finish_tile(acc, 4, x, w, y, m, j, k, n, i);
-}
-
-/* Rows [j, j + 4) of W against rows [m, m + 6) of x: 24 accumulators, for CPUs with 32 vector registers. */
-static void tile_4x6(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
-    W_ROWS;
-    ACCUMULATORS(0);
-    ACCUMULATORS(1);
-    ACCUMULATORS(2);
-    ACCUMULATORS(3);
-    ACCUMULATORS(4);
-    ACCUMULATORS(5);
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-        LOAD_W;
-        ROW(0);
-        ROW(1);
-        ROW(2);
-        ROW(3);
-        ROW(4);
-        ROW(5);
-    }
-    const v8f acc[6][4] = {SUMS(0), SUMS(1), SUMS(2), SUMS(3), SUMS(4), SUMS(5)};
-    finish_tile(acc, 6, x, w, y, m, j, k, n, i);
-}
-#endif
 
 /* Rows [j, j + 4) of W against row m of x. */
 static void tile_4x1(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
@@ -150,12 +96,7 @@ void linear_nt(const float *x, const float *w, float *y, int64_t m, int64_t k, i
     for (int64_t t = 0; t < tiles; t++)
     {
         int64_t r = 0;
-#if WIDE_TILES
-        for (; r + 6 <= m; r += 6) tile_4x6(x, w, y, r, t * 4, k, n);
-        for (; r + 4 <= m; r += 4) tile_4x4(x, w, y, r, t * 4, k, n);
-#else
         for (; r + 2 <= m; r += 2) tile_4x2(x, w, y, r, t * 4, k, n);
-#endif
         for (; r < m; r++) tile_4x1(x, w, y, r, t * 4, k, n);
     }
     for (int64_t j = tiles * 4; j < n; j++) {

@@ -19,10 +19,10 @@ PACKED_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear on a weight [n, k]; or on a weight packed by pack_linear_weights ([n/16, k, 16], a third
-    dimension), through cpu_kernels.linear_packed. Unpacked fp32 on CPU goes to cpu_kernels.linear_nt where the
-    kernels load (faster than the BLAS here at every row count measured, 1-512; QWENSERVE_CPU_KERNEL=0 gives
-    the BLAS back). `out`, if given, is a buffer for a 2-D packed product (the logits: fresh memory of that
-    size would be faulted in page by page at every step); other paths allocate."""
+    dimension), through cpu_kernels.linear_packed. Unpacked fp32 on CPU (row counts not a multiple of 16) goes to
+    cpu_kernels.linear_nt where the kernels load (here 1.3-2x the BLAS up to 64 rows, 0.75-1.05x at 512;
+    QWENSERVE_CPU_KERNEL=0 gives the BLAS back). `out`, if given, is a buffer for a 2-D packed product (the
+    logits: fresh memory of that size would be faulted in page by page at every step); other paths allocate."""
     if weight.dim() == 3:
         y = cpu_kernels.linear_packed(x.reshape(-1, x.shape[-1]).contiguous(), weight,
                                       out if x.dim() == 2 else None)

@@ -112,8 +112,8 @@ def test_packing_round_trips_and_refuses_what_it_cannot_pack() -> None:
 @needs_compiler
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86-64 build target")
 def test_the_sixteen_register_build_is_right_too(tmp_path: Path) -> None:
-    """This host has 32 vector registers, so load() builds the wide tiles; a CPU with AVX2 only (16 registers)
-    gets the narrow tile: build that variant explicitly and check it."""
+    """This host has 32 vector registers, so load() builds the packed kernel's wide tiles; a CPU with AVX2 only
+    (16 registers) gets the narrow one: build that variant explicitly and check both kernels in it."""
     import ctypes
 
     target = tmp_path / "avx2.so"
