@@ -1,7 +1,9 @@
 """C kernels for fp32 on CPU, where PyTorch's own ops leave speed unused: decode attention straight from the
 paged KV cache (paged_decode.c); the linear layers' x · Wᵀ (linear.c), on weights as checkpoints store them or
 packed in panels of 16 output columns (`pack_weight`), the layout the fastest product wants; RMSNorm
-(rms_norm.c) and rotary embeddings (rotary.c) in one pass each, where PyTorch makes five or six.
+(rms_norm.c) and rotary embeddings (rotary.c) in one pass each, where PyTorch makes five or six. Beside them,
+the KV handoff's checksum and the copy that computes it on the way (kv_checksum.c; kv_transfer/checksum.py
+defines the algorithm and calls it).
 
 They are compiled once per machine with its C compiler and loaded with ctypes (no Python or torch headers,
 so no ABI to keep). They accelerate, never required: where no C compiler exists, the build fails, or
@@ -31,7 +33,9 @@ from qwenserve.cache import cache_root
 log = logging.getLogger(__name__)
 
 PANEL = 16  # output columns per panel of a packed weight (linear.c's PANEL)
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "linear.c", "rms_norm.c", "rotary.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("paged_decode.c", "linear.c", "rms_norm.c", "rotary.c", "kv_checksum.c")
+)
 ENV_SWITCH = "QWENSERVE_CPU_KERNEL"
 # -march=native: the object is built on the machine that runs it; a compiler that refuses it builds generic.
 # -fopenmp: the library then needs libgomp.so.1, which torch has already loaded, so both share one pool.
@@ -111,6 +115,10 @@ def load() -> ctypes.CDLL | None:
         lib.rms_norm.argtypes = [pointer] * 3 + [i64] * 2 + [ctypes.c_float, i64]
         lib.rotary.restype = None
         lib.rotary.argtypes = [pointer] * 4 + [i64] * 6
+        lib.kv_checksum_chunks.restype = None
+        lib.kv_checksum_chunks.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] + [i64] * 2
+        lib.kv_checksum_combine.restype = ctypes.c_uint64
+        lib.kv_checksum_combine.argtypes = [pointer, i64, i64]
         return lib
     log.warning("the portable PyTorch paths are used")
     return None

@@ -1,12 +1,24 @@
 """Checksums of handoff bytes, written "<algorithm>:<hex>" as in `KVHandle.checksum`.
 
-The default, "xxh3_64x256k", is the xxh3_64 of the little-endian xxh3_64 digests of consecutive
-256 KiB chunks. Chunks let every core hash its own share (one core reads about 32 GB/s here, two
-about 44) and let the exporter hash each chunk right after copying it, while it is still in cache
-(`fused_copy`): the exporter's hash then costs almost nothing beyond the copy, and the importer's
-verification is one parallel read. Plain "xxh3_64" (whole buffer, one core) and "crc32" (zlib,
-the fallback where the `xxhash` package is missing) are still produced and verified on request.
-"none" skips hashing, for benchmarks only: importers refuse it unless told otherwise.
+The default, "kvsum64x256k", is our own: per chunk of up to 256 KiB, read as 64-byte stripes of eight
+little-endian 64-bit words w[s][j] (a last partial stripe padded with zeros),
+
+    d = w[s][j] ^ (KEY0[j] + s * KEY_STEP)
+    acc[j] = ACC0[j] + sum over s of  lo32(d) * hi32(d) + w[s][j ^ 1]        (all mod 2^64)
+    digest = fold(length, acc[0..7]),   checksum = fold(total length, digest of every chunk in order)
+
+where fold(h0, x...) is h = mix64(h ^ x) over the xs, from h = h0 ^ LENGTH_SEED (mix64 is a bijection).
+Any one changed word changes lane j ^ 1 by exactly its difference, so it never goes unnoticed; keys that move
+with every stripe, and the ordered fold, make moved stripes and chunks count. Its inner step (an xor, a
+32x32->64 multiply and two adds per 64 bytes) runs far faster than memory, so with the C kernel
+(cpu_kernels/kv_checksum.c) hashing costs the read of the bytes, and a copy that hashes what it moves
+(`fused_copy`) costs the copy: large copies stream past the cache, which skips reading each destination line
+before it is overwritten. Chunks let every core take a share. Where the kernel cannot be built, NumPy computes
+the same digests (slower; tested equal).
+
+Still verified on request: "xxh3_64x256k" (xxh3_64 of the xxh3_64 digests of 256 KiB chunks, the default
+of earlier releases), "xxh3_64" and "crc32". "none" skips hashing, for benchmarks only: importers refuse it
+unless told otherwise.
 """
 
 from __future__ import annotations
@@ -19,29 +31,79 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from qwenserve import cpu_kernels
 from qwenserve.kv_transfer.errors import KVChecksumMismatch
 
 try:
     import xxhash
-except ImportError:  # the fallback keeps handoffs verifiable without the optional package
+except ImportError:  # only the xxh3 algorithms need it
     xxhash = None
 
 NO_CHECKSUM = "none"
-CHUNKED = "xxh3_64x256k"
+KVSUM = "kvsum64x256k"
+XXH3_CHUNKED = "xxh3_64x256k"
+DEFAULT_ALGORITHM = KVSUM
+#: Algorithms that `fused_copy` hashes while copying.
+FUSED = (KVSUM, XXH3_CHUNKED)
 #: Large enough that the per-call overhead vanishes, small enough to stay in L2 after a copy.
 CHUNK_BYTES = 256 << 10
-DEFAULT_ALGORITHM = CHUNKED if xxhash is not None else "crc32"
 #: Below this a second thread costs more than it saves.
 _PARALLEL_MIN_BYTES = 8 << 20
-_threads = max(1, min(4, os.cpu_count() or 1))
+#: Copies this large leave the cache before anyone reads them: stream them past it.
+_STREAM_MIN_BYTES = 4 << 20
+_MAX_THREADS = 4
 _executor: ThreadPoolExecutor | None = None
+
+_MASK64 = (1 << 64) - 1
+_KEY0 = np.array([0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x2545F4914F6CDD1D,
+                  0x5851F42D4C957F2D, 0x14057B7EF767814F, 0xD6E8FEB86659FD93, 0xA0761D6478BD642F], dtype=np.uint64)
+_ACC0 = np.arange(1, 9, dtype=np.uint64)
+_KEY_STEP = np.uint64(0xE7037ED1A0B428DB)
+_LENGTH_SEED = 0x8EBC6AF09C88C6E3
+_LOW32 = np.uint64(0xFFFFFFFF)
+_SWAP_PAIRS = np.array([1, 0, 3, 2, 5, 4, 7, 6])
+
+
+def _mix64(h: int) -> int:
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & _MASK64
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & _MASK64
+    return h ^ (h >> 33)
+
+
+def _fold(length: int, values: np.ndarray) -> int:
+    h = length ^ _LENGTH_SEED
+    for value in values.tolist():
+        h = _mix64(h ^ value)
+    return h
+
+
+def _kvsum_chunk_numpy(chunk: np.ndarray) -> int:
+    """One chunk's kvsum digest, the reference the C kernel is tested against."""
+    words = np.zeros(-(-chunk.nbytes // 64) * 8, dtype="<u8")
+    words.view(np.uint8)[: chunk.nbytes] = chunk
+    w = words.reshape(-1, 8)
+    d = w ^ (_KEY0 + np.arange(w.shape[0], dtype=np.uint64)[:, None] * _KEY_STEP)
+    acc = _ACC0 + ((d & _LOW32) * (d >> np.uint64(32))).sum(0, dtype=np.uint64)
+    acc += w[:, _SWAP_PAIRS].sum(0, dtype=np.uint64)
+    return _fold(chunk.nbytes, acc)
 
 
 def _pool() -> ThreadPoolExecutor:
     global _executor
     if _executor is None:
-        _executor = ThreadPoolExecutor(_threads, thread_name_prefix="kv-checksum")
+        _executor = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="kv-checksum")
     return _executor
+
+
+def _threads() -> int:
+    """The cores this process may run on (asked each time: a worker may be pinned after import), at most 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(_MAX_THREADS, cores))
 
 
 def _as_array(data: torch.Tensor | memoryview) -> np.ndarray:
@@ -57,26 +119,46 @@ def _as_array(data: torch.Tensor | memoryview) -> np.ndarray:
 def _ranges(nbytes: int) -> list[tuple[int, int]]:
     """Contiguous runs of whole chunks, one per thread (each thread reads sequentially)."""
     chunks = -(-nbytes // CHUNK_BYTES)
-    parts = _threads if nbytes >= _PARALLEL_MIN_BYTES else 1
+    parts = _threads() if nbytes >= _PARALLEL_MIN_BYTES else 1
     per = -(-chunks // parts)
     return [(i * per, min(chunks, (i + 1) * per)) for i in range(parts) if i * per < chunks]
 
 
-def _combine(digests: list[np.ndarray]) -> str:
-    return f"{CHUNKED}:{xxhash.xxh3_64_hexdigest(np.concatenate(digests).astype('<u8').tobytes())}"
-
-
-def _run(job: Callable[[int, int], np.ndarray], nbytes: int) -> list[np.ndarray]:
-    """job(first_chunk, end_chunk) -> those chunks' digests, over every thread's range."""
+def _run(job: Callable[[int, int], np.ndarray], nbytes: int) -> np.ndarray:
+    """job(first_chunk, end_chunk) -> those chunks' digests, over every thread's range, in order."""
     ranges = _ranges(nbytes)
+    if not ranges:
+        return np.empty(0, dtype=np.uint64)
     if len(ranges) == 1:
-        return [job(*ranges[0])]
-    return list(_pool().map(lambda r: job(*r), ranges))
+        return job(*ranges[0])
+    return np.concatenate(list(_pool().map(lambda r: job(*r), ranges)))
 
 
-def _chunked(dst: np.ndarray, src: np.ndarray | None = None) -> str:
-    """The chunked checksum of `dst`; with `src`, each chunk is first copied from there (then hashed
-    while still in cache)."""
+def _kvsum(dst: np.ndarray, src: np.ndarray | None = None) -> str:
+    """The kvsum of `dst`; with `src`, each chunk is copied from there into `dst` as it is hashed."""
+    nbytes = dst.nbytes
+    lib = cpu_kernels.load()
+    if lib is not None:  # one call; its OpenMP threads split the chunks, with the GIL released
+        digests = np.empty(-(-nbytes // CHUNK_BYTES), dtype=np.uint64)
+        threads = _threads() if nbytes >= _PARALLEL_MIN_BYTES else 1
+        lib.kv_checksum_chunks((dst if src is None else src).ctypes.data, None if src is None else dst.ctypes.data,
+                               nbytes, CHUNK_BYTES, digests.ctypes.data, nbytes >= _STREAM_MIN_BYTES, threads)
+        return f"{KVSUM}:{lib.kv_checksum_combine(digests.ctypes.data, digests.size, nbytes):016x}"
+
+    def job(first: int, end: int) -> np.ndarray:
+        out = np.empty(end - first, dtype=np.uint64)
+        for i in range(first, end):
+            chunk = slice(i * CHUNK_BYTES, min(nbytes, (i + 1) * CHUNK_BYTES))
+            if src is not None:
+                np.copyto(dst[chunk], src[chunk])
+            out[i - first] = _kvsum_chunk_numpy(dst[chunk])
+        return out
+
+    return f"{KVSUM}:{_fold(nbytes, _run(job, nbytes)):016x}"
+
+
+def _xxh3_chunked(dst: np.ndarray, src: np.ndarray | None = None) -> str:
+    """The xxh3_64x256k checksum of `dst`; with `src`, each chunk is first copied from there."""
 
     def job(first: int, end: int) -> np.ndarray:
         out = np.empty(end - first, dtype=np.uint64)
@@ -87,20 +169,22 @@ def _chunked(dst: np.ndarray, src: np.ndarray | None = None) -> str:
             out[i - first] = xxhash.xxh3_64_intdigest(dst[chunk])
         return out
 
-    return _combine(_run(job, dst.nbytes))
+    return f"{XXH3_CHUNKED}:{xxhash.xxh3_64_hexdigest(_run(job, dst.nbytes).astype('<u8').tobytes())}"
 
 
 def fused_copy(dst: torch.Tensor, src: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
     """Copy src into dst (same number of bytes, both contiguous on the CPU) and return dst's checksum.
 
-    For the chunked algorithm each chunk is hashed straight after it is copied, in parallel across
-    cores, so the bytes are read from memory once; other algorithms copy, then hash."""
+    For the chunked algorithms each chunk is hashed as it is copied, in parallel across cores, so the bytes
+    are read from memory once; other algorithms copy, then hash."""
     if dst.nbytes != src.nbytes:
         raise ValueError(f"fused_copy: {src.nbytes} bytes into {dst.nbytes}")
-    if algorithm != CHUNKED or xxhash is None:
-        dst.copy_(src)
-        return compute_checksum(dst, algorithm)
-    return _chunked(_as_array(dst), _as_array(src))
+    if algorithm == KVSUM:
+        return _kvsum(_as_array(dst), _as_array(src))
+    if algorithm == XXH3_CHUNKED and xxhash is not None:
+        return _xxh3_chunked(_as_array(dst), _as_array(src))
+    dst.copy_(src)
+    return compute_checksum(dst, algorithm)
 
 
 def compute_checksum(data: torch.Tensor | memoryview, algorithm: str = DEFAULT_ALGORITHM) -> str:
@@ -108,15 +192,19 @@ def compute_checksum(data: torch.Tensor | memoryview, algorithm: str = DEFAULT_A
     if algorithm == NO_CHECKSUM:
         return f"{NO_CHECKSUM}:"
     buf = _as_array(data)
-    if algorithm in (CHUNKED, "xxh3_64"):
+    if algorithm == KVSUM:
+        return _kvsum(buf)
+    if algorithm in (XXH3_CHUNKED, "xxh3_64"):
         if xxhash is None:
-            raise ValueError(f"{algorithm} needs the `xxhash` package; install it or use crc32")
-        if algorithm == CHUNKED:
-            return _chunked(buf)
+            raise ValueError(f"{algorithm} needs the `xxhash` package; install it or use {KVSUM}")
+        if algorithm == XXH3_CHUNKED:
+            return _xxh3_chunked(buf)
         return f"xxh3_64:{xxhash.xxh3_64_hexdigest(buf)}"
     if algorithm == "crc32":
         return f"crc32:{zlib.crc32(buf):08x}"
-    raise ValueError(f"unknown checksum algorithm {algorithm!r}; use {CHUNKED}, xxh3_64, crc32 or none")
+    raise ValueError(
+        f"unknown checksum algorithm {algorithm!r}; use {KVSUM}, {XXH3_CHUNKED}, xxh3_64, crc32 or none"
+    )
 
 
 def verify_checksum(data: torch.Tensor | memoryview, expected: str, *, allow_none: bool = False) -> None:

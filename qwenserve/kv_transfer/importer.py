@@ -11,15 +11,19 @@ until `release` or lease expiry, so consume it first, or pass `out=` to get a pr
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import torch
 
-from qwenserve.kv_transfer.checksum import CHUNKED, check_checksum, fused_copy, verify_checksum
+from qwenserve.kv_transfer.checksum import FUSED, check_checksum, fused_copy, verify_checksum
 from qwenserve.kv_transfer.errors import (
     KVHandoffGone,
     KVLayoutInvalid,
@@ -52,6 +56,7 @@ from qwenserve.kv_transfer.mooncake_transport import MooncakeEndpoint
 from qwenserve.kv_transfer.shm import SHM_DIR, map_segment
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -77,6 +82,9 @@ class KVImporter:
     def __init__(self, config: ImporterConfig | None = None) -> None:
         self.config = config or ImporterConfig()
         self._segments: OrderedDict[str, torch.Tensor] = OrderedDict()
+        # Hashing a gigabyte takes tens of milliseconds: off the event loop, on threads of our own that stay
+        # warm (the checksum kernel's OpenMP team belongs to the calling thread).
+        self._hashers = ThreadPoolExecutor(2, thread_name_prefix="kv-verify")
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._mooncake: MooncakeEndpoint | None = None
 
@@ -147,6 +155,7 @@ class KVImporter:
             await channel.close()
         self._channels.clear()
         self._segments.clear()
+        self._hashers.shutdown(wait=False)
 
     # --- checks ----------------------------------------------------------------------------
 
@@ -165,10 +174,10 @@ class KVImporter:
         return actual
 
     async def _verify(self, handle: KVHandle, data: torch.Tensor) -> None:
-        # Hashing a gigabyte takes tens of milliseconds: keep it off the event loop.
-        await asyncio.to_thread(
-            verify_checksum, data, handle.checksum, allow_none=not self.config.require_checksum
-        )
+        await self._hash(verify_checksum, data, handle.checksum, allow_none=not self.config.require_checksum)
+
+    async def _hash(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._hashers, functools.partial(fn, *args, **kwargs))
 
     @staticmethod
     def _check_marker(handle: KVHandle, marker: torch.Tensor) -> None:
@@ -190,10 +199,11 @@ class KVImporter:
         marker = segment[start - MARKER_PAGE : start - MARKER_PAGE + MARKER_BYTES]
         self._check_marker(handle, marker)
         data = segment[start:end]
-        if out is not None and handle.checksum.startswith(f"{CHUNKED}:"):
+        algorithm = handle.checksum.partition(":")[0]
+        if out is not None and algorithm in FUSED:
             # Hash each chunk as it lands in `out`: the shared bytes are read once.
             target = out.view(-1).view(torch.uint8)
-            actual = await asyncio.to_thread(fused_copy, target, data, CHUNKED)
+            actual = await self._hash(fused_copy, target, data, algorithm)
             check_checksum(actual, handle.checksum)
             data = target
         else:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qwenserve.kv_transfer import KVChecksumMismatch, compute_checksum, verify_checksum
-from qwenserve.kv_transfer.checksum import CHUNK_BYTES, CHUNKED, fused_copy
+from qwenserve.kv_transfer.checksum import CHUNK_BYTES, KVSUM, XXH3_CHUNKED, fused_copy
 from qwenserve.kv_transfer.pool import PAGE, ExtentAllocator
 
 
@@ -33,7 +33,7 @@ def test_a_double_free_is_an_error():
         extents.free(offset, PAGE)
 
 
-@pytest.mark.parametrize("algorithm", [CHUNKED, "xxh3_64", "crc32"])
+@pytest.mark.parametrize("algorithm", [KVSUM, XXH3_CHUNKED, "xxh3_64", "crc32"])
 def test_checksums_detect_a_single_bit_flip(algorithm):
     data = torch.arange(4096, dtype=torch.int32)
     checksum = compute_checksum(data, algorithm)
@@ -49,14 +49,15 @@ def test_an_unknown_checksum_algorithm_is_a_mismatch_not_a_crash():
         verify_checksum(torch.zeros(4), "sha9:00")
 
 
+@pytest.mark.parametrize("algorithm", [KVSUM, XXH3_CHUNKED])
 @pytest.mark.parametrize("nbytes", [1, CHUNK_BYTES - 1, CHUNK_BYTES, 3 * CHUNK_BYTES + 5, 40 * CHUNK_BYTES + 3])
-def test_fused_copy_copies_and_hashes_like_a_copy_then_a_hash(nbytes):
-    # 40 chunks and more cross the size where the chunks are split across threads.
+def test_fused_copy_copies_and_hashes_like_a_copy_then_a_hash(nbytes, algorithm):
+    # 40 chunks and more cross the sizes where the chunks are split across threads and the copy streams.
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    checksum = fused_copy(dst, src)
+    checksum = fused_copy(dst, src, algorithm)
     assert torch.equal(dst, src)
-    assert checksum == compute_checksum(src, CHUNKED)
+    assert checksum == compute_checksum(src, algorithm)
     for position in {0, nbytes // 2, nbytes - 1}:
         dst[position] ^= 0x10
         with pytest.raises(KVChecksumMismatch, match="corrupted"):
@@ -65,14 +66,15 @@ def test_fused_copy_copies_and_hashes_like_a_copy_then_a_hash(nbytes):
     verify_checksum(dst, checksum)
 
 
-def test_chunked_checksum_depends_on_chunk_order():
+@pytest.mark.parametrize("algorithm", [KVSUM, XXH3_CHUNKED])
+def test_chunked_checksum_depends_on_chunk_order(algorithm):
     a = torch.randint(0, 256, (CHUNK_BYTES,), dtype=torch.uint8)
     b = torch.randint(0, 256, (CHUNK_BYTES,), dtype=torch.uint8)
-    assert compute_checksum(torch.cat([a, b]), CHUNKED) != compute_checksum(torch.cat([b, a]), CHUNKED)
+    assert compute_checksum(torch.cat([a, b]), algorithm) != compute_checksum(torch.cat([b, a]), algorithm)
 
 
 def test_checksums_refuse_strided_tensors_and_mismatched_copies():
     with pytest.raises(ValueError, match="contiguous"):
-        compute_checksum(torch.zeros(8, 8)[:, 0], CHUNKED)
+        compute_checksum(torch.zeros(8, 8)[:, 0], KVSUM)
     with pytest.raises(ValueError, match="bytes into"):
         fused_copy(torch.zeros(4), torch.zeros(5))

@@ -1,0 +1,122 @@
+"""The kvsum64x256k handoff checksum: the C kernel (every build) equals the NumPy definition, the value is
+stable across releases, and what corruption looks like is caught."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qwenserve import cpu_kernels
+from qwenserve.kv_transfer import KVChecksumMismatch, compute_checksum, verify_checksum
+from qwenserve.kv_transfer import checksum as kvsum
+from qwenserve.kv_transfer.checksum import CHUNK_BYTES, KVSUM, fused_copy
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels cannot be built here")
+SIZES = [0, 1, 63, 64, 65, 4095, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 69, 5 * CHUNK_BYTES + 17]
+
+
+def reference(data: np.ndarray) -> str:
+    """The definition, chunk by chunk in NumPy and Python, with no threads and no kernel."""
+    digests = [kvsum._kvsum_chunk_numpy(data[i : i + CHUNK_BYTES]) for i in range(0, data.nbytes, CHUNK_BYTES)]
+    return f"{KVSUM}:{kvsum._fold(data.nbytes, np.array(digests, dtype=np.uint64)):016x}"
+
+
+def random_bytes(nbytes: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_checksum_of_known_bytes_never_changes():
+    # Prefill and decode of different releases must agree: a change of definition needs a new name.
+    data = torch.arange(3 * CHUNK_BYTES + 100, dtype=torch.int64).remainder(251).to(torch.uint8)
+    assert compute_checksum(data, KVSUM) == reference(data.numpy()) == f"{KVSUM}:4d58cce8639f0d80"
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "numpy"])
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_checksum_and_fused_copy_equal_the_definition(nbytes: int, kernels: bool, monkeypatch: pytest.MonkeyPatch):
+    if kernels and not cpu_kernels.available():
+        pytest.skip("the C kernels cannot be built here")
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    src = random_bytes(nbytes, nbytes)
+    expected = reference(src.numpy())
+    assert compute_checksum(src, KVSUM) == expected
+    # A destination off the 64-byte grid takes the ordinary stores; an aligned one past the streaming size,
+    # the non-temporal ones.
+    for offset in (0, 1):
+        dst = torch.zeros(nbytes + 64, dtype=torch.uint8)[offset : offset + nbytes]
+        assert fused_copy(dst, src, KVSUM) == expected
+        assert torch.equal(dst, src)
+
+
+@needs_kernels
+def test_streamed_copies_across_threads_equal_the_definition(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(kvsum, "_PARALLEL_MIN_BYTES", CHUNK_BYTES)
+    monkeypatch.setattr(kvsum, "_STREAM_MIN_BYTES", CHUNK_BYTES)
+    src = random_bytes(9 * CHUNK_BYTES + 3, 9)
+    dst = torch.zeros_like(src)
+    assert fused_copy(dst, src, KVSUM) == reference(src.numpy()) == compute_checksum(dst, KVSUM)
+    assert torch.equal(dst, src)
+
+
+@needs_kernels
+@pytest.mark.parametrize("march", ["generic", "x86-64-v3"])
+def test_every_build_of_the_kernel_gives_the_same_digests(march: str, tmp_path: Path):
+    if march != "generic" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 build")
+    flags = ["-O3", "-std=gnu11", "-fPIC", "-shared"] + ([] if march == "generic" else [f"-march={march}"])
+    target = tmp_path / f"{march}.so"
+    cpu_kernels.build(shutil.which("cc") or shutil.which("gcc") or "cc", flags, target)
+    lib = ctypes.CDLL(str(target))
+    lib.kv_checksum_chunks.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
+    src = random_bytes(3 * CHUNK_BYTES + 77, 3).numpy()
+    expected = [kvsum._kvsum_chunk_numpy(src[i : i + CHUNK_BYTES]) for i in range(0, src.nbytes, CHUNK_BYTES)]
+    for stream in (0, 1):
+        dst, digests = np.zeros(src.nbytes, dtype=np.uint8), np.zeros(4, dtype=np.uint64)
+        lib.kv_checksum_chunks(src.ctypes.data, dst.ctypes.data, src.nbytes, CHUNK_BYTES, digests.ctypes.data, stream, 2)
+        assert digests.tolist() == expected and np.array_equal(dst, src)
+    lib.kv_checksum_chunks(src.ctypes.data, None, src.nbytes, CHUNK_BYTES, digests.ctypes.data, 0, 1)
+    assert digests.tolist() == expected
+
+
+def test_corruption_of_every_kind_is_caught():
+    data = random_bytes(3 * CHUNK_BYTES, 7)
+    checksum = compute_checksum(data, KVSUM)
+    gen = torch.Generator().manual_seed(1)
+    for position in torch.randint(0, data.numel(), (64,), generator=gen).tolist():
+        for bit in (0, 7):
+            data[position] ^= 1 << bit
+            with pytest.raises(KVChecksumMismatch, match="corrupted"):
+                verify_checksum(data, checksum)
+            data[position] ^= 1 << bit
+    verify_checksum(data, checksum)
+
+    def swapped(width: int, i: int, j: int) -> bool:
+        """Whether swapping two `width`-byte pieces changes the checksum."""
+        copy = data.clone()
+        pieces = copy.view(-1, width)
+        assert not torch.equal(pieces[i], pieces[j])
+        pieces[[i, j]] = pieces[[j, i]].clone()
+        return compute_checksum(copy, KVSUM) != checksum
+
+    assert swapped(64, 5, 9)  # two stripes of a chunk
+    assert swapped(64, 5, CHUNK_BYTES // 64 + 5)  # the same stripe of two chunks
+    assert swapped(8, 0, 1)  # two words of a stripe
+    assert swapped(CHUNK_BYTES, 0, 2)  # two chunks
+
+    def changed(edit) -> bool:
+        copy = data.clone()
+        edit(copy)
+        return compute_checksum(copy, KVSUM) != checksum
+
+    assert changed(lambda d: d[:CHUNK_BYTES].zero_())  # a chunk lost
+    assert compute_checksum(torch.cat([data, torch.zeros(1, dtype=torch.uint8)]), KVSUM) != checksum  # length
+    assert compute_checksum(torch.zeros(64, dtype=torch.uint8), KVSUM) != compute_checksum(
+        torch.zeros(65, dtype=torch.uint8), KVSUM
+    )
