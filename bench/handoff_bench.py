@@ -14,9 +14,11 @@ For each size (doubling from --min-mib to --max-mib), all in one run:
   grpc fetch      the importer's Fetch over loopback from an exporter in another process
                   (chunks + checksum), once the exporter has published
   mooncake fetch  the same through Mooncake Transfer Engine over TCP, where installed
-Every local run starts from the same cache state, cold and clean (256 MiB read just before): interleaved
-columns otherwise inherit unequal caches, e.g. a copy with ordinary stores leaves the last level full of dirty
-lines that the next column pays to write back. Bandwidths are bytes / best time of --reps runs (median beside it). Ratios are against the plain in-process
+Interleaved columns would inherit unequal caches (a copy with ordinary stores leaves the last level full of
+dirty lines that the next column pays to write back), so every timed local run starts from a state of its own
+choosing, --cache: "steady" (default) times a column's run straight after an untimed run of the same column,
+as back-to-back handoffs or back-to-back copies meet the cache; "cold" reads 256 MiB just before, so every run
+starts cold and clean (which also evicts the Python code the handoff's calls run through). Bandwidths are bytes / best time of --reps runs (median beside it). Ratios are against the plain in-process
 copy, the faster of memcpy and copy_; the last column puts shm against memcpy x2 as well.
 """
 
@@ -123,7 +125,7 @@ async def measure_size(
     src: torch.Tensor,
     dst: torch.Tensor,
     out: torch.Tensor,
-    flush: torch.Tensor,
+    flush: torch.Tensor | None,
     exporters: dict[str, KVExporter],
     importer: KVImporter,
     network: dict[str, ExporterProcess],
@@ -164,7 +166,10 @@ async def measure_size(
     times: dict[str, list[float]] = {name: [] for name in local}
     for round_ in range(reps + 1):
         for name, fn in local.items():
-            flush.sum()  # evict: every column starts with the same cold, clean cache
+            if flush is None:
+                await fn()  # the state this column leaves for the next of its kind
+            else:
+                flush.sum()  # evict: a cold, clean cache
             t0 = time.perf_counter()
             await fn()
             if round_:  # round 0 warms up
@@ -188,11 +193,11 @@ async def bench(args: argparse.Namespace) -> None:
     all_sizes = sizes(args.min_mib, args.max_mib)
     top = all_sizes[-1]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; layout {PER_TOKEN // 1024} KiB/token; "
-          f"best of {args.reps} (median)\n")
+          f"best of {args.reps} (median); cache {args.cache}\n")
     src_all = torch.randn(top // 2).to(torch.float16)
     dst_all = torch.zeros(top // 2, dtype=torch.float16)
     out_all = torch.zeros(top // 2, dtype=torch.float16)
-    flush = torch.ones(FLUSH_BYTES // 8, dtype=torch.int64)
+    flush = torch.ones(FLUSH_BYTES // 8, dtype=torch.int64) if args.cache == "cold" else None
 
     server = grpc.aio.server()
     port = server.add_insecure_port("127.0.0.1:0")
@@ -239,6 +244,8 @@ def main() -> None:
     parser.add_argument("--min-mib", type=int, default=64)
     parser.add_argument("--max-mib", type=int, default=1024, help="largest handoff (memory: about 7x this)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--cache", choices=["steady", "cold"], default="steady",
+                        help="what each timed local run starts from (see above)")
     parser.add_argument("--chunk-mib", type=int, default=4, help="gRPC Fetch chunk size")
     parser.add_argument("--no-mooncake", action="store_true")
     parser.add_argument("--serve-exporter", choices=["grpc", "mooncake"], help=argparse.SUPPRESS)
