@@ -15,11 +15,12 @@ For each size (doubling from --min-mib to --max-mib), all in one run:
                   (chunks + checksum), once the exporter has published
   mooncake fetch  the same through Mooncake Transfer Engine over TCP, where installed
 Interleaved columns would inherit unequal caches (a copy with ordinary stores leaves the last level full of
-dirty lines that the next column pays to write back), so every timed local run starts from a state of its own
-choosing, --cache: "steady" (default) times a column's run straight after an untimed run of the same column,
-as back-to-back handoffs or back-to-back copies meet the cache; "cold" reads 256 MiB just before, so every run
-starts cold and clean (which also evicts the Python code the handoff's calls run through). Bandwidths are bytes / best time of --reps runs (median beside it). Ratios are against the plain in-process
-copy, the faster of memcpy and copy_; the last column puts shm against memcpy x2 as well.
+dirty lines that the next column pays to write back), so --cache sets what every timed local run starts from:
+"steady" (default) runs the same column once, untimed, just before, as back-to-back handoffs or copies meet
+the cache; "cold" reads 256 MiB just before, so every run starts cold and clean (which also evicts the Python
+code the handoff's calls run through). Bandwidths are bytes / best time of --reps runs (median beside it).
+Ratios are against the plain in-process copy, the faster of memcpy and copy_; the last column puts shm
+against memcpy x2 as well.
 """
 
 from __future__ import annotations
