@@ -16,6 +16,7 @@ from qwenserve.engine.attention.base import AttentionBatch
 from qwenserve.engine.attention.torch_backend import TorchAttentionBackend
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
+from qwenserve.engine.sampler import argmax as sampler_argmax
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.models.layers import RMSNorm, apply_rotary, linear
 
@@ -163,6 +164,32 @@ def test_rotary_equals_pytorch_bit_for_bit(tokens: int, heads: int, dim: int) ->
 
 
 @needs_compiler
+@pytest.mark.parametrize("cols", [1, 7, 64, 65, 1000, 151936])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_equals_torch_argmax(cols: int, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random rows, a row of ties (first index wins), a max in a block's tail, all -inf, NaNs (the first NaN
+    wins, as in torch), signed zeros; rows of a wider tensor (strided), and an empty batch."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # what the wrapper hands the kernel
+    gen = torch.Generator().manual_seed(cols)
+    wide = torch.randn(12, cols + 3, generator=gen)
+    x = wide[:, :cols]
+    x[1] = 0.5  # all tied
+    x[2, -1] = 1e30  # the last column
+    x[3] = float("-inf")
+    x[4, cols // 2 :] = float("nan")
+    x[5, -1] = float("nan")
+    x[5, 0] = float("inf")
+    x[6] = 0.0
+    x[6, cols // 3] = -0.0
+    x[7, : max(1, cols // 2)] = float("-inf")
+    x[8, cols // 2] = x[8, -1] = 50.0  # two equal maxima: the first
+    expected = torch.argmax(x, dim=-1)
+    assert torch.equal(cpu_kernels.argmax_rows(x), expected)
+    assert torch.equal(sampler_argmax(x), expected)
+    assert cpu_kernels.argmax_rows(torch.empty(0, cols)).shape == (0,)
+
+
+@needs_compiler
 def test_kernels_refuse_what_they_cannot_read() -> None:
     with pytest.raises(ValueError, match="contiguous fp32"):
         cpu_kernels.linear_nt(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
@@ -178,6 +205,10 @@ def test_kernels_refuse_what_they_cannot_read() -> None:
         cpu_kernels.rms_norm(torch.randn(8, 2).t(), torch.randn(8), 1e-6)
     with pytest.raises(ValueError, match="cos and sin"):
         cpu_kernels.rotary(torch.randn(2, 1, 8), torch.randn(3, 8), torch.randn(3, 8))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cpu_kernels.argmax_rows(torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match="empty"):
+        cpu_kernels.argmax_rows(torch.empty(3, 0))
     with pytest.raises(ValueError, match="even"):
         cpu_kernels.rotary(torch.randn(2, 1, 7), torch.randn(2, 7), torch.randn(2, 7))
     # linear() itself takes anything F.linear takes: transposed weights and other dtypes use the BLAS.
