@@ -15,6 +15,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -37,6 +38,7 @@ from qwenserve.engine.errors import (
 )
 from qwenserve.engine.host_memory import keep_freed_memory
 from qwenserve.engine.kv_layout import KVExportSink, KVImport, KVLayout, check_compatible
+from qwenserve.engine.mailbox import LoopMailbox
 from qwenserve.engine.model_runner import ModelRunner
 from qwenserve.engine.outputs import EngineStats, RequestOutput, Usage
 from qwenserve.engine.sampler import Sampler, SamplingRow
@@ -111,6 +113,11 @@ class LLMEngine:
         self._closed = False
         self._idle = threading.Event()
         self._idle.set()
+        # One per event loop that calls generate(): a step's outputs reach a loop with one wake-up.
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._mailbox_lock = threading.Lock()
         log.info(
             "engine: %s on %s/%s, attention=%s, block_size=%d, kv_blocks=%d (%.2f GiB), max_model_len=%d, %s",
             model_cfg.model_type, device, self._layout.dtype, backend.name, block_size, num_blocks,
@@ -147,12 +154,13 @@ class LLMEngine:
         """
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        with self._mailbox_lock:
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = LoopMailbox(loop)
 
         def emit(out: RequestOutput) -> None:
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, out)
-            except RuntimeError:
-                log.debug("request %s: consumer's event loop is closed; output dropped", request_id)
+            mailbox.post(outputs.put_nowait, out)
 
         seq = self._new_sequence(
             request_id, prompt_token_ids, sampling, cache_salt, resume_token_ids, kv_import, kv_export, emit
