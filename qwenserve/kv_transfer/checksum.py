@@ -172,6 +172,11 @@ def _xxh3_chunked(dst: np.ndarray, src: np.ndarray | None = None) -> str:
     return f"{XXH3_CHUNKED}:{xxhash.xxh3_64_hexdigest(_run(job, dst.nbytes).astype('<u8').tobytes())}"
 
 
+def hashes_at_memory_speed(algorithm: str) -> bool:
+    """Whether `algorithm` is computed here at memory speed (by the C kernel), or not at all."""
+    return algorithm == NO_CHECKSUM or (algorithm == KVSUM and cpu_kernels.available())
+
+
 def fused_copy(dst: torch.Tensor, src: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
     """Copy src into dst (same number of bytes, both contiguous on the CPU) and return dst's checksum.
 

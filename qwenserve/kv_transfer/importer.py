@@ -23,7 +23,13 @@ from typing import TypeVar
 import grpc
 import torch
 
-from qwenserve.kv_transfer.checksum import FUSED, check_checksum, fused_copy, verify_checksum
+from qwenserve.kv_transfer.checksum import (
+    FUSED,
+    check_checksum,
+    fused_copy,
+    hashes_at_memory_speed,
+    verify_checksum,
+)
 from qwenserve.kv_transfer.errors import (
     KVHandoffGone,
     KVLayoutInvalid,
@@ -57,6 +63,11 @@ from qwenserve.kv_transfer.shm import SHM_DIR, map_segment
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: Hashed on the caller's thread up to this size (by the C kernel): a hop to a worker thread and back costs
+#: two thread wake-ups (~0.2 ms measured here, on a VM), more than hashing 2 MiB on one core (~0.07 ms); the
+#: event loop is never held for longer than that.
+INLINE_HASH_BYTES = 2 << 20
 
 
 @dataclass
@@ -174,9 +185,13 @@ class KVImporter:
         return actual
 
     async def _verify(self, handle: KVHandle, data: torch.Tensor) -> None:
-        await self._hash(verify_checksum, data, handle.checksum, allow_none=not self.config.require_checksum)
+        await self._hash(handle, verify_checksum, data, handle.checksum,
+                         allow_none=not self.config.require_checksum)
 
-    async def _hash(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+    async def _hash(self, handle: KVHandle, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        """fn(*args, **kwargs), which hashes the handoff's bytes: small ones here, others off the event loop."""
+        if handle.length <= INLINE_HASH_BYTES and hashes_at_memory_speed(handle.checksum.partition(":")[0]):
+            return fn(*args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._hashers, functools.partial(fn, *args, **kwargs))
 
     @staticmethod
@@ -203,7 +218,7 @@ class KVImporter:
         if out is not None and algorithm in FUSED:
             # Hash each chunk as it lands in `out`: the shared bytes are read once.
             target = out.view(-1).view(torch.uint8)
-            actual = await self._hash(fused_copy, target, data, algorithm)
+            actual = await self._hash(handle, fused_copy, target, data, algorithm)
             check_checksum(actual, handle.checksum)
             data = target
         else:

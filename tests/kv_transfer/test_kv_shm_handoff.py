@@ -21,6 +21,7 @@ from qwenserve.kv_transfer import (
     compute_checksum,
     leaked_segments,
 )
+from qwenserve.kv_transfer.importer import INLINE_HASH_BYTES
 from qwenserve.kv_transfer.shm import SHM_DIR
 
 MiB = 1 << 20
@@ -94,12 +95,14 @@ async def test_other_dtypes_round_trip(make_exporter, importer, layout, make_kv,
     exporter.release("h1")
 
 
-async def test_a_flipped_byte_is_refused_with_checksum_mismatch(make_exporter, importer, layout, make_kv):
+@pytest.mark.parametrize("tokens", [16, 20_000], ids=["hashed-on-the-loop", "hashed-on-a-worker-thread"])
+async def test_a_flipped_byte_is_refused_with_checksum_mismatch(make_exporter, importer, layout, make_kv, tokens):
     exporter = make_exporter()
-    slot = exporter.reserve("h1", layout, 16)
-    slot.tensor.copy_(make_kv(layout, 16))
+    slot = exporter.reserve("h1", layout, tokens)
+    slot.tensor.copy_(make_kv(layout, tokens))
     handle = slot.publish(lease_s=30)
-    slot.tensor.view(-1).view(torch.uint8)[1234] ^= 0x01
+    assert (handle.length > INLINE_HASH_BYTES) == (tokens > 16)
+    slot.tensor.view(-1).view(torch.uint8)[-1234] ^= 0x01
     with pytest.raises(KVChecksumMismatch, match="corrupted"):
         await importer.fetch(handle, layout)
     with pytest.raises(KVChecksumMismatch, match="corrupted"):  # the copying path verifies too
