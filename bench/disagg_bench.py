@@ -3,8 +3,9 @@ and the router's relay cost. Run by hand; prints figures and ratios measured in 
 
     .venv/bin/python bench/disagg_bench.py [--prompt-tokens 2048] [--streams 16] [--relay-streams 64]
 
-1. TTFT of one long prompt: disaggregated (prefill worker + shm handoff) vs prefilled on the decode worker;
-   the difference is what the handoff (export, checksum, fetch, import) adds.
+1. TTFT of one long prompt: disaggregated (prefill worker + shm handoff) vs prefilled on the decode worker,
+   two clusters side by side taking turns request by request; the difference is what the handoff (export,
+   checksum, fetch, import) adds.
 2. Interference: `--streams` requests decoding while long prompts keep arriving. P99 inter-token latency with
    prefill and decode in separate processes pinned to separate cores (router and tokenizer share prefill's core;
    prefill at `qwen-serve up`'s default --prefill-nice 10, so the relay is not queued behind its steps)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -77,21 +79,37 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def ttft_share(model: Path, prompt_tokens: int, reps: int) -> None:
+    # Both clusters run side by side and take turns, request by request: this machine's speed drifts over
+    # minutes (its memory bandwidth alone moves by 2x), which would land in the difference if one mode ran
+    # after the other.
     env = {"QWENSERVE_KV_CACHE_GB": "0.5"}
-    results: dict[str, list[float]] = {}
-    for mode, args in (("disaggregated", []), ("local prefill", ["--local-prefill-threshold", "1000000"])):
-        with LocalCluster(model=model, prefill=1, decode=1, env=env, extra_router_args=args) as c:
-            async def run() -> list[float]:
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{c.router_port}") as ch:
-                    stub = router_pb2_grpc.RouterStub(ch)
+    modes = {"disaggregated": [], "local prefill": ["--local-prefill-threshold", "1000000"]}
+    with contextlib.ExitStack() as stack:
+        ports = {mode: stack.enter_context(LocalCluster(model=model, prefill=1, decode=1, env=env,
+                                                        extra_router_args=args)).router_port
+                 for mode, args in modes.items()}
+
+        async def run() -> dict[str, list[float]]:
+            results: dict[str, list[float]] = {mode: [] for mode in modes}
+            async with contextlib.AsyncExitStack() as channels:
+                stubs = {mode: router_pb2_grpc.RouterStub(
+                    await channels.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{port}")))
+                    for mode, port in ports.items()}
+                for stub in stubs.values():
                     await _stream(stub, _prompt(64, 999), 2)  # warm the path
+                for r in range(reps):
                     # Distinct prompts: the prefix cache must not help either mode.
-                    return [(await _stream(stub, _prompt(prompt_tokens, r), 2))[0] for r in range(reps)]
-            results[mode] = asyncio.run(run())
+                    for mode, stub in stubs.items():
+                        results[mode].append((await _stream(stub, _prompt(prompt_tokens, r), 2))[0])
+            return results
+
+        results = asyncio.run(run())
     d, loc = statistics.median(results["disaggregated"]), statistics.median(results["local prefill"])
-    print(f"\n1. TTFT, {prompt_tokens}-token prompt (median of {reps}):")
+    paired = statistics.median(a - b for a, b in zip(results["disaggregated"], results["local prefill"], strict=True))
+    print(f"\n1. TTFT, {prompt_tokens}-token prompt (median of {reps}, the two modes taking turns):")
     print(f"   disaggregated {d * 1e3:8.1f} ms   local prefill {loc * 1e3:8.1f} ms   "
-          f"handoff share {(d - loc) * 1e3:+.1f} ms ({(d - loc) / d:+.1%} of TTFT)")
+          f"handoff share {(d - loc) * 1e3:+.1f} ms ({(d - loc) / d:+.1%} of TTFT); median of the paired "
+          f"differences {paired * 1e3:+.1f} ms")
 
 
 def interference(model: Path, streams: int, long_prompt: int, duration_s: float) -> None:
