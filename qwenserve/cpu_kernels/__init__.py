@@ -2,9 +2,9 @@
 paged KV cache (paged_decode.c); the linear layers' x · Wᵀ (linear.c), on weights as checkpoints store them or
 packed in panels of 16 output columns (`pack_weight`), the layout the fastest product wants; RMSNorm
 (rms_norm.c) and rotary embeddings (rotary.c) in one pass each, where PyTorch makes five or six; greedy
-decoding's argmax over the vocabulary (argmax.c) at cache speed, where PyTorch's runs ten times slower. Beside them,
-the KV handoff's checksum and the copy that computes it on the way (kv_checksum.c; kv_transfer/checksum.py
-defines the algorithm and calls it).
+decoding's argmax over the vocabulary (argmax.c) at cache speed, where PyTorch's runs ten times slower.
+Beside them, the KV handoff's checksum and the copy that computes it on the way (kv_checksum.c;
+kv_transfer/checksum.py defines the algorithm and calls it).
 
 They are compiled once per machine with its C compiler and loaded with ctypes (no Python or torch headers,
 so no ABI to keep). They accelerate, never required: where no C compiler exists, the build fails, or
