@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -25,9 +25,13 @@ import torch
 
 from qwenserve.kv_transfer.checksum import (
     FUSED,
+    KVSUM,
+    NO_CHECKSUM,
+    STEP_BYTES,
     check_checksum,
     fused_copy,
     hashes_at_memory_speed,
+    kvsum_steps,
     verify_checksum,
 )
 from qwenserve.kv_transfer.errors import (
@@ -64,12 +68,6 @@ from qwenserve.kv_transfer.shm import SHM_DIR, map_segment
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: Hashed on the caller's thread up to this size (by the C kernel): a hop to a worker thread and back costs
-#: two thread wake-ups (~0.2 ms measured here, on a VM), more than hashing 2 MiB on one core (~0.07 ms); the
-#: event loop is never held for longer than that.
-INLINE_HASH_BYTES = 2 << 20
-
-
 @dataclass
 class ImporterConfig:
     """Settings of a KVImporter."""
@@ -81,6 +79,10 @@ class ImporterConfig:
     release_timeout_s: float = 2.0
     #: Release attempts before giving up and leaving the bytes to lease expiry.
     release_attempts: int = 3
+    #: kvsum handoffs are hashed on the event loop this many bytes at a time, other callbacks running between
+    #: steps (~0.1-0.3 ms each at memory speed): a hop to a worker thread and back costs two thread wake-ups,
+    #: ~0.2 ms measured here (a VM), and the worker's OpenMP team a third.
+    hash_step_bytes: int = STEP_BYTES
     #: Shared-memory segments kept mapped between fetches.
     max_mapped_segments: int = 16
     mooncake_host: str = "127.0.0.1"
@@ -93,8 +95,7 @@ class KVImporter:
     def __init__(self, config: ImporterConfig | None = None) -> None:
         self.config = config or ImporterConfig()
         self._segments: OrderedDict[str, torch.Tensor] = OrderedDict()
-        # Hashing a gigabyte takes tens of milliseconds: off the event loop, on threads of our own that stay
-        # warm (the checksum kernel's OpenMP team belongs to the calling thread).
+        # Algorithms without the C kernel hash far slower than memory: off the event loop, on threads of our own.
         self._hashers = ThreadPoolExecutor(2, thread_name_prefix="kv-verify")
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._mooncake: MooncakeEndpoint | None = None
@@ -185,14 +186,41 @@ class KVImporter:
         return actual
 
     async def _verify(self, handle: KVHandle, data: torch.Tensor) -> None:
-        await self._hash(handle, verify_checksum, data, handle.checksum,
-                         allow_none=not self.config.require_checksum)
+        algorithm = handle.checksum.partition(":")[0]
+        if self._stepwise(algorithm):
+            check_checksum(await self._run_steps(kvsum_steps(data, step_bytes=self.config.hash_step_bytes)),
+                           handle.checksum)
+            return
+        verify = functools.partial(verify_checksum, data, handle.checksum,
+                                   allow_none=not self.config.require_checksum)
+        if algorithm == NO_CHECKSUM:
+            verify()  # nothing to hash
+        else:
+            await asyncio.get_running_loop().run_in_executor(self._hashers, verify)
 
-    async def _hash(self, handle: KVHandle, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
-        """fn(*args, **kwargs), which hashes the handoff's bytes: small ones here, others off the event loop."""
-        if handle.length <= INLINE_HASH_BYTES and hashes_at_memory_speed(handle.checksum.partition(":")[0]):
-            return fn(*args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._hashers, functools.partial(fn, *args, **kwargs))
+    async def _copy_verified(self, handle: KVHandle, target: torch.Tensor, data: torch.Tensor) -> None:
+        """Copy `data` into `target`, hashing each chunk as it lands (the shared bytes are read once)."""
+        algorithm = handle.checksum.partition(":")[0]
+        if self._stepwise(algorithm):
+            actual = await self._run_steps(kvsum_steps(target, data, self.config.hash_step_bytes))
+        else:
+            actual = await asyncio.get_running_loop().run_in_executor(
+                self._hashers, fused_copy, target, data, algorithm)
+        check_checksum(actual, handle.checksum)
+
+    @staticmethod
+    def _stepwise(algorithm: str) -> bool:
+        return algorithm == KVSUM and hashes_at_memory_speed(algorithm)
+
+    @staticmethod
+    async def _run_steps(steps: Generator[None, None, T]) -> T:
+        """Drive a generator to its result, letting the event loop run between its steps."""
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            await asyncio.sleep(0)
 
     @staticmethod
     def _check_marker(handle: KVHandle, marker: torch.Tensor) -> None:
@@ -218,8 +246,7 @@ class KVImporter:
         if out is not None and algorithm in FUSED:
             # Hash each chunk as it lands in `out`: the shared bytes are read once.
             target = out.view(-1).view(torch.uint8)
-            actual = await self._hash(handle, fused_copy, target, data, algorithm)
-            check_checksum(actual, handle.checksum)
+            await self._copy_verified(handle, target, data)
             data = target
         else:
             if out is not None:

@@ -15,7 +15,7 @@ import torch
 from qwenserve import cpu_kernels
 from qwenserve.kv_transfer import KVChecksumMismatch, compute_checksum, verify_checksum
 from qwenserve.kv_transfer import checksum as kvsum
-from qwenserve.kv_transfer.checksum import CHUNK_BYTES, KVSUM, fused_copy
+from qwenserve.kv_transfer.checksum import CHUNK_BYTES, KVSUM, fused_copy, kvsum_steps
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels cannot be built here")
 SIZES = [0, 1, 63, 64, 65, 4095, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 69, 5 * CHUNK_BYTES + 17]
@@ -61,6 +61,37 @@ def test_streamed_copies_across_threads_equal_the_definition(monkeypatch: pytest
     dst = torch.zeros_like(src)
     assert fused_copy(dst, src, KVSUM) == reference(src.numpy()) == compute_checksum(dst, KVSUM)
     assert torch.equal(dst, src)
+
+
+def finish(steps) -> tuple[str, int]:
+    """A kvsum_steps generator's checksum and how many times it yielded."""
+    yields = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value, yields
+        yields += 1
+
+
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "numpy"])
+@pytest.mark.parametrize("step", [CHUNK_BYTES, 3 * CHUNK_BYTES, 100, 64 * CHUNK_BYTES])
+def test_hashing_in_steps_gives_the_checksum_of_one_pass(step: int, kernels: bool, monkeypatch: pytest.MonkeyPatch):
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    monkeypatch.setattr(kvsum, "_PARALLEL_MIN_BYTES", 2 * CHUNK_BYTES)  # several threads within a step
+    monkeypatch.setattr(kvsum, "_STREAM_MIN_BYTES", 4 * CHUNK_BYTES)
+    for nbytes in (0, 17, CHUNK_BYTES, 10 * CHUNK_BYTES + 5):
+        src = random_bytes(nbytes, nbytes)
+        chunks = -(-nbytes // CHUNK_BYTES)
+        per_step = max(1, step // CHUNK_BYTES)
+        expected_yields = max(0, -(-chunks // per_step) - 1)
+        assert finish(kvsum_steps(src, step_bytes=step)) == (reference(src.numpy()), expected_yields)
+        dst = torch.zeros_like(src)
+        assert finish(kvsum_steps(dst, src, step))[0] == reference(src.numpy())
+        assert torch.equal(dst, src)
+    with pytest.raises(ValueError, match="bytes into"):
+        finish(kvsum_steps(torch.zeros(5, dtype=torch.uint8), torch.zeros(6, dtype=torch.uint8)))
 
 
 @needs_kernels

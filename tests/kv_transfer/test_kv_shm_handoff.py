@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import stat
@@ -11,9 +12,11 @@ import pytest
 import torch
 
 from qwenserve.kv_transfer import (
+    ImporterConfig,
     KVChecksumMismatch,
     KVHandoffExists,
     KVHandoffGone,
+    KVImporter,
     KVLayout,
     KVLayoutInvalid,
     KVLayoutMismatch,
@@ -21,7 +24,7 @@ from qwenserve.kv_transfer import (
     compute_checksum,
     leaked_segments,
 )
-from qwenserve.kv_transfer.importer import INLINE_HASH_BYTES
+from qwenserve.kv_transfer.checksum import CHUNK_BYTES, STEP_BYTES
 from qwenserve.kv_transfer.shm import SHM_DIR
 
 MiB = 1 << 20
@@ -95,19 +98,54 @@ async def test_other_dtypes_round_trip(make_exporter, importer, layout, make_kv,
     exporter.release("h1")
 
 
-@pytest.mark.parametrize("tokens", [16, 20_000], ids=["hashed-on-the-loop", "hashed-on-a-worker-thread"])
-async def test_a_flipped_byte_is_refused_with_checksum_mismatch(make_exporter, importer, layout, make_kv, tokens):
-    exporter = make_exporter()
+@pytest.mark.parametrize(("tokens", "checksum", "step"), [
+    (16, "kvsum64x256k", STEP_BYTES),
+    (20_000, "kvsum64x256k", CHUNK_BYTES),
+    (20_000, "crc32", STEP_BYTES),
+], ids=["one-step-on-the-loop", "in-steps-on-the-loop", "on-a-worker-thread"])
+async def test_a_flipped_byte_is_refused_with_checksum_mismatch(make_exporter, layout, make_kv, tokens, checksum, step):
+    exporter = make_exporter(checksum=checksum)
+    importer = KVImporter(ImporterConfig(hash_step_bytes=step))
     slot = exporter.reserve("h1", layout, tokens)
     slot.tensor.copy_(make_kv(layout, tokens))
     handle = slot.publish(lease_s=30)
-    assert (handle.length > INLINE_HASH_BYTES) == (tokens > 16)
+    assert handle.checksum.startswith(f"{checksum}:")
+    verified = await importer.fetch(handle, layout)
     slot.tensor.view(-1).view(torch.uint8)[-1234] ^= 0x01
     with pytest.raises(KVChecksumMismatch, match="corrupted"):
         await importer.fetch(handle, layout)
     with pytest.raises(KVChecksumMismatch, match="corrupted"):  # the copying path verifies too
         await importer.fetch(handle, layout, out=torch.empty_like(slot.tensor))
+    slot.tensor.view(-1).view(torch.uint8)[-1234] ^= 0x01
+    assert torch.equal(await importer.fetch(handle, layout, out=torch.empty_like(slot.tensor)), verified)
     exporter.release("h1")
+    await importer.close()
+
+
+async def test_the_event_loop_runs_between_hashing_steps(make_exporter, layout, make_kv):
+    exporter = make_exporter()
+    importer = KVImporter(ImporterConfig(hash_step_bytes=CHUNK_BYTES))
+    slot = exporter.reserve("h1", layout, 20_000)
+    slot.write(make_kv(layout, 20_000))
+    handle = slot.publish(lease_s=30)
+    steps = -(-handle.length // CHUNK_BYTES)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    await importer.fetch(handle, layout)
+    assert ticks - before >= steps - 1  # another task ran between every two steps
+    await importer.fetch(handle, layout, out=torch.empty_like(slot.tensor))
+    task.cancel()
+    exporter.release("h1")
+    await importer.close()
 
 
 async def test_a_tampered_checksum_is_refused(make_exporter, importer, layout):
