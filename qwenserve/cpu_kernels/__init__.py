@@ -3,7 +3,7 @@ paged KV cache (paged_decode.c); the linear layers' x · Wᵀ (linear.c), on wei
 packed in panels of 16 output columns (`pack_weight`), the layout the fastest product wants; RMSNorm
 (rms_norm.c) and rotary embeddings (rotary.c) in one pass each, where PyTorch makes five or six; greedy
 decoding's argmax over the vocabulary (argmax.c) at cache speed, where PyTorch's runs ten times slower.
-Beside them, the KV handoff's checksum and the copy that computes it on the way (kv_checksum.c;
+Beside them, the KV handoff's checksum and the copy and the gather that compute it on the way (kv_checksum.c;
 kv_transfer/checksum.py defines the algorithm and calls it).
 
 They are compiled once per machine with its C compiler and loaded with ctypes (no Python or torch headers,
@@ -123,6 +123,8 @@ def load() -> ctypes.CDLL | None:
         lib.kv_checksum_chunks.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] + [i64] * 2
         lib.kv_checksum_combine.restype = ctypes.c_uint64
         lib.kv_checksum_combine.argtypes = [pointer, i64, i64]
+        lib.kv_gather_checksum.restype = None
+        lib.kv_gather_checksum.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, pointer, i64, i64]
         return lib
     log.warning("the portable PyTorch paths are used")
     return None

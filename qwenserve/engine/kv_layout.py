@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from qwenserve.engine.errors import KVLayoutMismatchError
 from qwenserve.kv_layout import KVLayout
 
-__all__ = ["KVExportSink", "KVImport", "KVLayout", "check_compatible"]
+__all__ = ["KVExportSink", "KVExportTarget", "KVImport", "KVLayout", "check_compatible"]
 
 
 def check_compatible(mine: KVLayout, theirs: KVLayout) -> None:
@@ -40,6 +41,18 @@ class KVImport:
         return int(self.kv.shape[2])
 
 
+class KVExportTarget(Protocol):
+    """Where an exported request's KV goes, when it can take the engine's cache directly (a handoff slot that
+    hashes the bytes as they land, say)."""
+
+    #: The writable [L, 2, T, H, D] destination, for engines whose cache `gather` cannot read.
+    tensor: torch.Tensor
+
+    def gather(self, planes: torch.Tensor, rows: torch.Tensor) -> None:
+        """tensor[l, k, t] = planes[l, k, rows[t]]: planes is the paged cache as [L, 2, slots, H, D] on the CPU."""
+        ...
+
+
 # Called once per exported request: (layout, num_tokens) -> a writable [L, 2, T, H, D] tensor of the serving
-# dtype (typically a view over shared memory) that the engine fills with one copy.
-KVExportSink = Callable[[KVLayout, int], torch.Tensor]
+# dtype (typically a view over shared memory), or a KVExportTarget, that the engine fills with one copy.
+KVExportSink = Callable[[KVLayout, int], "torch.Tensor | KVExportTarget"]

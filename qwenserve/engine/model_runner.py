@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from qwenserve.engine.attention.base import AttentionBackend, AttentionBatch, ForwardContext
+from qwenserve.engine.kv_layout import KVExportTarget
 from qwenserve.engine.scheduler import ScheduledSequence
 from qwenserve.engine.sequence import Sequence
 from qwenserve.models import QwenForCausalLM
@@ -98,9 +99,14 @@ class ModelRunner:
         src = kv[:, :, :num_tokens].to(self.device, self.kv_cache.dtype, non_blocking=True)
         self._flat_cache().index_copy_(2, self._token_slots(seq, num_tokens), src)
 
-    def export_kv(self, seq: Sequence, num_tokens: int, out: torch.Tensor) -> None:
+    def export_kv(self, seq: Sequence, num_tokens: int, out: torch.Tensor | KVExportTarget) -> None:
         """Gather the sequence's first `num_tokens` tokens of KV into `out` [L, 2, T, H, D] with one copy."""
         slots = self._token_slots(seq, num_tokens)
+        if not isinstance(out, torch.Tensor):
+            if self.kv_cache.device.type == "cpu" and out.tensor.dtype == self.kv_cache.dtype:
+                out.gather(self._flat_cache(), slots)
+                return
+            out = out.tensor
         if out.is_contiguous() and out.device == self.kv_cache.device and out.dtype == self.kv_cache.dtype:
             torch.index_select(self._flat_cache(), 2, slots, out=out)
         else:

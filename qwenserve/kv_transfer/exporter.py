@@ -1,8 +1,8 @@
 """The prefill side of a handoff: reserve memory, let the engine write KV into it, publish a lease.
 
     slot = exporter.reserve(handoff_id, layout, num_tokens)
-    engine.gather_kv(request, into=slot.tensor)       # the one copy
-    handle = slot.publish(lease_s=30)                   # checksum + lease; send handle to decode
+    slot.gather(paged_cache, token_slots)               # the engine's one copy, hashed as it lands
+    handle = slot.publish(lease_s=30)                   # lease (+ checksum, if written through slot.tensor)
     ...                                                 # decode fetches, then releases
 The bytes stay until `release()` (the importer's ack, via KVTransfer.Release) or until the
 lease expires, when the background sweeper reclaims them. A reservation never published is
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qwenserve.kv_transfer.checksum import DEFAULT_ALGORITHM, compute_checksum, fused_copy
+from qwenserve.kv_transfer.checksum import DEFAULT_ALGORITHM, compute_checksum, fused_copy, gather_copy
 from qwenserve.kv_transfer.errors import KVHandoffExists, KVHandoffGone, KVLayoutInvalid
 from qwenserve.kv_transfer.handle import MARKER_BYTES, MARKER_PAGE, KVHandle, KVTransport, handoff_marker
 from qwenserve.kv_transfer.layout import KVLayout, LayoutLike, as_layout, layout_to_proto
@@ -136,6 +136,25 @@ class ExportSlot:
             )
         self._entry.checksum = None
         checksum = fused_copy(self.tensor, src.contiguous(), self._exporter.config.checksum)
+        self._entry.checksum = checksum
+
+    def gather(self, planes: torch.Tensor, rows: torch.Tensor) -> None:
+        """Fill the slot from an engine's paged cache, hashing as the bytes land: tensor[l, k, t] = planes[l, k,
+        rows[t]] for `planes` [L, 2, S, H, D] (contiguous, on the CPU) and `rows` the request's S-indices.
+
+        The engine's one copy out of its cache; like `write`, publish then need not read the bytes again."""
+        shape = tuple(self.tensor.shape)
+        if planes.dim() != 5 or (planes.shape[:2], planes.shape[3:]) != (shape[:2], shape[3:]) or (
+            planes.dtype != self.tensor.dtype
+        ):
+            raise KVLayoutInvalid(
+                f"handoff {self.handoff_id}: cannot gather {planes.dtype} {tuple(planes.shape)} into a slot of "
+                f"{self.tensor.dtype} {shape}"
+            )
+        self._entry.checksum = None
+        layers, kv = shape[:2]
+        checksum = gather_copy(self.tensor.view(layers * kv, *shape[2:]), planes.view(layers * kv, *planes.shape[2:]),
+                               rows, self._exporter.config.checksum)
         self._entry.checksum = checksum
 
     def publish(self, lease_s: float = 30.0) -> KVHandle:

@@ -57,7 +57,7 @@ class PrefillWorker:
         def sink(layout: Any, num_tokens: int) -> Any:
             slot = self.exporter.reserve(handoff_id, layout, num_tokens)
             slots.append(slot)
-            return slot.tensor
+            return slot  # the engine gathers its cache into it, hashing as the bytes land
 
         first: list[int] = []
         logprobs: list[common_pb2.TokenLogprob] = []

@@ -9,6 +9,7 @@ from engine_checkpoints import random_prompts
 from qwenserve.engine.errors import KVLayoutMismatchError
 from qwenserve.engine.kv_layout import KVImport, KVLayout
 from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.kv_transfer import ExporterConfig, KVExporter, KVTransport, compute_checksum
 
 
 @pytest.mark.parametrize("sampling", [
@@ -35,6 +36,35 @@ def test_export_then_import_into_a_second_engine_continues_identically(make_engi
         rest = decode.generate_sync([prompt], sampling, resume_token_ids=first, kv_import=handed)[0]
         assert first + rest == expected
     assert prefill.stats().kv_blocks_used == 0
+
+
+def test_a_handoff_slot_takes_the_cache_directly_and_is_hashed_as_it_lands(make_engine):
+    engine = make_engine("qwen3_untied", block_size=8)
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = random_prompts(1, 45, 45, seed=3)[0]  # blocks of 8: the gather crosses six of them
+    copied: list[torch.Tensor] = []
+
+    def tensor_sink(layout: KVLayout, num_tokens: int) -> torch.Tensor:
+        copied.append(torch.empty(layout.token_shape(num_tokens), dtype=layout.torch_dtype()))
+        return copied[-1]
+
+    config = ExporterConfig(transport=KVTransport.KV_TRANSPORT_GRPC, control_endpoint="127.0.0.1:1", use_shm=False,
+                            pool_bytes=1 << 20)
+    with KVExporter(config) as exporter:
+        slots = []
+
+        def slot_sink(layout: KVLayout, num_tokens: int) -> object:
+            slots.append(exporter.reserve("h1", layout, num_tokens))
+            return slots[-1]
+
+        engine.generate_sync_outputs([prompt], sampling, kv_export=tensor_sink)
+        outs = engine.generate_sync_outputs([prompt], sampling, kv_export=slot_sink)[0]
+        assert outs[-1].finish_reason == "export"
+        assert torch.equal(slots[0].tensor, copied[0])
+        handle = slots[0].publish(lease_s=5)
+        assert handle.checksum == compute_checksum(copied[0].contiguous().view(-1).view(torch.uint8))
+        exporter.release("h1")
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_import_with_a_different_model_is_refused(make_engine):

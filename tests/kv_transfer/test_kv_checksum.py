@@ -15,7 +15,7 @@ import torch
 from qwenserve import cpu_kernels
 from qwenserve.kv_transfer import KVChecksumMismatch, compute_checksum, verify_checksum
 from qwenserve.kv_transfer import checksum as kvsum
-from qwenserve.kv_transfer.checksum import CHUNK_BYTES, KVSUM, fused_copy, kvsum_steps
+from qwenserve.kv_transfer.checksum import CHUNK_BYTES, KVSUM, fused_copy, gather_copy, kvsum_steps
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels cannot be built here")
 SIZES = [0, 1, 63, 64, 65, 4095, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 69, 5 * CHUNK_BYTES + 17]
@@ -92,6 +92,43 @@ def test_hashing_in_steps_gives_the_checksum_of_one_pass(step: int, kernels: boo
         assert torch.equal(dst, src)
     with pytest.raises(ValueError, match="bytes into"):
         finish(kvsum_steps(torch.zeros(5, dtype=torch.uint8), torch.zeros(6, dtype=torch.uint8)))
+
+
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "numpy"])
+@pytest.mark.parametrize(("planes", "slots", "rows", "row_shape", "dtype"), [
+    (4, 300, 150, (8, 16), torch.float16),  # 256-byte rows: hashed as they are copied
+    (6, 2000, 1200, (2, 64), torch.float32),  # 512-byte rows crossing chunk boundaries, several chunks
+    (2, 90, 40, (3, 5), torch.float16),  # 30-byte rows: gathered, then hashed
+    (2, 10, 0, (4, 16), torch.float32),  # nothing to gather
+])
+def test_a_gather_hashes_what_it_writes(planes, slots, rows, row_shape, dtype, kernels,
+                                        monkeypatch: pytest.MonkeyPatch):
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    generator = torch.Generator().manual_seed(rows)
+    src = torch.randn(planes, slots, *row_shape, generator=generator).to(dtype)
+    index = torch.randperm(slots, generator=generator)[:rows]
+    index[: rows // 2] = torch.arange(rows // 2) + 7  # a run of adjacent slots, moved as one piece
+    expected = torch.index_select(src, 1, index)
+    for parallel, stream in ((1 << 40, 1 << 40), (2 * CHUNK_BYTES, 2 * CHUNK_BYTES)):
+        monkeypatch.setattr(kvsum, "_PARALLEL_MIN_BYTES", parallel)
+        monkeypatch.setattr(kvsum, "_STREAM_MIN_BYTES", stream)
+        for offset in (0, 2):  # a destination off the 64-byte grid is gathered, then hashed
+            dst = torch.zeros(expected.numel() + 64, dtype=dtype)[offset : offset + expected.numel()]
+            dst = dst.view(expected.shape)
+            assert gather_copy(dst, src, index) == reference(expected.contiguous().view(-1).view(torch.uint8).numpy())
+            assert torch.equal(dst, expected)
+
+
+def test_a_gather_refuses_what_does_not_fit():
+    src, dst = torch.zeros(2, 10, 4), torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="outside"):
+        gather_copy(dst, src, torch.tensor([0, 1, 10]))
+    with pytest.raises(ValueError, match="rows"):
+        gather_copy(dst, src, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="cannot gather"):
+        gather_copy(torch.zeros(2, 3, 5), src, torch.tensor([0, 1, 2]))
+    assert gather_copy(dst, src, torch.tensor([0, 1, 2]), "crc32").startswith("crc32:")
 
 
 @needs_kernels

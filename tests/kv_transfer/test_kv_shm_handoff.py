@@ -65,6 +65,22 @@ async def test_slot_write_hashes_as_it_copies_and_out_fetch_verifies(make_export
     exporter.release("h2")
 
 
+async def test_slot_gather_takes_a_paged_cache_and_hashes_as_it_lands(make_exporter, importer, layout, make_kv):
+    exporter = make_exporter()
+    cache = make_kv(layout, 400)  # an engine's cache seen as [L, 2, slots, H, D]
+    rows = torch.cat([torch.arange(32, 64), torch.arange(300, 316), torch.arange(0, 16)])
+    slot = exporter.reserve("h1", layout, rows.numel())
+    slot.gather(cache, rows)
+    expected = cache[:, :, rows]
+    handle = slot.publish(lease_s=30)
+    assert handle.checksum == compute_checksum(expected.contiguous(), exporter.config.checksum)
+    assert torch.equal(await importer.fetch(handle, layout), expected)
+    with pytest.raises(KVLayoutInvalid, match="cannot gather"):
+        exporter.reserve("h2", layout, rows.numel()).gather(cache.float(), rows)
+    exporter.release("h1")
+    exporter.release("h2")
+
+
 async def test_export_slot_is_a_view_over_the_shared_segment(make_exporter, layout):
     exporter = make_exporter()
     slot = exporter.reserve("h1", layout, 4)
