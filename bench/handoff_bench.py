@@ -9,6 +9,8 @@ For each size (doubling from --min-mib to --max-mib), all in one run:
   shm             exporter reserve + engine write (slot.write: copy, hashing each chunk as it lands)
                   + publish + importer fetch (map + verify); the importer ends holding a verified
                   zero-copy view
+  shm, paged      the same from a paged cache, as an engine exports: slot.gather of the request's tokens
+                  from a cache of 16-token blocks in shuffled order (2 KiB rows), hashed as they land
   shm, no csum    the same without checksums (exporter "none", importer require_checksum=False)
   shm -> out      shm plus the importer copying into a buffer of its own (fetch(out=...))
   grpc fetch      the importer's Fetch over loopback from an exporter in another process
@@ -151,10 +153,17 @@ async def measure_size(
             asyncio.to_thread(ctypes.memmove, dst.data_ptr() + half, src.data_ptr() + half, nbytes - half),
         )
 
-    def shm(checksum: str, into: torch.Tensor | None) -> Callable[[], Awaitable[None]]:
+    # The request's tokens sit in 16-token blocks scattered over the cache: src read as that cache.
+    blocks = torch.randperm(tokens // 16, generator=torch.Generator().manual_seed(tokens))
+    rows = (blocks[:, None] * 16 + torch.arange(16)).reshape(-1)
+
+    def shm(checksum: str, into: torch.Tensor | None, paged: bool = False) -> Callable[[], Awaitable[None]]:
         async def run() -> None:
             slot = exporters[checksum].reserve(f"s{time.perf_counter_ns()}", LAYOUT, tokens)
-            slot.write(src)  # the engine's one copy, hashed as it lands
+            if paged:
+                slot.gather(src, rows)  # the engine's one copy out of its cache, hashed as it lands
+            else:
+                slot.write(src)  # the same from contiguous memory
             handle = slot.publish(lease_s=60)
             await importer.fetch(handle, LAYOUT, out=into)
             exporters[checksum].release(handle.handoff_id)  # the ack (an RPC, after the engine consumed)
@@ -163,7 +172,8 @@ async def measure_size(
 
     # Interleaved rounds, so that every column sees the same background load on a shared machine.
     local = {"memcpy": memcpy, "copy_": copy_, "memcpy x2": memcpy_x2, "shm": shm(DEFAULT_ALGORITHM, None),
-             "shm no csum": shm("none", None), "shm -> out": shm(DEFAULT_ALGORITHM, out)}
+             "shm paged": shm(DEFAULT_ALGORITHM, None, paged=True), "shm no csum": shm("none", None),
+             "shm -> out": shm(DEFAULT_ALGORITHM, out)}
     times: dict[str, list[float]] = {name: [] for name in local}
     for round_ in range(reps + 1):
         for name, fn in local.items():
@@ -217,7 +227,8 @@ async def bench(args: argparse.Namespace) -> None:
     else:
         print(f"mooncake: skipped ({mooncake_unavailable_reason() or '--no-mooncake'})")
 
-    columns = ["memcpy", "copy_", "memcpy x2", "shm", "shm no csum", "shm -> out", *[f"{n} fetch" for n in network]]
+    columns = ["memcpy", "copy_", "memcpy x2", "shm", "shm paged", "shm no csum", "shm -> out",
+               *[f"{n} fetch" for n in network]]
     print(f"checksum {DEFAULT_ALGORITHM}; C kernels {'loaded' if cpu_kernels.available() else 'unavailable'}")
     print(f"{'size':>8} | " + " | ".join(f"{c:>22}" for c in columns) + " | shm vs memcpy x2")
     for nbytes in all_sizes:

@@ -50,14 +50,16 @@ static inline void stripe_scalar(uint64_t acc[8], uint64_t key[8], const uint64_
     }
 }
 
-/* The whole stripes of one chunk; `store`: 0 none, 1 ordinary, 2 non-temporal (dst 64-byte aligned). */
+/* The whole stripes of one chunk; `store`: 0 none, 1 ordinary, 2 non-temporal (dst 64-byte aligned). Lines
+ * are prefetched while they lie before src + `readable` (a gather's piece ends where its source does). */
 static inline __attribute__((always_inline)) void stripes(const uint8_t *src, uint8_t *dst, int64_t full,
-                                                          uint64_t acc[8], uint64_t key[8], const int store) {
+                                                          uint64_t acc[8], uint64_t key[8], const int store,
+                                                          const int64_t readable) {
 #if defined(__AVX512F__)
     __m512i a = _mm512_loadu_si512(acc), k = _mm512_loadu_si512(key);
     const __m512i step = _mm512_set1_epi64((long long)KEY_STEP);
     for (int64_t i = 0; i < full; i += 64) {
-        _mm_prefetch((const char *)(src + i + PREFETCH_BYTES), _MM_HINT_T0);
+        if (i + PREFETCH_BYTES < readable) _mm_prefetch((const char *)(src + i + PREFETCH_BYTES), _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512(src + i);
         if (store == 1) _mm512_storeu_si512(dst + i, v);
         if (store == 2) _mm512_stream_si512((void *)(dst + i), v);
@@ -73,7 +75,7 @@ static inline __attribute__((always_inline)) void stripes(const uint8_t *src, ui
     __m256i k0 = _mm256_loadu_si256((const __m256i *)key), k1 = _mm256_loadu_si256((const __m256i *)(key + 4));
     const __m256i step = _mm256_set1_epi64x((long long)KEY_STEP);
     for (int64_t i = 0; i < full; i += 64) {
-        _mm_prefetch((const char *)(src + i + PREFETCH_BYTES), _MM_HINT_T0);
+        if (i + PREFETCH_BYTES < readable) _mm_prefetch((const char *)(src + i + PREFETCH_BYTES), _MM_HINT_T0);
         const __m256i v0 = _mm256_loadu_si256((const __m256i *)(src + i));
         const __m256i v1 = _mm256_loadu_si256((const __m256i *)(src + i + 32));
         if (store == 1) {
@@ -98,6 +100,7 @@ static inline __attribute__((always_inline)) void stripes(const uint8_t *src, ui
     _mm256_storeu_si256((__m256i *)(key + 4), k1);
 #else
     (void)store;
+    (void)readable;
     uint64_t w[8];
     for (int64_t i = 0; i < full; i += 64) {
         memcpy(w, src + i, 64); /* little-endian hosts: the words are the bytes' little-endian reading */
@@ -118,12 +121,13 @@ static uint64_t chunk_digest(const uint8_t *src, uint8_t *dst, int64_t n, int st
     memcpy(acc, ACC0, sizeof acc);
     memcpy(key, KEY0, sizeof key);
     const int64_t full = n & ~(int64_t)63;
+    const int64_t readable = full + PREFETCH_BYTES; /* the next chunk follows: read on */
     if (!dst)
-        stripes(src, dst, full, acc, key, 0);
+        stripes(src, dst, full, acc, key, 0, readable);
     else if (stream && ((uintptr_t)dst & 63) == 0)
-        stripes(src, dst, full, acc, key, 2);
+        stripes(src, dst, full, acc, key, 2, readable);
     else
-        stripes(src, dst, full, acc, key, 1);
+        stripes(src, dst, full, acc, key, 1, readable);
     if (n > full) {
         uint64_t w[8] = {0};
         memcpy(w, src + full, (size_t)(n - full));
@@ -151,12 +155,31 @@ void kv_checksum_chunks(const uint8_t *src, uint8_t *dst, int64_t nbytes, int64_
 #endif
 }
 
+/* Where stream byte `pos` of a gather comes from, and how many bytes from there on are contiguous in src
+ * (rows adjacent in src run on), up to stream byte `end`. */
+static inline int64_t gather_piece(const uint8_t *src, int64_t plane_bytes, int64_t plane_stride, const int64_t *rows,
+                                   int64_t num_rows, int64_t row_bytes, int64_t pos, int64_t end,
+                                   const uint8_t **from) {
+    const int64_t p = pos / plane_bytes, within = pos - p * plane_bytes;
+    int64_t t = within / row_bytes;
+    const int64_t off = within - t * row_bytes;
+    *from = src + p * plane_stride + rows[t] * row_bytes + off;
+    int64_t piece = row_bytes - off;
+    while (pos + piece < end && t + 1 < num_rows && rows[t + 1] == rows[t] + 1) {
+        t++;
+        piece += row_bytes;
+    }
+    return pos + piece > end ? end - pos : piece;
+}
+
 /* A gather that hashes what it writes: dst, read as one stream of `planes` planes of `num_rows` rows of
  * `row_bytes` each, gets row t of plane p from src + p * plane_stride + rows[t] * row_bytes (the engine's paged
  * cache seen as [layers * 2, slots, heads * head_dim]), and digests[] the kvsum digests of the stream's
  * `chunk`-byte chunks, exactly as kv_checksum_chunks would give for dst afterwards. Rows adjacent in src move
- * as one piece. With whole stripes (row_bytes a multiple of 64, dst 64-byte aligned) each piece is hashed as
- * it is copied, non-temporally where `stream`; otherwise a chunk is gathered, then hashed while in cache. */
+ * as one piece, and the next piece's first lines are asked for while this one moves (the hardware prefetcher
+ * cannot guess a jump). With whole stripes (row_bytes a multiple of 64, dst 64-byte aligned) each piece is
+ * hashed as it is copied, non-temporally where `stream`; otherwise a chunk is gathered, then hashed while in
+ * cache. */
 void kv_gather_checksum(const uint8_t *src, int64_t planes, int64_t plane_stride, const int64_t *rows,
                         int64_t num_rows, int64_t row_bytes, uint8_t *dst, int64_t chunk, uint64_t *digests,
                         int64_t stream, int64_t num_threads) {
@@ -170,24 +193,28 @@ void kv_gather_checksum(const uint8_t *src, int64_t planes, int64_t plane_stride
         uint64_t acc[8], key[8];
         memcpy(acc, ACC0, sizeof acc);
         memcpy(key, KEY0, sizeof key);
+        const uint8_t *from;
+        int64_t piece = gather_piece(src, plane_bytes, plane_stride, rows, num_rows, row_bytes, start, end, &from);
         for (int64_t pos = start; pos < end;) {
-            const int64_t p = pos / plane_bytes, within = pos - p * plane_bytes;
-            int64_t t = within / row_bytes;
-            const int64_t off = within - t * row_bytes;
-            const uint8_t *from = src + p * plane_stride + rows[t] * row_bytes + off;
-            int64_t piece = row_bytes - off;
-            while (pos + piece < end && t + 1 < num_rows && rows[t + 1] == rows[t] + 1) {
-                t++;
-                piece += row_bytes;
+            const uint8_t *next = NULL;
+            int64_t next_piece = 0;
+            if (pos + piece < total) {
+                next_piece = gather_piece(src, plane_bytes, plane_stride, rows, num_rows, row_bytes, pos + piece,
+                                          pos + piece < end ? end : total, &next);
+#if defined(__SSE__) || defined(__x86_64__)
+                const int64_t ahead = next_piece < PREFETCH_BYTES ? next_piece : PREFETCH_BYTES;
+                for (int64_t i = 0; i < ahead; i += 64) _mm_prefetch((const char *)(next + i), _MM_HINT_T0);
+#endif
             }
-            if (pos + piece > end) piece = end - pos;
             if (!whole)
                 memcpy(dst + pos, from, (size_t)piece);
             else if (stream)
-                stripes(from, dst + pos, piece, acc, key, 2);
+                stripes(from, dst + pos, piece, acc, key, 2, piece);
             else
-                stripes(from, dst + pos, piece, acc, key, 1);
+                stripes(from, dst + pos, piece, acc, key, 1, piece);
             pos += piece;
+            from = next;
+            piece = next_piece;
         }
         digests[c] = whole ? finish_digest(acc, end - start) : chunk_digest(dst + start, NULL, end - start, 0);
     }

@@ -248,7 +248,8 @@ def gather_copy(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, algori
         raise ValueError(f"gather_copy: {dst.shape[1]} rows of {dst.dtype} wanted; got {rows.numel()} rows "
                          f"of {src.dtype}")
     rows = rows.to(torch.int64).contiguous()
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= src.shape[1]):
+    low, high = torch.aminmax(rows) if rows.numel() else (0, 0)
+    if rows.numel() and (int(low) < 0 or int(high) >= src.shape[1]):
         raise ValueError(f"gather_copy: a row index is outside [0, {src.shape[1]})")
     lib = cpu_kernels.load()
     if algorithm != KVSUM or lib is None or not (dst.is_contiguous() and src.is_contiguous()):
