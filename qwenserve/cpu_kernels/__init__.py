@@ -3,8 +3,8 @@ paged KV cache (paged_decode.c); the linear layers' x · Wᵀ (linear.c), on wei
 packed in panels of 16 output columns (`pack_weight`), the layout the fastest product wants; RMSNorm
 (rms_norm.c) and rotary embeddings (rotary.c) in one pass each, where PyTorch makes five or six; greedy
 decoding's argmax over the vocabulary (argmax.c) at cache speed, where PyTorch's runs ten times slower.
-Beside them, the KV handoff's checksum and the copy and the gather that compute it on the way (kv_checksum.c;
-kv_transfer/checksum.py defines the algorithm and calls it).
+Beside them, the KV handoff's checksum, the copy and the gather that compute it on the way, and the scatter of
+an import into the paged cache (kv_checksum.c; kv_transfer/checksum.py defines the algorithm and calls it).
 
 They are compiled once per machine with its C compiler and loaded with ctypes (no Python or torch headers,
 so no ABI to keep). They accelerate, never required: where no C compiler exists, the build fails, or
@@ -20,6 +20,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -125,6 +126,8 @@ def load() -> ctypes.CDLL | None:
         lib.kv_checksum_combine.argtypes = [pointer, i64, i64]
         lib.kv_gather_checksum.restype = None
         lib.kv_gather_checksum.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, pointer, i64, i64]
+        lib.kv_scatter_rows.restype = None
+        lib.kv_scatter_rows.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64, i64, i64]
         return lib
     log.warning("the portable PyTorch paths are used")
     return None
@@ -281,3 +284,29 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if rows:
         lib.argmax_rows(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def scatter_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
+    """dst[p, rows[t]] = src[p, t] for dst [P, S, ...] contiguous and src [P, T, ...] of the same dtype whose
+    rows are contiguous (planes may be strided), both on the CPU: `dst.index_copy_(1, rows, src)` at the speed
+    of a copy, where PyTorch's runs three to four times slower. Rows must lie in [0, S) (checked). The kernels
+    must be available; the GIL is released while it runs."""
+    lib = load()
+    assert lib is not None, "CPU kernels unavailable"
+    row = math.prod(dst.shape[2:])
+    if (dst.dim() < 2 or src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:] or src.dtype != dst.dtype
+            or not dst.is_contiguous() or dst.device.type != "cpu" or src.device.type != "cpu"):
+        raise ValueError(f"scatter_rows: cannot put {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}")
+    if src.numel() and (src.shape[1] > 1 and src.stride(1) != row or not src[0, 0].is_contiguous()):
+        raise ValueError("scatter_rows wants src rows that are contiguous")
+    rows = rows.to(torch.int64).contiguous()
+    if rows.dim() != 1 or rows.numel() != src.shape[1]:
+        raise ValueError(f"scatter_rows: {rows.numel()} rows for {src.shape[1]} source rows")
+    if not rows.numel() or not row:
+        return
+    low, high = torch.aminmax(rows)
+    if int(low) < 0 or int(high) >= dst.shape[1]:
+        raise ValueError(f"scatter_rows: a row index is outside [0, {dst.shape[1]})")
+    size = dst.element_size()
+    lib.kv_scatter_rows(src.data_ptr(), src.stride(0) * size, dst.data_ptr(), dst.stride(0) * size, dst.shape[0],
+                        rows.data_ptr(), rows.numel(), row * size, torch.get_num_threads())

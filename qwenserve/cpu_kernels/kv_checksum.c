@@ -1,4 +1,5 @@
-/* The KV handoff checksum "kvsum64x256k", and a copy that computes it as the bytes pass through.
+/* The KV handoff checksum "kvsum64x256k", a copy and a gather that compute it as the bytes pass through, and
+ * the scatter that puts imported bytes into an engine's paged cache.
  *
  * qwenserve/kv_transfer/checksum.py defines the algorithm and holds a NumPy reference that must give the same
  * digests (tested); in short, per chunk of up to 256 KiB, read as 64-byte stripes of eight little-endian
@@ -221,6 +222,25 @@ void kv_gather_checksum(const uint8_t *src, int64_t planes, int64_t plane_stride
 #if defined(__SSE2__)
     if (stream) _mm_sfence();
 #endif
+}
+
+/* The gather's mirror, for an import (already verified, so nothing to hash): row t of plane p of src (at
+ * src + p * src_plane_stride + t * row_bytes) goes to dst + p * dst_plane_stride + rows[t] * row_bytes. Rows
+ * adjacent in dst move as one piece; each thread takes whole planes. */
+void kv_scatter_rows(const uint8_t *src, int64_t src_plane_stride, uint8_t *dst, int64_t dst_plane_stride,
+                     int64_t planes, const int64_t *rows, int64_t num_rows, int64_t row_bytes, int64_t num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && planes > 1)
+    for (int64_t p = 0; p < planes; p++) {
+        const uint8_t *from = src + p * src_plane_stride;
+        uint8_t *to = dst + p * dst_plane_stride;
+        for (int64_t t = 0; t < num_rows;) {
+            int64_t run = 1;
+            while (t + run < num_rows && rows[t + run] == rows[t] + run) run++;
+            memcpy(to + rows[t] * row_bytes, from + t * row_bytes, (size_t)(run * row_bytes));
+            t += run;
+        }
+    }
 }
 
 /* The handoff's checksum from its total length and its chunk digests in order. */

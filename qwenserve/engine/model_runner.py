@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from qwenserve import cpu_kernels
 from qwenserve.engine.attention.base import AttentionBackend, AttentionBatch, ForwardContext
 from qwenserve.engine.kv_layout import KVExportTarget
 from qwenserve.engine.scheduler import ScheduledSequence
@@ -97,7 +98,14 @@ class ModelRunner:
     def import_kv(self, seq: Sequence, kv: torch.Tensor, num_tokens: int) -> None:
         """Scatter the first `num_tokens` tokens of token-major `kv` [L, 2, T, H, D] into the sequence's blocks."""
         src = kv[:, :, :num_tokens].to(self.device, self.kv_cache.dtype, non_blocking=True)
-        self._flat_cache().index_copy_(2, self._token_slots(seq, num_tokens), src)
+        flat, slots = self._flat_cache(), self._token_slots(seq, num_tokens)
+        if flat.device.type == "cpu" and cpu_kernels.available() and src.stride(-1) == 1:
+            # Runs on the engine's thread, between decode steps: every millisecond here stalls the batch.
+            layers, kv_planes, _, heads, dim = flat.shape
+            cpu_kernels.scatter_rows(flat.view(layers * kv_planes, -1, heads * dim),
+                                     src.reshape(layers * kv_planes, num_tokens, heads * dim), slots)
+            return
+        flat.index_copy_(2, slots, src)
 
     def export_kv(self, seq: Sequence, num_tokens: int, out: torch.Tensor | KVExportTarget) -> None:
         """Gather the sequence's first `num_tokens` tokens of KV into `out` [L, 2, T, H, D] with one copy."""

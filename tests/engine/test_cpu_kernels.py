@@ -255,3 +255,34 @@ def test_engine_tokens_equal_with_and_without_kernels(fresh_load: None, monkeypa
         finally:
             engine.shutdown()
     assert runs[0] == runs[1]
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scatter_rows_equals_index_copy(dtype: torch.dtype, threads: int, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    generator = torch.Generator().manual_seed(4)
+    planes, slots, tokens = 6, 96, 40
+    rows = torch.randperm(slots, generator=generator)[:tokens]
+    rows[5:21] = torch.arange(48, 64)  # a whole block of adjacent slots: one piece
+    whole = torch.randn(planes, tokens + 9, 3, 5, generator=generator).to(dtype)
+    for src in (whole[:, :tokens], whole[:, 9:].contiguous()):  # strided planes, and contiguous ones
+        dst = torch.randn(planes, slots, 3, 5, generator=generator).to(dtype)
+        expected = dst.clone().index_copy_(1, rows, src)
+        cpu_kernels.scatter_rows(dst, src, rows)
+        assert torch.equal(dst, expected)
+
+
+@needs_compiler
+def test_scatter_rows_refuses_what_does_not_fit():
+    dst, src = torch.zeros(2, 8, 4), torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="outside"):
+        cpu_kernels.scatter_rows(dst, src, torch.tensor([0, 8, 1]))
+    with pytest.raises(ValueError, match="rows for"):
+        cpu_kernels.scatter_rows(dst, src, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="cannot put"):
+        cpu_kernels.scatter_rows(dst, src.double(), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.scatter_rows(dst, torch.zeros(2, 4, 3).transpose(1, 2), torch.tensor([0, 1, 2]))
+    cpu_kernels.scatter_rows(dst, src[:, :0], torch.tensor([], dtype=torch.int64))  # nothing to move
