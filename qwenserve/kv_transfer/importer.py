@@ -80,7 +80,7 @@ class ImporterConfig:
     #: Release attempts before giving up and leaving the bytes to lease expiry.
     release_attempts: int = 3
     #: kvsum handoffs are hashed on the event loop this many bytes at a time, other callbacks running between
-    #: steps (~0.1-0.3 ms each at memory speed): a hop to a worker thread and back costs two thread wake-ups,
+    #: steps (~0.4-0.7 ms each at memory speed here): a hop to a worker thread and back costs two thread wake-ups,
     #: ~0.2 ms measured here (a VM), and the worker's OpenMP team a third.
     hash_step_bytes: int = STEP_BYTES
     #: Shared-memory segments kept mapped between fetches.
