@@ -99,7 +99,7 @@ class ModelRunner:
         """Scatter the first `num_tokens` tokens of token-major `kv` [L, 2, T, H, D] into the sequence's blocks."""
         src = kv[:, :, :num_tokens].to(self.device, self.kv_cache.dtype, non_blocking=True)
         flat, slots = self._flat_cache(), self._token_slots(seq, num_tokens)
-        if flat.device.type == "cpu" and cpu_kernels.available() and src.stride(-1) == 1:
+        if flat.device.type == "cpu" and cpu_kernels.available():
             # Runs on the engine's thread, between decode steps: every millisecond here stalls the batch.
             layers, kv_planes, _, heads, dim = flat.shape
             cpu_kernels.scatter_rows(flat.view(layers * kv_planes, -1, heads * dim),

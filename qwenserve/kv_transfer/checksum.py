@@ -159,11 +159,7 @@ def _kvsum_chunks(dst: np.ndarray, src: np.ndarray | None, digests: np.ndarray, 
             out[i - lo] = _kvsum_chunk_numpy(dst[chunk])
         return out
 
-    ranges = [(first + lo, first + hi) for lo, hi in _ranges(stop - start)]
-    if len(ranges) == 1:
-        digests[first:end] = job(*ranges[0])
-    elif ranges:
-        digests[first:end] = np.concatenate(list(_pool().map(lambda r: job(*r), ranges)))
+    digests[first:end] = _run(lambda lo, hi: job(first + lo, first + hi), stop - start)
 
 
 def _kvsum_fold(digests: np.ndarray, nbytes: int) -> str:
@@ -248,9 +244,10 @@ def gather_copy(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, algori
         raise ValueError(f"gather_copy: {dst.shape[1]} rows of {dst.dtype} wanted; got {rows.numel()} rows "
                          f"of {src.dtype}")
     rows = rows.to(torch.int64).contiguous()
-    low, high = torch.aminmax(rows) if rows.numel() else (0, 0)
-    if rows.numel() and (int(low) < 0 or int(high) >= src.shape[1]):
-        raise ValueError(f"gather_copy: a row index is outside [0, {src.shape[1]})")
+    if rows.numel():
+        low, high = torch.aminmax(rows)
+        if int(low) < 0 or int(high) >= src.shape[1]:
+            raise ValueError(f"gather_copy: a row index is outside [0, {src.shape[1]})")
     lib = cpu_kernels.load()
     if algorithm != KVSUM or lib is None or not (dst.is_contiguous() and src.is_contiguous()):
         torch.index_select(src, 1, rows, out=dst)
