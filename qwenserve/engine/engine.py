@@ -4,6 +4,11 @@ The loop runs on its own thread: it drains a command queue (add / abort / stop),
 step, runs the model, samples, and pushes each request's outputs back to that request's consumer
 (an asyncio queue on the caller's event loop, or a plain queue for `generate_sync`). Nothing on the event
 loop ever waits for a forward pass.
+
+Faults: whatever fails while computing, sampling or finishing one request ends that request with
+finish_reason "error"; the others go on. Should the loop itself fail (its scheduler's state is beyond
+repair), the engine dies loudly instead of hanging: every request in flight ends with an error, new
+ones raise EngineDeadError, and `on_failure` callbacks tell the process to stop serving and exit.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from qwenserve.engine.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
     EmptyPromptError,
+    EngineDeadError,
     EngineShutdownError,
     InvalidTokenError,
     KVLayoutMismatchError,
@@ -40,10 +46,10 @@ from qwenserve.engine.host_memory import keep_freed_memory
 from qwenserve.engine.kv_layout import KVExportSink, KVImport, KVLayout, check_compatible
 from qwenserve.engine.mailbox import LoopMailbox
 from qwenserve.engine.model_runner import ModelRunner
-from qwenserve.engine.outputs import EngineStats, RequestOutput, Usage
+from qwenserve.engine.outputs import EngineStats, RequestOutput, TokenLogprob, Usage
 from qwenserve.engine.sampler import Sampler, SamplingRow
 from qwenserve.engine.sampling_params import SamplingParams
-from qwenserve.engine.scheduler import Scheduler, SchedulerLimits
+from qwenserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerLimits
 from qwenserve.engine.sequence import Sequence, SequenceStatus
 from qwenserve.engine.weights import load_checkpoint
 from qwenserve.models import ModelConfig, model_class
@@ -111,6 +117,8 @@ class LLMEngine:
         self._pending = 0  # submitted, not yet seen by the loop
         self._finished = 0
         self._closed = False
+        self._failure: str | None = None  # why the compute loop died; None while it runs
+        self._failure_callbacks: list[Callable[[str], None]] = []
         self._idle = threading.Event()
         self._idle.set()
         # One per event loop that calls generate(): a step's outputs reach a loop with one wake-up.
@@ -151,6 +159,7 @@ class LLMEngine:
         seed positions) and are not emitted again. kv_import: KV for the first tokens, computed elsewhere.
         kv_export: prefill-only; after the first token, the KV of every computed token is written into the
         tensor the sink returns and the request finishes with finish_reason "export".
+        Raises EngineDeadError, instead of a last output, when the compute loop dies meanwhile.
         """
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -171,6 +180,8 @@ class LLMEngine:
             while not finished:
                 out = await outputs.get()
                 finished = out.finished
+                if finished and out.finish_reason == "error" and self._failure is not None:
+                    raise EngineDeadError(self._failure)
                 yield out
         finally:
             if not finished:
@@ -228,6 +239,20 @@ class LLMEngine:
             prefill_only_steps=s.num_prefill_only_steps,
         )
 
+    @property
+    def failure(self) -> str | None:
+        """Why the compute loop died, or None while it runs."""
+        return self._failure
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` once if the compute loop dies (on the engine's thread: hop to your own loop),
+        or at once if it already has."""
+        with self._lock:
+            if self._failure is None:
+                self._failure_callbacks.append(callback)
+                return
+        callback(self._failure)
+
     def kv_layout(self) -> KVLayout:
         """How this engine's KV is shaped and which weights produced it (for export / import)."""
         return self._layout
@@ -258,8 +283,7 @@ class LLMEngine:
         kv_export: KVExportSink | None = None,
         emit: Callable[[RequestOutput], None] | None = None,
     ) -> Sequence:
-        if self._closed:
-            raise EngineShutdownError("the engine has been shut down")
+        self._check_open()
         if not prompt_token_ids:
             raise EmptyPromptError("the prompt has no tokens; send at least one token id")
         tokens = [int(t) for t in prompt_token_ids] + [int(t) for t in resume_token_ids]
@@ -267,6 +291,10 @@ class LLMEngine:
         bad = next((t for t in tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidTokenError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        # The sampler indexes logits with them (min_tokens masks them): one out of range would fail every step.
+        bad = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidTokenError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         prompt_len = len(prompt_token_ids)
         if prompt_len >= self.max_model_len:
             raise ContextLengthExceededError(
@@ -316,10 +344,15 @@ class LLMEngine:
                 f"imported KV covers {kv.shape[2]} tokens but the request has only {num_tokens}"
             )
 
+    def _check_open(self) -> None:
+        if self._failure is not None:
+            raise EngineDeadError(self._failure)
+        if self._closed:
+            raise EngineShutdownError("the engine has been shut down")
+
     def _submit(self, seq: Sequence) -> None:
         with self._lock:
-            if self._closed:
-                raise EngineShutdownError("the engine has been shut down")
+            self._check_open()
             if seq.request_id in self._active:
                 raise DuplicateRequestError(f"request id {seq.request_id!r} is already in flight")
             self._active[seq.request_id] = seq
@@ -330,14 +363,18 @@ class LLMEngine:
     # ---- compute loop -----------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        with torch.inference_mode():
-            while True:
-                if not self._drain_commands(block=not self.scheduler.has_work()):
-                    break
-                if self.scheduler.has_work():
-                    self._step()
-                if not self.scheduler.has_work() and self._pending == 0:
-                    self._idle.set()
+        try:
+            with torch.inference_mode():
+                while True:
+                    if not self._drain_commands(block=not self.scheduler.has_work()):
+                        break
+                    if self.scheduler.has_work():
+                        self._step()
+                    if not self.scheduler.has_work() and self._pending == 0:
+                        self._idle.set()
+        except BaseException as exc:  # the loop cannot go on: fail every caller now rather than hang them
+            self._die(exc)
+            return
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(seq, "abort")
         # Requests submitted while stopping never reached the scheduler; their streams still need an end.
@@ -349,6 +386,26 @@ class LLMEngine:
             if cmd is not _STOP and cmd[0] == "add":  # type: ignore[index]
                 self._finish(cmd[1], "abort")  # type: ignore[index]
         self._idle.set()
+
+    def _die(self, exc: BaseException) -> None:
+        reason = f"the engine's compute loop failed: {type(exc).__name__}: {exc}"
+        log.critical("%s; failing every request in flight", reason, exc_info=exc)
+        with self._lock:
+            self._failure = reason
+            stranded = list(self._active.values())
+            self._active.clear()
+            self._pending = 0
+            callbacks, self._failure_callbacks = self._failure_callbacks, []
+        # The scheduler's state is not to be trusted any more: end the streams without it.
+        for seq in stranded:
+            seq.status = SequenceStatus.FINISHED
+            seq.emit(RequestOutput(seq.request_id, [], None, True, "error", self._usage(seq), reason))
+        self._idle.set()
+        for callback in callbacks:
+            try:
+                callback(reason)
+            except Exception:  # one listener's bug must not keep the others from hearing of the failure
+                log.exception("an engine failure callback raised")
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; False once asked to stop."""
@@ -391,27 +448,53 @@ class LLMEngine:
         self.scheduler.observe_step(plan, time.perf_counter() - started)
         if not sampling:
             return
-        rows = [
-            SamplingRow(
-                params=item.seq.sampling,
-                prompt_token_ids=item.seq.prompt_token_ids,
-                output_token_ids=item.seq.output_token_ids,
-                banned_token_ids=self._banned_until_min_tokens(item.seq.sampling),
-            )
-            for item in sampling
-        ]
-        tokens, logprobs = self.sampler(logits, rows)
-        for item, token, lp in zip(sampling, tokens, logprobs, strict=True):
-            seq = item.seq
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason is None and seq.kv_export is not None:
-                reason = self._export(seq)
-            new = RequestOutput(seq.request_id, [token], [lp] if lp is not None else None, False, None, self._usage(seq))
-            if reason is None:
-                seq.emit(new)
-            else:
-                self._finish(seq, reason, last=new)
+        for item, token, lp in self._sample(logits, sampling):
+            try:
+                self._advance(item.seq, token, lp)
+            except Exception as exc:  # this request's bookkeeping failed; the batch goes on
+                log.exception("request %s: failed after sampling", item.seq.request_id)
+                self._finish(item.seq, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _sample(
+        self, logits: torch.Tensor, items: list[ScheduledSequence]
+    ) -> list[tuple[ScheduledSequence, int, TokenLogprob | None]]:
+        """Sample every row at once; should that fail, row by row, so that only the rows at fault end (with an
+        error) and the rest of the batch gets its tokens."""
+        rows = [self._sampling_row(item.seq) for item in items]
+        try:
+            tokens, logprobs = self.sampler(logits, rows)
+            return list(zip(items, tokens, logprobs, strict=True))
+        except Exception:
+            log.exception("sampling a batch of %d rows failed; sampling its rows one at a time", len(rows))
+        sampled = []
+        for i, (item, row) in enumerate(zip(items, rows, strict=True)):
+            try:
+                tokens, logprobs = self.sampler(logits[i : i + 1], [row])
+            except Exception as exc:
+                self._finish(item.seq, "error", error=f"sampling failed: {type(exc).__name__}: {exc}")
+                continue
+            sampled.append((item, tokens[0], logprobs[0]))
+        return sampled
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        return SamplingRow(
+            params=seq.sampling,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            banned_token_ids=self._banned_until_min_tokens(seq.sampling),
+        )
+
+    def _advance(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
+        """Append a sampled token and tell the request's consumer: a new token, or its last."""
+        seq.token_ids.append(token)
+        reason = self._stop_reason(seq, token)
+        if reason is None and seq.kv_export is not None:
+            reason = self._export(seq)
+        new = RequestOutput(seq.request_id, [token], [lp] if lp is not None else None, False, None, self._usage(seq))
+        if reason is None:
+            seq.emit(new)
+        else:
+            self._finish(seq, reason, last=new)
 
     def _banned_until_min_tokens(self, p: SamplingParams) -> tuple[int, ...]:
         if not p.min_tokens:

@@ -25,7 +25,7 @@ class EmptyPromptError(RequestError):
 
 
 class InvalidTokenError(RequestError):
-    """A prompt or resume token id lies outside the model's vocabulary."""
+    """A prompt, resume or stop token id lies outside the model's vocabulary."""
 
 
 class ContextLengthExceededError(RequestError):
@@ -46,3 +46,8 @@ class KVLayoutMismatchError(RequestError):
 
 class EngineShutdownError(EngineError):
     """The engine has been shut down and takes no more requests."""
+
+
+class EngineDeadError(EngineShutdownError):
+    """The compute loop stopped on an internal fault: every request in flight ended with an error, no new one is
+    taken, and the process serving this engine should exit so that it is restarted."""

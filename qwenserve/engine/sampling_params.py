@@ -1,8 +1,16 @@
-"""Per-request sampling settings, validated once at the edge and then trusted by the engine."""
+"""Per-request sampling settings, validated once at the edge and then trusted by the engine.
+
+Checks that need the model (stop ids below the vocabulary size) are the engine's, at intake."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+#: More stop ids than any real use needs; bounds the per-step masking work a single request can ask for.
+MAX_STOP_TOKEN_IDS = 1024
+#: A top_k above the vocabulary size keeps every token; the cap keeps it inside the sampler's integer tensors.
+MAX_TOP_K = 2**31 - 1
 
 
 class InvalidSamplingParams(ValueError):
@@ -38,10 +46,15 @@ class SamplingParams:
     top_logprobs: int = 0
 
     def __post_init__(self) -> None:
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        for name in floats:
+            # NaN fails every range check below by accident; inf passes some of them (temperature, penalties).
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidSamplingParams(name, "must be a finite number")
         checks = [
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables)"),
+            ("top_k", 0 <= self.top_k <= MAX_TOP_K, f"must be in [0, {MAX_TOP_K}] (0 disables)"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
@@ -50,6 +63,8 @@ class SamplingParams:
             ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
             ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be in [0, 20]"),
             ("seed", self.seed is None or 0 <= self.seed < 2**64, "must be in [0, 2^64)"),
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} ids"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "token ids must be >= 0"),
         ]
         for name, ok, why in checks:
             if not ok:
