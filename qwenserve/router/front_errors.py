@@ -50,6 +50,14 @@ class BodyTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class BodyReadTimeout(InvalidRequest):
+    """The client did not send the whole request body in time (a stalled or trickling upload)."""
+
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 408
+    code = "request_timeout"
+
+
 class NotFound(RouterError):
     grpc_code = grpc.StatusCode.UNIMPLEMENTED
     http_status = 404

@@ -11,11 +11,21 @@ deltas follow, each choice ends with a chunk carrying its `finish_reason`; with
 sends it), and with the qwen-serve extension `stream_options.continuous_usage_stats` every chunk
 carries the running usage; then `data: [DONE]`.
 
-A failure after the stream started cannot change the HTTP status, so the affected choice ends
-with a chunk whose `finish_reason` is "error" and whose `error` object (a qwen-serve field on the
-choice) says what happened. It is not sent as a top-level `error` event: the official clients
-raise on that and drop the text already streamed and the usage; a terminal chunk keeps both and
-never has empty `choices`. Without streaming, such a failure is an HTTP 500/503 error.
+Every message from the router becomes a chunk at once, even when its tokens decode to no visible
+text yet (an empty delta, with the running usage when asked for): the client sees each token
+arrive. A stream's headers wait for the router's first message, so a request that every worker
+refuses (more tokens than a KV pool holds, say) still gets its HTTP 400, as without streaming.
+
+A choice's `finish_reason` is only ever an OpenAI one (`stop`, `length`). A failure after the
+stream started cannot change the HTTP status, so the stream ends with an error event, `data:
+{"error": {...}}` (OpenAI's error object, as OpenAI and vLLM send it), then `data: [DONE]`; the
+official clients raise it as an APIError. Without streaming, a failure is an HTTP error: 400 when
+the request was at fault (`context_length_exceeded`, `invalid_argument`), else 500/503.
+
+A request body must arrive within `body_timeout_s` (408 and the connection closed otherwise), so
+a stalled upload does not hold a connection open. The `X-Request-Id` header, when it is a safe
+token of at most 128 characters, is the request's id (echoed back; the stages know each run by a
+unique internal id, so two requests may share one).
 
 A client that disconnects cancels its generations, so the decode workers free the KV blocks.
 """
@@ -40,6 +50,7 @@ from qwenserve.protocol import FINISH_REASON_NAMES
 from qwenserve.router.admission import Gatekeeper, Ticket, api_key_from_headers
 from qwenserve.router.errors import InvalidRequest, RouterError
 from qwenserve.router.front_errors import (
+    BodyReadTimeout,
     BodyTooLarge,
     MethodNotAllowed,
     ModelNotFound,
@@ -58,12 +69,17 @@ log = logging.getLogger(__name__)
 tracer = get_tracer("qwenserve.router")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_BODY_TIMEOUT_S = 30.0
 # How often a request checks whether its client is still connected (between writes).
 DISCONNECT_POLL_S = 0.2
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: "$" would let a trailing newline in
 ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 # Terminal error codes of a generation (ErrorDetail.code) that mean "try again", for the HTTP status.
 RETRYABLE_CODES = {"unavailable", "no_decode_worker", "resource_exhausted", "deadline_exceeded"}
+# Terminal error codes that mean the request itself cannot be served (a worker's own checks refused it).
+CLIENT_FAULT_CODES = {"context_length_exceeded", "invalid_argument"}
+# The finish reasons OpenAI clients know that this server produces; any other ending is a failure.
+OPENAI_FINISH_REASONS = {"stop", "length"}
 
 TokenBytes = Callable[[int], bytes]
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
@@ -75,6 +91,8 @@ class HttpConfig:
 
     model_name: str
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # A request body not fully received within this many seconds gets a 408 and the connection closes.
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
 
 # -- the application ---------------------------------------------------------------------------
@@ -87,9 +105,10 @@ def build_app(
     *,
     token_bytes: TokenBytes | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> web.Application:
     """The aiohttp application; `token_bytes(id)` (the tokenizer's) names tokens in logprobs."""
-    front = OpenAIFront(router, gatekeeper, HttpConfig(model_name, max_body_bytes), token_bytes)
+    front = OpenAIFront(router, gatekeeper, HttpConfig(model_name, max_body_bytes, body_timeout_s), token_bytes)
     # aiohttp enforces the body limit while reading; a little slack lets our own check say 413 first.
     app = web.Application(middlewares=[_error_middleware], client_max_size=max_body_bytes + 1)
     app[MAX_BODY_KEY] = max_body_bytes
@@ -121,6 +140,8 @@ async def _error_middleware(
     """Every error becomes OpenAI's error shape with the status its type maps to."""
     try:
         return await handler(request)
+    except BodyReadTimeout as e:
+        return await _answer_and_close(request, error_response(e))
     except RouterError as e:
         return error_response(e)
     except web.HTTPRequestEntityTooLarge:
@@ -138,6 +159,17 @@ async def _error_middleware(
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         return _error_json(500, "internal server error; the request id is in the logs", "internal_error", None)
+
+
+async def _answer_and_close(request: web.Request, response: web.Response) -> web.Response:
+    """Send `response`, then close the connection: the rest of a stalled body is not waited for
+    (aiohttp would otherwise linger reading it before closing)."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    if request.transport is not None:
+        request.transport.close()
+    return response
 
 
 def error_response(error: RouterError, param: str | None = None) -> web.Response:
@@ -221,7 +253,12 @@ class OpenAIFront:
         limit = self.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise BodyTooLarge(f"the request body is {request.content_length} bytes; the limit is {limit}", "body")
-        raw = await request.read()
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError as e:
+            raise BodyReadTimeout(f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                                  "body") from e
         if len(raw) > limit:
             raise BodyTooLarge(f"the request body is larger than the limit of {limit} bytes", "body")
         return raw
@@ -239,6 +276,9 @@ class OpenAIFront:
                 if self.gatekeeper.metrics is not None:
                     self.gatekeeper.metrics.record_finished(outcome_for(e), "none")
                 span.set_attribute("qwenserve.outcome", outcome_for(e))
+                # One line, no traceback: the client's mistake (or a refusal), not a fault of ours.
+                log.info("%s refused: %d %s (param %s): %.300s", request_id, e.http_status, e.code,
+                         e.field or "-", e.message)
                 raise
 
     async def _generate_traced(self, request: web.Request, kind: str, request_id: str) -> web.StreamResponse:
@@ -302,12 +342,10 @@ class OpenAIFront:
             answer.choices[index].add(msg)
         if generations.disconnected:
             return web.Response(status=499, text="client closed the request")  # nobody reads it
-        failed = next((c for c in answer.choices if c.finish_reason == "error"), None)
+        failed = next((c for c in answer.choices if c.failed), None)
         if failed is not None:
-            detail = failed.error or common_pb2.ErrorDetail(code="internal_error", message="generation failed")
-            status = 503 if detail.retryable or detail.code in RETRYABLE_CODES else 500
-            response = _error_json(status, f"generation failed: {detail.message}", detail.code or "internal_error",
-                                   None)
+            status, error = failed.failure()
+            response = web.json_response({"error": error}, status=status)
         else:
             response = web.json_response(answer.full_body())
         response.headers.update(ticket.headers())
@@ -316,7 +354,18 @@ class OpenAIFront:
 
     async def _stream(self, request: web.Request, answer: _Answer, generations: _Generations,
                       ticket: Ticket) -> web.StreamResponse:
-        """Server-sent events as the tokens arrive."""
+        """Server-sent events as the tokens arrive; the headers wait for the router's first message."""
+        events = generations.events()
+        first = await anext(events, None)
+        if first is not None:
+            choice = answer.choices[first[0]]
+            choice.add(first[1])
+            if choice.failed:
+                # Failed before anything was generated: still time for a plain HTTP error (a 400 for
+                # a request no worker can hold; a 503 the client's retry logic understands).
+                status, error = choice.failure()
+                return web.json_response({"error": error}, status=status,
+                                         headers={"X-Request-Id": answer.request_id, **ticket.headers()})
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
@@ -328,14 +377,22 @@ class OpenAIFront:
             if answer.parsed.kind == "chat":
                 for choice in answer.choices:
                     await _send(response, answer.chunk([choice.opening()]))
-            async for index, msg in generations.events():
-                choice = answer.choices[index]
-                choice.add(msg)
-                if msg.text or msg.logprobs:
-                    await _send(response, answer.chunk([choice.delta(msg)]))
-                if msg.finish_reason:
-                    await _send(response, answer.chunk([choice.closing()]))
+            failure = await _relay(response, answer, *first) if first is not None else None
+            while failure is None:
+                event = await anext(events, None)
+                if event is None:
+                    break
+                index, msg = event
+                answer.choices[index].add(msg)
+                failure = await _relay(response, answer, index, msg)
             if generations.disconnected:
+                return response
+            if failure is not None:
+                # OpenAI's mid-stream error: an event with only the error object; no finish_reason,
+                # no usage chunk (the official clients raise at this event).
+                await _send(response, {"error": failure})
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
                 return response
             # Settled before [DONE], so a client's next request already sees the refund.
             await self.gatekeeper.finish(ticket, answer.usage())
@@ -348,8 +405,30 @@ class OpenAIFront:
         return response
 
 
+async def _relay(response: web.StreamResponse, answer: _Answer, index: int,
+                 msg: router_pb2.GenerateResponse) -> dict[str, Any] | None:
+    """Send the chunks of one message already added to its choice; the error object if it failed."""
+    choice = answer.choices[index]
+    # Tokens that decode to no text yet (a partial character, special tokens, a possible stop
+    # string) still get their chunk: the client sees them arrive and, with usage, counts them.
+    if msg.token_ids or msg.text or msg.logprobs:
+        await _send(response, answer.chunk([choice.delta(msg)]))
+    if choice.failed:
+        return choice.failure()[1]
+    if msg.finish_reason:
+        await _send(response, answer.chunk([choice.closing()]))
+    return None
+
+
 async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+
+
+def _request_id(request: web.Request, prefix: str) -> str:
+    """The client's X-Request-Id when it is a safe token (it travels as gRPC metadata and into
+    logs), else a new id. Reusing one in flight is fine: the stages know each run by a unique id."""
+    given = request.headers.get("X-Request-Id", "")
+    return given if REQUEST_ID.fullmatch(given) else f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 async def _watch_disconnect(request: web.Request, generations: _Generations) -> None:
@@ -360,11 +439,6 @@ async def _watch_disconnect(request: web.Request, generations: _Generations) -> 
         if transport is None or transport.is_closing():
             generations.disconnect()
             return
-
-
-def _request_id(request: web.Request, prefix: str) -> str:
-    given = request.headers.get("X-Request-Id", "")
-    return given if REQUEST_ID.match(given) else f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def _with_openai_param(error: InvalidRequest, kind: str) -> InvalidRequest:
@@ -477,18 +551,29 @@ class _Choice:
             return {"index": self.index, "delta": {"content": msg.text}, "logprobs": logprobs, "finish_reason": None}
         return {"index": self.index, "text": msg.text, "logprobs": logprobs, "finish_reason": None}
 
-    def closing(self) -> dict[str, Any]:
-        """The last chunk of a streamed choice: its finish reason (and the error, if it failed)."""
-        if self.kind == "chat":
-            out: dict[str, Any] = {"index": self.index, "delta": {}, "logprobs": None,
-                                   "finish_reason": self.finish_reason}
+    @property
+    def failed(self) -> bool:
+        """Ended other than by `stop` or `length` (an error, or an abort such as a passed deadline)."""
+        return self.finish_reason is not None and self.finish_reason not in OPENAI_FINISH_REASONS
+
+    def failure(self) -> tuple[int, dict[str, Any]]:
+        """The HTTP status and OpenAI error object of a failed choice: 4xx when the request was at fault."""
+        detail = self.error or common_pb2.ErrorDetail(code="internal_error",
+                                                      message=f"generation ended: {self.finish_reason}")
+        code = detail.code or "internal_error"
+        if code in CLIENT_FAULT_CODES:
+            status, message = 400, detail.message
         else:
-            out = {"index": self.index, "text": "", "logprobs": None, "finish_reason": self.finish_reason}
-        if self.finish_reason == "error":
-            detail = self.error or common_pb2.ErrorDetail(code="internal_error", message="generation failed")
-            out["error"] = {"message": detail.message, "type": "server_error", "param": None,
-                            "code": detail.code or "internal_error"}
-        return out
+            status = 503 if detail.retryable or code in RETRYABLE_CODES else 500
+            message = f"generation failed: {detail.message}"
+        param = detail.field.removeprefix("sampling.") or None
+        return status, {"message": message, "type": _error_type(status), "param": param, "code": code}
+
+    def closing(self) -> dict[str, Any]:
+        """The last chunk of a streamed choice that ended well: its finish reason."""
+        if self.kind == "chat":
+            return {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason}
+        return {"index": self.index, "text": "", "logprobs": None, "finish_reason": self.finish_reason}
 
     def full(self) -> dict[str, Any]:
         """The choice of a non-streamed answer."""
@@ -564,8 +649,12 @@ class _Answer:
         return runs
 
     def outcome(self) -> str:
-        """"error" when any choice failed, else "ok" (the metrics' outcome label)."""
-        return "error" if any(c.finish_reason == "error" for c in self.choices) else "ok"
+        """The metrics' outcome label: "invalid" / "error" when a choice failed (by the request's
+        fault or ours), else "ok"."""
+        failed = next((c for c in self.choices if c.failed), None)
+        if failed is None:
+            return "ok"
+        return "invalid" if failed.failure()[0] < 500 else "error"
 
     def completion_tokens(self) -> int:
         return sum(c.completion_tokens for c in self.choices)

@@ -23,6 +23,9 @@ MAX_N = 16  # answers per request (n)
 MAX_PROMPTS = 64  # prompts in one legacy completions request
 MAX_CHOICES = 64  # prompts x n
 MAX_COMPLETION_LOGPROBS = 5  # the legacy API's limit on `logprobs`
+# Nesting allowed in free-form JSON we pass on (tool calls, chat_template_kwargs): the tokenizer
+# service parses it again and renders it in a template, which recurses once per level.
+MAX_JSON_DEPTH = 32
 UINT32_MAX = 2**32 - 1
 # OpenAI's "developer" role is the newer name of "system"; the chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
@@ -60,6 +63,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"the request body is not valid UTF-8: {e.reason} at byte {e.start}", "body") from e
     except ValueError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}", "body") from e
+    except RecursionError as e:  # the C parser recurses once per level: "[[[[...]]]]" runs out of stack
+        raise InvalidRequest("the request body is not valid JSON: it is nested too deeply", "body") from e
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {_type_name(body)}", "body")
     return body
@@ -90,7 +95,7 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
                 raise InvalidRequest("chat_template_kwargs.enable_thinking must be a boolean",
                                      "chat_template_kwargs.enable_thinking")
             chat.enable_thinking = thinking
-        chat.chat_template_kwargs_json = json.dumps(kwargs)
+        chat.chat_template_kwargs_json = _json_text(kwargs, "chat_template_kwargs")
     for name in ("tools", "functions"):
         if body.get(name):
             raise InvalidRequest(f"{name} (tool calling) is not supported by this server", name)
@@ -157,7 +162,7 @@ def _common(
     """The parameters chat and completions share: sampling, stop, n, streaming, extensions."""
     model = _optional(body, "model", str, None)
     if model is not None:
-        req.model = model
+        req.model = model = _text(model, "model")
     s = req.sampling
     for name in ("temperature", "top_p", "repetition_penalty"):
         value = _optional_number(body, name)
@@ -264,7 +269,7 @@ def _chat_message(out: common_pb2.ChatMessage, message: Any, where: str) -> None
     if tool_calls is not None:
         if not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls):
             raise InvalidRequest(f"{where}.tool_calls must be an array of objects", f"{where}.tool_calls")
-        out.tool_calls_json.extend(json.dumps(c) for c in tool_calls)
+        out.tool_calls_json.extend(_json_text(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(tool_calls))
 
 
 def _content(content: Any, where: str) -> str:
@@ -371,6 +376,28 @@ def _text(value: str, where: str) -> str:
         except UnicodeEncodeError as e:
             raise InvalidRequest(f"{where} contains invalid Unicode (a lone surrogate)", where) from e
     return value
+
+
+def _json_text(value: Any, where: str) -> str:
+    """Free-form JSON passed on as text: nesting bounded, every string (keys too) valid Unicode.
+
+    json.dumps would escape a lone surrogate as "\\ud800", and the tokenizer service would then
+    fail on it after parsing it back; so it is refused here, naming the field.
+    """
+    pending: list[tuple[Any, str, int]] = [(value, where, 1)]
+    while pending:
+        item, at, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(f"{where} is nested more than {MAX_JSON_DEPTH} levels deep", where)
+        if isinstance(item, str):
+            _text(item, at)
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                _text(key, at)
+                pending.append((inner, f"{at}.{key}", depth + 1))
+        elif isinstance(item, list):
+            pending.extend((inner, f"{at}[{i}]", depth + 1) for i, inner in enumerate(item))
+    return json.dumps(value)
 
 
 def _kind_name(kind: type) -> str:

@@ -6,7 +6,10 @@ be answered without contacting them (a request that got through would fail with 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -141,19 +144,98 @@ async def test_a_failed_generation_without_streaming_is_a_503_in_the_error_shape
     assert err["type"] == "server_error" and "decode worker" in err["message"]
 
 
-async def test_a_failed_stream_ends_each_choice_with_finish_reason_error_never_empty_choices(
+async def test_a_stream_that_fails_before_its_first_token_is_a_plain_503_not_a_200_stream(
         dead_workers_client) -> None:
+    # The headers wait for the first message, so the status can still say what happened (and a
+    # client's retry logic sees a 503), instead of a 200 stream with a made-up finish_reason.
     body = {"model": "qwen-test", "prompt": [1, 2, 3], "stream": True, "n": 2, "stream_options": {"include_usage": True}}
     response = await dead_workers_client.post("/v1/completions", json=body, headers=KEY)
-    assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
-    events = [line.removeprefix("data: ") for line in (await response.text()).split("\n\n") if line]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert sorted(c["choices"][0]["index"] for c in finals) == [0, 1]
-    for chunk in finals:
-        choice = chunk["choices"][0]
-        assert choice["finish_reason"] == "error" and choice["error"]["message"]
-    # The usage chunk (OpenAI's shape: empty choices, only with include_usage) still comes last.
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 0
-    assert chunks[-1]["usage"]["prompt_tokens"] == 3
+    err = await error_of(response, 503)
+    assert err["type"] == "server_error" and "decode worker" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**CHAT, "model": "\ud800"}, "model"),
+        ({**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f\udfff", "arguments": "{}"}}]}]},
+         "messages[0].tool_calls[0].function.name"),
+        ({**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"\ud83d": "f", "arguments": "{}"}}]}]},
+         "messages[0].tool_calls[0].function"),
+        ({**CHAT, "chat_template_kwargs": {"x": ["\udc80"]}}, "chat_template_kwargs.x[0]"),
+        ({**CHAT, "messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, "messages[0].name"),
+        ({**CHAT, "stop": ["ok", "\ud800"]}, "stop"),
+    ],
+)
+async def test_lone_surrogates_in_any_string_are_400_naming_the_field(client: TestClient, body: dict,
+                                                                       param: str) -> None:
+    # "\ud800" is valid JSON but not encodable text: protobuf and the tokenizer would fail on it later.
+    raw = json.dumps(body).encode()
+    assert b"\\ud8" in raw or b"\\udf" in raw or b"\\udc" in raw
+    response = await client.post("/v1/chat/completions", data=raw, headers={**KEY, "Content-Type": "application/json"})
+    err = await error_of(response, 400)
+    assert err["param"] == param and "surrogate" in err["message"], err
+
+
+async def test_deeply_nested_json_is_400_and_logged_in_one_line(client: TestClient,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="qwenserve.router.openai_http")
+    deep = b'{"model": "qwen-test", "messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    response = await client.post("/v1/chat/completions", data=deep, headers={**KEY, "Content-Type": "application/json"})
+    err = await error_of(response, 400)
+    assert err["param"] == "body" and "nested too deeply" in err["message"]
+    # Nesting that the parser survives is still bounded where we pass JSON on (the tokenizer renders it).
+    kwargs: object = 1
+    for _ in range(40):
+        kwargs = {"k": kwargs}
+    response = await client.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": kwargs}, headers=KEY)
+    err = await error_of(response, 400)
+    assert err["param"] == "chat_template_kwargs" and "nested" in err["message"]
+    refused = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 2 and not any(r.exc_info for r in caplog.records)
+    assert "400 invalid_request" in refused[0].getMessage()
+
+
+async def test_the_x_request_id_header_is_echoed_only_when_it_is_a_safe_token(dead_workers_client) -> None:
+    body = {"model": "qwen-test", "prompt": [1, 2, 3], "max_tokens": 2}
+    for given, echoed in [("client-42.a:b_c", True), ("x" * 129, False), ("a b", False), ("ü", False)]:
+        headers = {**KEY, "X-Request-Id": given.encode().decode("latin-1")}
+        response = await dead_workers_client.post("/v1/completions", json=body, headers=headers)
+        assert response.status == 503
+        assert (response.headers["X-Request-Id"] == given) is echoed
+        assert response.headers["X-Request-Id"].startswith("cmpl-") is not echoed
+
+
+async def _raw_post(port: int, head_extra: bytes, body: bytes, content_length: int) -> tuple[bytes, float]:
+    """Send headers and `body` (maybe less than Content-Length); the server's whole answer and how long
+    until it closed the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    started = time.monotonic()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer sk-test\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: " + str(content_length).encode() + b"\r\n"
+                 + head_extra + b"\r\n" + body)
+    await writer.drain()
+    try:
+        answer = await asyncio.wait_for(reader.read(), timeout=10)  # read() returns at EOF: the server closed
+    finally:
+        writer.close()
+    return answer, time.monotonic() - started
+
+
+async def test_a_half_sent_body_gets_408_and_the_connection_closed_at_the_body_timeout() -> None:
+    router = Router(RouterConfig("127.0.0.1:1", [], ["127.0.0.1:1"]), detokenizer_factory=None)  # type: ignore[arg-type]
+    router.vocab_size = 151_936
+    keys = KeyStore([Tenant("t")], [(key_digest("sk-test"), "t")])
+    app = build_app(router, Gatekeeper(keys, InProcessRateLimiter()), "qwen-test", body_timeout_s=0.5)
+    body = json.dumps(CHAT).encode()
+    async with TestServer(app) as server:
+        answer, took = await _raw_post(server.port, b"", body[: len(body) // 2], len(body))
+    await router.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line == b"HTTP/1.1 408 Request Timeout", answer
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "request_timeout" and error["param"] == "body" and "0.5 s" in error["message"]
+    # Closed right after the answer: not held open for the rest of a body that never comes.
+    assert 0.4 < took < 3.0
