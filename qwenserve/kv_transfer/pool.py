@@ -126,9 +126,16 @@ class BufferPool:
         self._base_extents = ExtentAllocator(self._capacity)
         self._overflow: dict[int, MemoryRegion] = {}  # id(region) -> region
 
+    def _make_region(self, size: int, prefault: bool) -> MemoryRegion:
+        # Regions outlive the thread that asks for them. An engine reserves from its compute thread, inside
+        # torch.inference_mode(), where a new tensor would be an inference tensor that nothing outside that mode
+        # may ever write (publish writes the handoff's marker from the event loop).
+        with torch.inference_mode(False):
+            return self._new_region(size, prefault)
+
     def _ensure_base(self) -> None:
         if self._base is None and self._capacity:
-            self._base = self._new_region(self._capacity, True)
+            self._base = self._make_region(self._capacity, True)
             self._on_added(self._base)
 
     def start(self) -> None:
@@ -162,7 +169,7 @@ class BufferPool:
                     "handoffs sooner"
                 )
             # A dedicated region: touching it costs as much as one copy, so don't pre-fault it.
-            region = self._new_region(round_up(nbytes), False)
+            region = self._make_region(round_up(nbytes), False)
             self._overflow[id(region)] = region
         self._on_added(region)
         return Extent(region, 0, region.size)

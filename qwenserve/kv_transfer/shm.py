@@ -13,8 +13,10 @@ import atexit
 import fcntl
 import mmap
 import os
+import re
 import secrets
 import signal
+import stat
 import threading
 import time
 from pathlib import Path
@@ -27,6 +29,9 @@ SHM_DIR = Path("/dev/shm")
 DEFAULT_PREFIX = "qwenserve-kv"
 #: A segment younger than this is never reaped: its creator may not hold the lock yet.
 REAP_MIN_AGE_S = 2.0
+
+#: What a segment name may look like: one plain file name in /dev/shm, never a path.
+SEGMENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 _live: dict[str, ShmSegment] = {}
 # Re-entrant: the SIGTERM handler may run while the main thread holds it.
@@ -90,19 +95,26 @@ class ShmSegment:
 def map_segment(name: str) -> torch.Tensor:
     """Map a segment another process created, copy-on-write so this side can never corrupt it.
 
-    Raises KVHandoffGone when the segment no longer exists (released, reclaimed, exporter gone).
+    Raises KVHandoffGone when the segment no longer exists (released, reclaimed, exporter gone) or the name
+    does not name a segment this process may map (a handle from elsewhere must never reach other files).
     """
-    if "/" in name or not name:
-        raise KVHandoffGone(f"shared-memory segment name {name!r} is not a /dev/shm name")
+    if not SEGMENT_NAME.fullmatch(name) or name in (".", ".."):
+        raise KVHandoffGone(f"shared-memory segment name {name[:64]!r} is not a /dev/shm segment name")
     try:
-        fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError as e:
         raise KVHandoffGone(
             f"shared-memory segment {name} is gone: the exporter released it or exited"
         ) from e
+    except OSError as e:
+        raise KVHandoffGone(f"shared-memory segment {name} cannot be opened: {e.strerror}") from e
     try:
-        size = os.fstat(fd).st_size
-        buffer = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+            raise KVHandoffGone(f"{SHM_DIR / name} is not a shared-memory segment with data in it")
+        buffer = mmap.mmap(fd, info.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        raise KVHandoffGone(f"shared-memory segment {name} cannot be mapped: {e.strerror}") from e
     finally:
         os.close(fd)
     return torch.frombuffer(buffer, dtype=torch.uint8)

@@ -324,6 +324,47 @@ async def test_a_handoff_larger_than_the_pool_gets_its_own_segment_which_goes_wi
     assert handle.location not in leaked_segments(exporter.config.segment_prefix)
 
 
+async def test_a_handoff_bigger_than_the_pool_reserved_in_inference_mode_publishes_outside_it(
+    make_exporter, importer, make_kv
+):
+    # An engine reserves and fills its handoff on its compute thread, inside torch.inference_mode(); publish
+    # runs later on the event loop. An overflow region made there was once an inference tensor: unwritable.
+    big = KVLayout("float32", 16, 4, 8, 128, "fp")
+    exporter = make_exporter(pool_bytes=MiB)
+    kv = make_kv(big, 64)  # 2 MiB
+    with torch.inference_mode():
+        slot = exporter.reserve("big", big, 64)
+        slot.write(kv)
+    handle = slot.publish(lease_s=30)
+    assert torch.equal(await importer.fetch(handle, big), kv)
+    exporter.release("big")
+    await importer.release(handle)
+
+
+@pytest.mark.parametrize("name", ["..", "a/b", "x" * 300, "no\nnewline", "a-directory", "an-empty-file"])
+async def test_a_location_that_is_not_a_segment_is_gone_not_an_os_error(importer, layout, make_exporter, name):
+    exporter = make_exporter()
+    handle = exporter.reserve("h1", layout, 4).publish(lease_s=30)
+    made = None  # something in /dev/shm this test creates, under its own prefix
+    if name in ("a-directory", "an-empty-file"):
+        made = SHM_DIR / f"{exporter.config.segment_prefix}-{name}"
+        if name == "a-directory":
+            made.mkdir()
+        else:
+            made.touch()
+        name = made.name
+    handle.location = name
+    try:
+        with pytest.raises(KVHandoffGone):
+            await importer.fetch(handle, layout)
+    finally:
+        if made is not None and made.is_dir():
+            made.rmdir()
+        elif made is not None:
+            made.unlink()
+    exporter.release("h1")
+
+
 async def test_closing_the_exporter_unlinks_its_segments(make_exporter, layout):
     exporter = make_exporter()
     exporter.reserve("h1", layout, 4).publish(lease_s=30)
