@@ -25,7 +25,7 @@ from qwenserve.ratelimit import RateLimiterConfig, make_rate_limiter
 from qwenserve.ratelimit.redis_client import connect
 from qwenserve.router.admission import Gatekeeper
 from qwenserve.router.generation import Router
-from qwenserve.router.openai_http import DEFAULT_MAX_BODY_BYTES, build_app, serve_http
+from qwenserve.router.openai_http import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, build_app, serve_http
 from qwenserve.router.tls import TlsConfig, add_tls_flags, http_ssl_context
 from qwenserve.telemetry.metrics import RouterMetrics
 from qwenserve.tenancy import InProcessUsageMeter, RedisUsageMeter, load_key_store
@@ -43,6 +43,7 @@ class FrontConfig:
     ratelimit_failure_mode: str | None
     http_max_body_bytes: int
     tls: TlsConfig | None
+    http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FrontConfig:
@@ -55,6 +56,7 @@ class FrontConfig:
             ratelimit_failure_mode=args.ratelimit_failure_mode,
             http_max_body_bytes=args.http_max_body_bytes,
             tls=TlsConfig.from_flags(args.tls_cert, args.tls_key, args.tls_client_ca),
+            http_body_timeout_s=args.http_body_timeout_s,
         )
 
 
@@ -68,6 +70,8 @@ def add_front_flags(parser: argparse.ArgumentParser) -> None:
              help="when Redis is down: admit (open, default) or refuse (closed)")
     add_flag(parser, "--http-max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
              help="larger HTTP request bodies get a 413")
+    add_flag(parser, "--http-body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+             help="an HTTP request body not fully received in this many seconds gets a 408")
     add_tls_flags(parser)
 
 
@@ -109,6 +113,6 @@ async def start_http_front(
 ) -> web.AppRunner:
     """Serve the OpenAI-compatible app on host:port (TLS when configured); `await runner.cleanup()` stops it."""
     app = build_app(router, gatekeeper, model_name, token_bytes=token_bytes,
-                    max_body_bytes=config.http_max_body_bytes)
+                    max_body_bytes=config.http_max_body_bytes, body_timeout_s=config.http_body_timeout_s)
     context: ssl.SSLContext | None = http_ssl_context(config.tls) if config.tls is not None else None
     return await serve_http(app, host, port, context)

@@ -6,6 +6,7 @@ be answered without contacting them (a request that got through would fail with 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -16,8 +17,10 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from qwenserve.launcher import free_port
 from qwenserve.ratelimit import InProcessRateLimiter
 from qwenserve.router.admission import Gatekeeper
+from qwenserve.router.front import FrontConfig, add_front_flags, start_http_front
 from qwenserve.router.generation import Router, RouterConfig
 from qwenserve.router.openai_http import build_app
 from qwenserve.tenancy import KeyStore, Tenant, key_digest
@@ -225,14 +228,21 @@ async def _raw_post(port: int, head_extra: bytes, body: bytes, content_length: i
 
 
 async def test_a_half_sent_body_gets_408_and_the_connection_closed_at_the_body_timeout() -> None:
+    parser = argparse.ArgumentParser()
+    add_front_flags(parser)
+    front = FrontConfig.from_args(parser.parse_args(["--http-body-timeout-s", "0.5", "--no-auth"]))
     router = Router(RouterConfig("127.0.0.1:1", [], ["127.0.0.1:1"]), detokenizer_factory=None)  # type: ignore[arg-type]
     router.vocab_size = 151_936
     keys = KeyStore([Tenant("t")], [(key_digest("sk-test"), "t")])
-    app = build_app(router, Gatekeeper(keys, InProcessRateLimiter()), "qwen-test", body_timeout_s=0.5)
+    port = free_port()
+    runner = await start_http_front(router, Gatekeeper(keys, InProcessRateLimiter()), front, "qwen-test",
+                                    "127.0.0.1", port, None)
     body = json.dumps(CHAT).encode()
-    async with TestServer(app) as server:
-        answer, took = await _raw_post(server.port, b"", body[: len(body) // 2], len(body))
-    await router.close()
+    try:
+        answer, took = await _raw_post(port, b"", body[: len(body) // 2], len(body))
+    finally:
+        await runner.cleanup()
+        await router.close()
     status_line, _, rest = answer.partition(b"\r\n")
     assert status_line == b"HTTP/1.1 408 Request Timeout", answer
     error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
