@@ -8,6 +8,7 @@ releases the lease. See exporter.py and importer.py for the flow.
 from qwenserve.kv_transfer.checksum import compute_checksum, verify_checksum
 from qwenserve.kv_transfer.errors import (
     KVChecksumMismatch,
+    KVHandleInvalid,
     KVHandoffExists,
     KVHandoffGone,
     KVLayoutInvalid,
@@ -34,6 +35,7 @@ __all__ = [
     "KVChecksumMismatch",
     "KVExporter",
     "KVHandle",
+    "KVHandleInvalid",
     "KVHandoffExists",
     "KVHandoffGone",
     "KVImporter",

@@ -42,6 +42,12 @@ class KVHandoffGone(KVTransferError):
     retryable = True
 
 
+class KVHandleInvalid(KVTransferError):
+    """A handle names a transport or an address this importer will not use (malformed, or not allowed here)."""
+
+    code = "kv_handle_invalid"
+
+
 class KVHandoffExists(KVTransferError):
     """A handoff id was reserved twice on the same exporter."""
 

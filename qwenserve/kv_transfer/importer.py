@@ -14,6 +14,7 @@ import asyncio
 import functools
 import logging
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,7 @@ from qwenserve.kv_transfer.checksum import (
     verify_checksum,
 )
 from qwenserve.kv_transfer.errors import (
+    KVHandleInvalid,
     KVHandoffGone,
     KVLayoutInvalid,
     KVLayoutMismatch,
@@ -68,6 +70,11 @@ from qwenserve.kv_transfer.shm import SHM_DIR, map_segment
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: "host:port" or "[ipv6]:port": the only addresses a handle may make this importer connect to (no "unix:",
+#: no other URI schemes, nothing that needs escaping).
+ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}")
+ALL_TRANSPORTS = frozenset({KVTransport.KV_TRANSPORT_SHM, KVTransport.KV_TRANSPORT_GRPC, KVTransport.KV_TRANSPORT_MOONCAKE})
+
 @dataclass
 class ImporterConfig:
     """Settings of a KVImporter."""
@@ -87,6 +94,11 @@ class ImporterConfig:
     max_mapped_segments: int = 16
     mooncake_host: str = "127.0.0.1"
     mooncake_protocol: str = "tcp"
+    #: Transports this importer fetches over. A handle naming another one is refused before anything is opened:
+    #: a handle must not make a worker start a Mooncake endpoint its deployment never asked for.
+    transports: frozenset[int] = ALL_TRANSPORTS
+    #: gRPC channels to exporters kept open; beyond this the least recently used one is closed.
+    max_channels: int = 64
 
 
 class KVImporter:
@@ -97,7 +109,8 @@ class KVImporter:
         self._segments: OrderedDict[str, torch.Tensor] = OrderedDict()
         # Algorithms without the C kernel hash far slower than memory: off the event loop, on threads of our own.
         self._hashers = ThreadPoolExecutor(2, thread_name_prefix="kv-verify")
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
+        self._closing: set[asyncio.Task[None]] = set()  # channels evicted from the cache, closing
         self._mooncake: MooncakeEndpoint | None = None
 
     async def fetch(
@@ -110,9 +123,11 @@ class KVImporter:
         """The handoff's KV as an [L, 2, T, H, D] tensor, after checking layout and checksum.
 
         Raises KVLayoutMismatch (layout or model differs), KVChecksumMismatch (bytes corrupted),
-        KVHandoffGone (released, expired, exporter gone) or KVTransportUnavailable.
+        KVHandoffGone (released, expired, exporter gone), KVHandleInvalid (a transport or address this importer
+        will not use) or KVTransportUnavailable.
         With `out` (a contiguous CPU tensor of the right shape and dtype) the bytes land there.
         """
+        self._check_addresses(handle)
         layout = self._check_layout(handle, as_layout(expected))
         shape = layout.token_shape(handle.num_tokens)
         if out is not None and (
@@ -144,7 +159,9 @@ class KVImporter:
         after a few attempts this returns False and the lease's expiry frees the bytes instead.
         """
         released = False
-        if handle.control_endpoint:
+        if handle.control_endpoint and not ENDPOINT.fullmatch(handle.control_endpoint):
+            log.warning("not releasing %s: its control endpoint is not host:port", describe(handle))
+        elif handle.control_endpoint:
             channel = self._channel(handle.control_endpoint)
             for attempt in range(self.config.release_attempts):
                 try:
@@ -162,14 +179,28 @@ class KVImporter:
         return released
 
     async def close(self) -> None:
-        """Close channels and drop mappings (tensors already returned stay valid)."""
+        """Close channels and the Mooncake endpoint, drop mappings (tensors already returned stay valid)."""
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        await asyncio.gather(*self._closing)
         self._segments.clear()
         self._hashers.shutdown(wait=False)
+        if self._mooncake is not None:
+            self._mooncake.close()
+            self._mooncake = None
 
     # --- checks ----------------------------------------------------------------------------
+
+    def _check_addresses(self, handle: KVHandle) -> None:
+        if handle.transport not in self.config.transports:
+            allowed = ", ".join(sorted(KVTransport.Name(t) for t in self.config.transports))
+            raise KVHandleInvalid(f"{describe(handle)}: this importer fetches only over {allowed}")
+        network = handle.transport in (KVTransport.KV_TRANSPORT_GRPC, KVTransport.KV_TRANSPORT_MOONCAKE)
+        for what, address in (("location", handle.location if network else ""),
+                              ("control_endpoint", handle.control_endpoint)):
+            if address and not ENDPOINT.fullmatch(address):
+                raise KVHandleInvalid(f"handoff {handle.handoff_id[:64]!r}: {what} {address[:64]!r} is not host:port")
 
     @staticmethod
     def _check_layout(handle: KVHandle, expected: KVLayout) -> KVLayout:
@@ -276,9 +307,18 @@ class KVImporter:
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
         channel = self._channels.get(endpoint)
         if channel is None:
-            channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
-            self._channels[endpoint] = channel
+            channel = self._channels[endpoint] = self._new_channel(endpoint)
+            while len(self._channels) > self.config.max_channels:
+                # Handles come from the network: each new endpoint must not hold a channel forever.
+                _, old = self._channels.popitem(last=False)
+                task = asyncio.ensure_future(old.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        self._channels.move_to_end(endpoint)
         return channel
+
+    def _new_channel(self, endpoint: str) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
 
     async def _fetch_grpc(self, handle: KVHandle, out: torch.Tensor | None) -> torch.Tensor:
         data = torch.empty(handle.length, dtype=torch.uint8) if out is None else out.view(-1).view(torch.uint8)

@@ -61,6 +61,11 @@ class MooncakeEndpoint:
         with self._lock:
             self._engine.unregister_memory(region.bytes.data_ptr())
 
+    def close(self) -> None:
+        """Stop the Transfer Engine: its listening port and peer connections go with the last reference."""
+        with self._lock:
+            self._engine = None
+
     def read(self, session: str, remote_address: int, into: torch.Tensor) -> None:
         """Blocking read of `into.numel()` bytes at `remote_address` of `session` into a uint8 tensor."""
         length = into.numel()

@@ -52,9 +52,5 @@ def failure_reason(error: BaseException) -> str:
 class TracedKVImporter(KVImporter):
     """A KVImporter whose gRPC channels (Fetch, Release) carry trace context and the request id."""
 
-    def _channel(self, endpoint: str) -> grpc.aio.Channel:
-        channel = self._channels.get(endpoint)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
-            self._channels[endpoint] = channel
-        return channel
+    def _new_channel(self, endpoint: str) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS, interceptors=client_interceptors())

@@ -11,6 +11,7 @@ from qwenserve.kv_transfer import (
     ImporterConfig,
     KVChecksumMismatch,
     KVHandle,
+    KVHandleInvalid,
     KVHandoffGone,
     KVImporter,
     KVLayout,
@@ -90,3 +91,48 @@ async def test_release_to_an_unreachable_exporter_gives_up_without_raising(layou
         assert await importer.release(handle, "imported") is False
     finally:
         await importer.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "address"),
+    [("location", "unix:/run/some.sock"), ("location", "dns:///example.com:1"), ("control_endpoint", "a\nb:1"),
+     ("control_endpoint", "no-port"), ("location", "x" * 300 + ":1")],
+)
+async def test_a_handle_naming_an_address_that_is_not_host_port_is_refused_before_connecting(
+    grpc_exporter, importer, layout, field, address
+):
+    exporter = await grpc_exporter()
+    handle = exporter.reserve("g1", layout, 4).publish(lease_s=30)
+    good = KVHandle()
+    good.CopyFrom(handle)
+    setattr(handle, field, address)
+    with pytest.raises(KVHandleInvalid, match=field):
+        await importer.fetch(handle, layout)
+    assert address not in importer._channels
+    assert await importer.release(good) is True
+
+
+async def test_a_transport_the_importer_does_not_use_is_refused_and_opens_nothing(grpc_exporter, layout):
+    exporter = await grpc_exporter()
+    handle = exporter.reserve("g1", layout, 4).publish(lease_s=30)
+    handle.transport = KVTransport.KV_TRANSPORT_MOONCAKE
+    importer = KVImporter(ImporterConfig(transports=frozenset({KVTransport.KV_TRANSPORT_SHM})))
+    try:
+        with pytest.raises(KVHandleInvalid, match="only over KV_TRANSPORT_SHM"):
+            await importer.fetch(handle, layout)
+        assert importer._mooncake is None
+        assert await importer.release(handle) is True
+    finally:
+        await importer.close()
+
+
+async def test_channels_to_exporters_are_bounded_and_the_oldest_is_closed(layout):
+    importer = KVImporter(ImporterConfig(max_channels=2, release_attempts=1, release_timeout_s=0.2))
+    try:
+        for port in (1, 2, 3):
+            handle = KVHandle(handoff_id="h", control_endpoint=f"127.0.0.1:{port}", layout=layout_to_proto(layout))
+            assert await importer.release(handle) is False
+        assert list(importer._channels) == ["127.0.0.1:2", "127.0.0.1:3"]
+    finally:
+        await importer.close()
+    assert not importer._closing
