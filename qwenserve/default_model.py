@@ -67,6 +67,20 @@ TINY_CONFIG: dict[str, Any] = {
     "max_window_layers": 2,
 }
 
+# Qwen3-0.6B's shape (28 layers, GQA 16/8, head_dim 128): random weights of a realistic size, for tests and
+# benchmarks whose behaviour depends on it (a 2k-token prompt's KV is ~470 MB in fp32, larger than a handoff pool).
+QWEN3_0_6B_CONFIG: dict[str, Any] = {
+    **DEFAULT_CONFIG,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_window_layers": 28,
+    "max_position_embeddings": 40960,
+}
+
 GENERATION_CONFIG: dict[str, Any] = {
     "bos_token_id": 151643,
     "eos_token_id": [151645, 151643],
