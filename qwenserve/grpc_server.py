@@ -6,10 +6,14 @@ finished, SERVING after, NOT_SERVING again while draining), offer reflection, pr
 `<name> listening on host:port` line, and stop gracefully on SIGTERM / SIGINT: new calls are
 refused, calls in flight get `grace_s` seconds to finish.
 
+A stage that can no longer serve (its engine's compute loop died) resolves the `failure` future it
+gave `serve`: health turns NOT_SERVING on every surface at once, the server drains, and `run_stage`
+exits with FAULT_EXIT_CODE so that the supervisor (Kubernetes, `qwen-serve up`) restarts it.
+
 Every server carries the tracing interceptor (W3C trace context and the request id from the
 caller's metadata). With `metrics_port` set, `serve` also runs the Prometheus endpoint, whose
 `/readyz` follows the same state as gRPC health (`ServeState`): 503 while warming up, 200 while
-serving, 503 again while draining; `/healthz` stays 200 until the process has stopped serving.
+serving, 503 again while draining; `/healthz` stays 200 until the process has stopped serving or failed.
 
     config = GrpcServerConfig(host="127.0.0.1", port=0)
     asyncio.run(serve(config, "tokenizer", ["qwenserve.v1.Tokenizer"], register, warm_up))
@@ -41,6 +45,12 @@ log = logging.getLogger("qwenserve.grpc_server")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+#: Exit status of a stage that stopped on an internal fault (EX_SOFTWARE): restart it.
+FAULT_EXIT_CODE = 70
+
+
+class StageFailed(Exception):
+    """The stage stopped serving because of an internal fault (the reason is the message)."""
 
 
 @dataclass(frozen=True)
@@ -60,11 +70,12 @@ class GrpcServerConfig:
 class ServeState:
     """Where a stage is in its life, shared by gRPC health and the HTTP probes.
 
-    starting -> serving -> draining -> stopped. Ready means "serving"; live means "not stopped"
-    (a stage that is warming up or draining is alive, it just should not get new work).
+    starting -> serving -> draining -> stopped, or -> failed from any phase. Ready means "serving"; live
+    means "neither stopped nor failed" (a stage that is warming up or draining is alive, it just should
+    not get new work; a failed one must be restarted).
     """
 
-    STARTING, SERVING, DRAINING, STOPPED = "starting", "serving", "draining", "stopped"
+    STARTING, SERVING, DRAINING, STOPPED, FAILED = "starting", "serving", "draining", "stopped", "failed"
 
     def __init__(self) -> None:
         self.phase = self.STARTING
@@ -74,8 +85,8 @@ class ServeState:
         return self.phase == self.SERVING
 
     def live(self) -> bool:
-        """True until the server has stopped."""
-        return self.phase != self.STOPPED
+        """True until the server has stopped or failed."""
+        return self.phase not in (self.STOPPED, self.FAILED)
 
 
 Register = Callable[[grpc.aio.Server], None]
@@ -95,6 +106,10 @@ class StageServer:
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # Callers (the router) send keepalive pings every 10 s, also between calls, to notice a hung
+            # stage; without these the server would answer them with GOAWAY "too many pings".
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
         ]
         self.server = grpc.aio.server(
             options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs, interceptors=server_interceptors()
@@ -133,12 +148,20 @@ class StageServer:
         await self._set_all(SERVING)
         self.state.phase = ServeState.SERVING
 
+    async def fail(self) -> None:
+        """Report NOT_SERVING and not live: the stage cannot serve any more and must be restarted."""
+        self.state.phase = ServeState.FAILED
+        await self._set_all(NOT_SERVING)
+
     async def stop(self) -> None:
         """Report NOT_SERVING, refuse new calls, let calls in flight finish within the grace period."""
-        self.state.phase = ServeState.DRAINING
+        failed = self.state.phase == ServeState.FAILED
+        if not failed:
+            self.state.phase = ServeState.DRAINING
         await self._set_all(NOT_SERVING)
         await self.server.stop(self.config.grace_s)
-        self.state.phase = ServeState.STOPPED
+        if not failed:
+            self.state.phase = ServeState.STOPPED
 
     async def _set_all(self, status: int) -> None:
         for service in ["", *self.service_names]:
@@ -153,6 +176,8 @@ async def serve(
     warm_up: WarmUp | None = None,
     stop_signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
     on_ready: Callable[[StageServer], None] | None = None,
+    failure: asyncio.Future[str] | None = None,
+    on_drain: Callable[[], None] | None = None,
 ) -> None:
     """Run a stage's server until SIGTERM / SIGINT (or cancellation), then drain and stop.
 
@@ -160,6 +185,9 @@ async def serve(
     health and reflection). `warm_up()` runs after the port is bound and before health says
     SERVING; if it raises, the server stops and the error propagates. With `config.metrics_port`
     the metrics endpoint starts before warm-up, so probes see "not ready" rather than nothing.
+    When `failure` resolves (with a reason), health says NOT_SERVING everywhere, the server
+    drains and StageFailed is raised. `on_drain()` runs when a stop signal arrives, before the grace
+    period starts.
     """
     stage = StageServer(config, name, service_names, register)
     await stage.start()
@@ -188,8 +216,15 @@ async def serve(
         log.info("%s is serving", name)
         if on_ready is not None:
             on_ready(stage)
-        await stopping.wait()
+        reason = await _stopped_or_failed(stopping, failure)
+        if reason is not None:
+            await stage.fail()
+            print(f"{name} failed: {reason}; draining (grace {config.grace_s:g}s), then exiting",
+                  file=sys.stderr, flush=True)
+            raise StageFailed(reason)
         print(f"{name} draining (grace {config.grace_s:g}s)", file=sys.stderr, flush=True)
+        if on_drain is not None:
+            on_drain()
     finally:
         for sig in stop_signals:
             loop.remove_signal_handler(sig)
@@ -198,6 +233,17 @@ async def serve(
         finally:
             if metrics is not None:
                 metrics.close()
+
+
+async def _stopped_or_failed(stopping: asyncio.Event, failure: asyncio.Future[str] | None) -> str | None:
+    """Wait for a stop signal or a failure; the failure's reason, or None when asked to stop."""
+    stopped = asyncio.ensure_future(stopping.wait())
+    waiting: set[asyncio.Future[Any]] = {stopped} if failure is None else {stopped, failure}
+    try:
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    return failure.result() if failure is not None and failure.done() else None
 
 
 async def _unless_stopped(work: Awaitable[None], stopping: asyncio.Event) -> bool:
@@ -222,7 +268,8 @@ def run_stage(
     startup_errors: tuple[type[Exception], ...] = (),
 ) -> int:
     """A stage process from its parsed config to its exit code: logging and tracing, the one config line,
-    the event loop. `startup_errors` become a one-line message and exit code 1 instead of a traceback."""
+    the event loop. `startup_errors` become a one-line message and exit code 1 instead of a traceback; a stage
+    that failed while serving (StageFailed) exits with FAULT_EXIT_CODE."""
     start_telemetry(f"qwenserve-{name}", getattr(config, "log_json", None), getattr(config, "log_level", None))
     print_config(name, config)
     try:
@@ -230,6 +277,9 @@ def run_stage(
     except startup_errors as err:
         print(f"{name}: cannot start: {err}", file=sys.stderr)
         return 1
+    except StageFailed as err:
+        print(f"{name}: exiting after an internal fault: {err}", file=sys.stderr, flush=True)
+        return FAULT_EXIT_CODE
     finally:
         stop_telemetry()
     return 0

@@ -48,6 +48,20 @@ def resolve_model(model: str | None) -> str:
     return str(ensure_default_model())
 
 
+def engine_failure(engine: LLMEngine) -> asyncio.Future[str]:
+    """A future on the running loop that resolves with the reason if the engine's compute loop dies; give it to
+    `serve(failure=...)`, which then reports NOT_SERVING everywhere and ends the process non-zero."""
+    loop = asyncio.get_running_loop()
+    failure: asyncio.Future[str] = loop.create_future()
+
+    def resolve(reason: str) -> None:
+        if not failure.done():
+            failure.set_result(reason)
+
+    engine.on_failure(lambda reason: loop.call_soon_threadsafe(resolve, reason))
+    return failure
+
+
 async def warm_up_engine(engine: LLMEngine) -> None:
     """One real forward pass before health says SERVING, so the first request pays no start-up cost."""
     async for _ in engine.generate("warm-up", [0, 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2)):

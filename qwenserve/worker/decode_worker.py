@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +12,7 @@ from opentelemetry import trace
 
 from qwenserve.engine.errors import KVLayoutMismatchError
 from qwenserve.engine.kv_layout import KVImport
-from qwenserve.kv_transfer.errors import KVTransferError
+from qwenserve.kv_transfer.errors import KVLayoutMismatch, KVTransferError
 from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto
 from qwenserve.telemetry.engine_steps import EngineStepObserver
 from qwenserve.telemetry.metrics import HandoffMetrics
@@ -20,8 +20,9 @@ from qwenserve.telemetry.tracing import Attr, get_tracer
 from qwenserve.v1 import common_pb2, decode_pb2
 from qwenserve.worker.errors import BadRequest, HandoffRefused
 from qwenserve.worker.handoff_telemetry import failure_reason, transport_label
-from qwenserve.worker.requests import checked_request
+from qwenserve.worker.requests import checked_cache_salt, checked_request, checked_request_id
 
+log = logging.getLogger(__name__)
 tracer = get_tracer("qwenserve.decode")
 
 
@@ -47,7 +48,8 @@ class DecodeWorker:
         self.handoff = handoff
 
     async def decode(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        """Raises BadRequest / HandoffRefused before the first message; afterwards errors end the stream."""
+        """Raises BadRequest / HandoffRefused before the first message; afterwards errors end the stream. A request
+        the engine fails ends with finish_reason ERROR and an ErrorDetail; if the engine dies, EngineDeadError."""
         # Not made current across yields: an async generator may be closed from another context.
         span = tracer.start_span("decode")
         timing = _Timing()
@@ -77,6 +79,8 @@ class DecodeWorker:
         start = request.WhichOneof("start")
         if start is None:
             raise BadRequest("one of prefilled or local_prefill is required")
+        request_id = checked_request_id(request.request_id, "decode")
+        cache_salt = checked_cache_salt(request.cache_salt)
         resume = list(request.resume_token_ids)
         prompt, sampling = checked_request(
             request.prompt_token_ids, request.sampling, vocab_size=self.engine.model_config.vocab_size,
@@ -88,18 +92,19 @@ class DecodeWorker:
         kv_import, handle = None, None
         cached = 0
         if start == "prefilled":
+            first = request.prefilled.first_token_id
+            if first >= self.engine.model_config.vocab_size:
+                raise BadRequest(f"prefilled.first_token_id {first} is outside the vocabulary")
             handle = request.prefilled.kv_handle
             kv_import = await self._import(handle, len(prompt))
-            resume = [request.prefilled.first_token_id]
+            resume = [first]
             cached = request.prefilled.cached_prompt_tokens
-        request_id = request.request_id or f"decode-{uuid.uuid4().hex[:12]}"
         timing.request_id = request_id
         if traced and self.steps is not None:
             self.steps.watch(request_id)
         timing.submitted = time.time_ns()
         outputs = self.engine.generate(
-            request_id, prompt, sampling, cache_salt=request.cache_salt or None,
-            resume_token_ids=resume, kv_import=kv_import,
+            request_id, prompt, sampling, cache_salt=cache_salt, resume_token_ids=resume, kv_import=kv_import,
         )
         if handle is not None:
             outputs = self._release_after_first(outputs, handle)
@@ -124,17 +129,19 @@ class DecodeWorker:
         transport = transport_label(handle.transport)
         attributes = {Attr.HANDOFF_TRANSPORT: transport, Attr.HANDOFF_BYTES: handle.length}
         with tracer.start_as_current_span("handoff", attributes=attributes) as span:
-            if handle.num_tokens != prompt_len:
-                if self.handoff is not None:
-                    self.handoff.record_failure(transport, "protocol")
-                raise HandoffRefused(f"the handoff holds {handle.num_tokens} tokens, the prompt has {prompt_len}")
             started = time.perf_counter()
             try:
+                if handle.num_tokens != prompt_len:
+                    raise KVLayoutMismatch(
+                        f"the handoff holds {handle.num_tokens} tokens, the prompt has {prompt_len}"
+                    )
                 tensor = await self.importer.fetch(handle, self.engine.kv_layout())
-            except (KVTransferError, KVLayoutMismatchError) as e:
+            except (KVTransferError, KVLayoutMismatchError, OSError) as e:
+                # OSError: what the handle names could not be read; the router recomputes the prompt instead.
                 if self.handoff is not None:
                     self.handoff.record_failure(transport, failure_reason(e))
                 span.set_attribute("qwenserve.handoff.failure", failure_reason(e))
+                log.warning("handoff refused: %s", e)
                 await self.importer.release(handle, "failed")
                 raise HandoffRefused(str(e)) from e
             seconds = time.perf_counter() - started
@@ -217,6 +224,10 @@ async def _coalesced(
                 last = batch[-1]
                 if last.finished:
                     msg.finish_reason = finish_reason_to_proto(last.finish_reason)
+                    if last.finish_reason == "error":
+                        msg.error.CopyFrom(common_pb2.ErrorDetail(
+                            code="engine_error", message=last.error or "the engine failed this request"
+                        ))
                     usage = last.usage
                     msg.usage.CopyFrom(common_pb2.Usage(
                         prompt_tokens=usage.prompt_tokens,

@@ -12,6 +12,7 @@ import grpc
 from qwenserve.engine.errors import KVLayoutMismatchError
 from qwenserve.kv_transfer.errors import (
     KVChecksumMismatch,
+    KVHandleInvalid,
     KVHandoffGone,
     KVLayoutMismatch,
     KVPoolExhausted,
@@ -42,7 +43,7 @@ def failure_reason(error: BaseException) -> str:
         return "lease_expired"
     if isinstance(error, KVTransportUnavailable):
         return "connection"
-    if isinstance(error, (KVLayoutMismatch, KVLayoutMismatchError)):
+    if isinstance(error, (KVLayoutMismatch, KVLayoutMismatchError, KVHandleInvalid)):
         return "protocol"
     if isinstance(error, KVPoolExhausted):
         return "no_space"

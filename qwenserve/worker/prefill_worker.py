@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
 
+from qwenserve.kv_transfer.errors import KVPoolExhausted
 from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto
 from qwenserve.telemetry.engine_steps import EngineStepObserver
 from qwenserve.telemetry.metrics import HandoffMetrics
 from qwenserve.telemetry.tracing import Attr, get_tracer
 from qwenserve.v1 import common_pb2, prefill_pb2
+from qwenserve.worker.errors import Overloaded, PrefillFailed, WorkerUnavailable
 from qwenserve.worker.handoff_telemetry import transport_label
-from qwenserve.worker.requests import checked_request
+from qwenserve.worker.requests import checked_cache_salt, checked_request, checked_request_id
 
+log = logging.getLogger(__name__)
 tracer = get_tracer("qwenserve.prefill")
 
 
@@ -39,41 +43,49 @@ class PrefillWorker:
         self.handoff = handoff
 
     async def prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
-        """Raises BadRequest for invalid input; a cancelled caller aborts the engine request and the slot."""
+        """Raises BadRequest for invalid input, Overloaded when the handoff finds no room, PrefillFailed when
+        the prompt could not be computed or handed off, WorkerUnavailable when the engine is going away; never
+        answers without a first token. A cancelled caller aborts the engine request and the slot."""
+        request_id = checked_request_id(request.request_id, "prefill")
+        cache_salt = checked_cache_salt(request.cache_salt)
         prompt, sampling = checked_request(
             request.prompt_token_ids, request.sampling,
             vocab_size=self.engine.model_config.vocab_size, max_model_len=self.engine.max_model_len,
         )
-        request_id = request.request_id or f"prefill-{uuid.uuid4().hex[:12]}"
         with tracer.start_as_current_span("prefill", attributes={Attr.PROMPT_TOKENS: len(prompt)}) as span:
-            return await self._prefill(request, request_id, prompt, sampling, span)
+            return await self._prefill(request_id, prompt, sampling, cache_salt, span)
 
     async def _prefill(
-        self, request: prefill_pb2.PrefillRequest, request_id: str, prompt: list[int], sampling: Any, span: Any
+        self, request_id: str, prompt: list[int], sampling: Any, cache_salt: str | None, span: Any
     ) -> prefill_pb2.PrefillResponse:
         handoff_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         slots: list[Any] = []
+        no_room: list[KVPoolExhausted] = []
 
         def sink(layout: Any, num_tokens: int) -> Any:
-            slot = self.exporter.reserve(handoff_id, layout, num_tokens)
+            try:
+                slot = self.exporter.reserve(handoff_id, layout, num_tokens)
+            except KVPoolExhausted as e:
+                no_room.append(e)  # the engine ends the request with an error; this says which kind
+                raise
             slots.append(slot)
             return slot  # the engine gathers its cache into it, hashing as the bytes land
 
         first: list[int] = []
         logprobs: list[common_pb2.TokenLogprob] = []
-        finish, cached = None, 0
+        finish, cached, error = None, 0, None
         traced = span.is_recording()
         if traced and self.steps is not None:
             self.steps.watch(request_id)
         submitted = time.time_ns()
         try:
             async for out in self.engine.generate(
-                request_id, prompt, sampling, cache_salt=request.cache_salt or None, kv_export=sink
+                request_id, prompt, sampling, cache_salt=cache_salt, kv_export=sink
             ):
                 first.extend(out.new_token_ids)
                 logprobs.extend(logprobs_to_proto(out.new_token_ids, out.logprobs))
                 if out.finished:
-                    finish = out.finish_reason
+                    finish, error = out.finish_reason, out.error
                     cached = out.usage.cached_prompt_tokens
         except BaseException:
             for slot in slots:
@@ -84,6 +96,10 @@ class PrefillWorker:
         if traced:
             _phase_spans(submitted, scheduled, time.time_ns())
             span.set_attribute(Attr.CACHED_TOKENS, cached)
+        if finish not in ("stop", "length", "export") or not first:
+            for slot in slots:
+                slot.abort()
+            raise _failure(request_id, finish, error, no_room)
         response = prefill_pb2.PrefillResponse(
             request_id=request_id, first_token_id=first[0], cached_prompt_tokens=cached
         )
@@ -97,7 +113,12 @@ class PrefillWorker:
             return response
         with tracer.start_as_current_span("handoff.export") as export_span:
             started = time.perf_counter()
-            handle = slots[0].publish(self.lease_s)
+            try:
+                handle = slots[0].publish(self.lease_s)
+            except Exception as e:
+                slots[0].abort()
+                log.exception("%s: publishing the KV handoff failed", request_id)
+                raise PrefillFailed(f"the KV handoff could not be published: {type(e).__name__}: {e}") from e
             seconds = time.perf_counter() - started
             transport = transport_label(handle.transport)
             export_span.set_attribute(Attr.HANDOFF_TRANSPORT, transport)
@@ -106,6 +127,15 @@ class PrefillWorker:
             self.handoff.record_transfer(transport, handle.length, seconds)
         response.kv_handle.CopyFrom(handle)
         return response
+
+
+def _failure(request_id: str, finish: str | None, error: str | None, no_room: list[KVPoolExhausted]) -> Exception:
+    """What to raise when the engine ended a prefill without a first token and a handoff."""
+    if no_room:
+        return Overloaded(f"no room for the KV handoff: {no_room[0]}")
+    if finish == "abort":
+        return WorkerUnavailable("the prefill engine is shutting down")
+    return PrefillFailed(f"prefill of {request_id} failed: {error or finish or 'the engine gave no first token'}")
 
 
 def _phase_spans(submitted_ns: int, scheduled_ns: int | None, done_ns: int) -> None:

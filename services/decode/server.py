@@ -15,18 +15,19 @@ import grpc
 
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
-from qwenserve.engine.errors import RequestError
 from qwenserve.flags import add_flag
 from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
+from qwenserve.kv_transfer.importer import ImporterConfig
 from qwenserve.telemetry.metrics import handoff_metrics
-from qwenserve.v1 import decode_pb2, decode_pb2_grpc
+from qwenserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from qwenserve.worker.decode_worker import DecodeWorker
-from qwenserve.worker.errors import WorkerError
+from qwenserve.worker.errors import grpc_status
 from qwenserve.worker.handoff_telemetry import TracedKVImporter
 from qwenserve_services.stage_common import (
     add_engine_flags,
     add_metrics_flag,
     engine_config,
+    engine_failure,
     observe_engine_steps,
     publish_engine_metrics,
     resolve_model,
@@ -59,10 +60,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             async for msg in self.worker.decode(request):
                 yield msg
-        except WorkerError as e:
-            await context.abort(e.grpc_code, str(e))
-        except RequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            code, message = grpc_status(e)
+            await context.abort(code, message)
 
 
 def parse_config(argv: list[str]) -> DecodeServiceConfig:
@@ -85,7 +85,10 @@ def parse_config(argv: list[str]) -> DecodeServiceConfig:
 
 async def run(config: DecodeServiceConfig) -> None:
     engine = LLMEngine.from_pretrained(config.model, config.engine)
-    importer = TracedKVImporter()
+    # The transports prefill workers hand off over; a Mooncake handle is refused, not a reason to open Mooncake.
+    importer = TracedKVImporter(ImporterConfig(
+        transports=frozenset({common_pb2.KV_TRANSPORT_SHM, common_pb2.KV_TRANSPORT_GRPC})
+    ))
     steps = observe_engine_steps(engine)
     worker = DecodeWorker(
         engine, importer, steps=steps, handoff=handoff_metrics(),
@@ -100,7 +103,8 @@ async def run(config: DecodeServiceConfig) -> None:
         host=config.host, port=config.port, grace_s=config.grace_s, metrics_port=config.metrics_port
     )
     try:
-        await serve(server_config, "decode", SERVICES, register, warm_up=lambda: warm_up_engine(engine))
+        await serve(server_config, "decode", SERVICES, register, warm_up=lambda: warm_up_engine(engine),
+                    failure=engine_failure(engine))
     finally:
         publisher.cancel()
         await importer.close()

@@ -14,19 +14,19 @@ import grpc
 
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
-from qwenserve.engine.errors import RequestError
 from qwenserve.flags import add_flag
 from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
-from qwenserve.kv_transfer.exporter import ExporterConfig, KVExporter
+from qwenserve.kv_transfer.exporter import ExporterConfig, KVExporter, MiB
 from qwenserve.kv_transfer.grpc_transport import add_kv_transfer_service
 from qwenserve.telemetry.metrics import handoff_metrics
 from qwenserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
-from qwenserve.worker.errors import WorkerError
+from qwenserve.worker.errors import grpc_status
 from qwenserve.worker.prefill_worker import PrefillWorker
 from qwenserve_services.stage_common import (
     add_engine_flags,
     add_metrics_flag,
     engine_config,
+    engine_failure,
     observe_engine_steps,
     publish_engine_metrics,
     resolve_model,
@@ -46,6 +46,8 @@ class PrefillServiceConfig:
     model: str
     kv_transfer: str
     lease_s: float
+    kv_pool_mib: int
+    kv_max_mib: int
     grace_s: float
     metrics_port: int
     engine: EngineConfig
@@ -62,10 +64,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     ) -> prefill_pb2.PrefillResponse:
         try:
             return await self.worker.prefill(request)
-        except WorkerError as e:
-            await context.abort(e.grpc_code, str(e))
-        except RequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            code, message = grpc_status(e)
+            await context.abort(code, message)
         raise AssertionError("unreachable: context.abort raises")
 
 
@@ -76,13 +77,16 @@ def parse_config(argv: list[str]) -> PrefillServiceConfig:
     add_flag(parser, "--model", default=None, help="checkpoint folder (default: the built-in model)")
     add_flag(parser, "--kv-transfer", default="shm", choices=["shm", "network"], help="handoff transport")
     add_flag(parser, "--lease-s", type=float, default=30.0, help="how long an unacknowledged handoff is kept")
+    add_flag(parser, "--kv-pool-mib", type=int, default=256,
+             help="handoff memory kept ready (pre-faulted); a larger handoff gets a region of its own")
+    add_flag(parser, "--kv-max-mib", type=int, default=4096, help="most memory unreleased handoffs may hold")
     add_flag(parser, "--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     add_engine_flags(parser)
     add_metrics_flag(parser)
     args, _unknown = parser.parse_known_args(argv)
     return PrefillServiceConfig(
         host=args.host, port=args.port, model=resolve_model(args.model), kv_transfer=args.kv_transfer,
-        lease_s=args.lease_s, grace_s=args.grace_s, metrics_port=args.metrics_port, engine=engine_config(args),
+        lease_s=args.lease_s, kv_pool_mib=args.kv_pool_mib, kv_max_mib=args.kv_max_mib, grace_s=args.grace_s, metrics_port=args.metrics_port, engine=engine_config(args),
         log_json=args.log_json, log_level=args.log_level,
     )
 
@@ -97,6 +101,7 @@ async def run(config: PrefillServiceConfig) -> None:
     exporter = KVExporter(ExporterConfig(
         transport=transport, use_shm=config.kv_transfer == "shm",
         control_endpoint=f"{config.host}:{config.port}",
+        pool_bytes=config.kv_pool_mib * MiB, max_bytes=config.kv_max_mib * MiB,
     )).start()
     steps = observe_engine_steps(engine)
     worker = PrefillWorker(engine, exporter, lease_s=config.lease_s, steps=steps, handoff=handoff_metrics())
@@ -107,7 +112,8 @@ async def run(config: PrefillServiceConfig) -> None:
 
     publisher = asyncio.create_task(publish_engine_metrics(engine, exporter, steps=steps))
     try:
-        await serve(server_config, "prefill", SERVICES, register, warm_up=lambda: warm_up_engine(engine))
+        await serve(server_config, "prefill", SERVICES, register, warm_up=lambda: warm_up_engine(engine),
+                    failure=engine_failure(engine))
     finally:
         publisher.cancel()
         exporter.close()
