@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PREFIXES = {"qwenserve": "qwenserve", "services": "qwenserve_services", "operator": "qwenserve_operator"}
+PREFIXES = {"qwenserve": "qwenserve", "services": "qwenserve_services",
+            "operator/qwenserve_operator": "qwenserve_operator"}
 
 
 def _package_folders() -> set[str]:
@@ -30,7 +34,19 @@ def test_operator_package_does_not_shadow_the_standard_library() -> None:
     import qwenserve_operator
 
     assert hasattr(operator, "itemgetter")
-    assert Path(qwenserve_operator.__file__).parent == ROOT / "operator"
+    assert Path(qwenserve_operator.__file__).parent == ROOT / "operator" / "qwenserve_operator"
+    assert not (ROOT / "operator" / "__init__.py").exists(), "operator/ must stay a plain folder"
+
+
+def test_python_run_from_the_repository_root_imports_the_standard_library_operator() -> None:
+    # No -P: the current directory comes first on sys.path, as for anyone typing `python` in a checkout.
+    code = "import operator, qwenserve_operator; print(operator.eq, operator.__file__)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "<built-in function eq>" in run.stdout
+    assert str(ROOT / "operator") not in run.stdout
 
 
 def test_console_script_lists_the_stages(capsys) -> None:

@@ -58,7 +58,8 @@ def test_every_package_folder_of_pyproject_is_copied() -> None:
     package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     copied = _copied(_stages()["cpu"])
     for folder in package_dirs.values():
-        assert f"{folder}/" in copied
+        # A package may sit below a copied folder (operator/qwenserve_operator/ comes with operator/).
+        assert any(f"{folder}/".startswith(src) for src in copied if src.endswith("/")), f"COPY {folder}/"
 
 
 def test_cpu_torch_comes_from_the_cpu_index_before_the_project() -> None:

@@ -1,4 +1,4 @@
-"""The CRD: one source (operator/crd.py), valid for Kubernetes, structural, with defaults; examples fit it."""
+"""The CRD: one source (operator/qwenserve_operator/crd.py), valid for Kubernetes, structural, with defaults; examples fit it."""
 
 from __future__ import annotations
 
