@@ -12,7 +12,7 @@ Near saturation: this machine serves about 5.6 requests/s of this mix, so the de
 short_first reorders the queue (short prompts first, no starvation) and, while prompts queue up beyond
 what a step can take beside its decodes, runs up to --burst-prefill-steps steps without the decodes.
 
-  .venv/bin/python -P bench/experiment_admission.py --rate 6 --duration 40
+  .venv/bin/python bench/experiment_admission.py --rate 6 --duration 40
 """
 
 from __future__ import annotations

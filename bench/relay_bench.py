@@ -1,6 +1,6 @@
 """Router relay capacity on one core, with decode offering more tokens than the router can pass.
 
-    .venv/bin/python -P bench/relay_bench.py [--streams 256] [--step-ms 10] [--stream-interval-ms 0,50,100]
+    .venv/bin/python bench/relay_bench.py [--streams 256] [--step-ms 10] [--stream-interval-ms 0,50,100]
 
 A CPU decode worker here makes a few thousand tokens/s, far below what a router core relays, so
 it cannot show the router's limit. This bench puts a token source in front of the real router: the
@@ -184,18 +184,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = write_checkpoint(Path(tmp) / "tiny", TINY_CONFIG)
         tokenizer_port = _free_port()
-        tokenizer = subprocess.Popen([sys.executable, "-P", "-m", "qwenserve.cli", "serve", "tokenizer",
+        tokenizer = subprocess.Popen([sys.executable, "-m", "qwenserve.cli", "serve", "tokenizer",
                                       "--model", str(model), "--port", str(tokenizer_port), "--log-level", "warning"])
         try:
             for interval_ms in (float(v) for v in args.stream_interval_ms.split(",")):
                 source_port, router_port = _free_port(), _free_port()
                 source = subprocess.Popen(
-                    [sys.executable, "-P", __file__, "--serve-source", str(source_port), "--step-ms",
+                    [sys.executable, __file__, "--serve-source", str(source_port), "--step-ms",
                      str(args.step_ms), "--stream-interval-ms", str(interval_ms)],
                     stdout=subprocess.PIPE, text=True,
                 )
                 router = subprocess.Popen(
-                    [sys.executable, "-P", "-m", "qwenserve.cli", "serve", "router", "--model", str(model),
+                    [sys.executable, "-m", "qwenserve.cli", "serve", "router", "--model", str(model),
                      "--port", str(router_port), "--decode", f"127.0.0.1:{source_port}", "--no-auth",
                      "--tokenizer", f"127.0.0.1:{tokenizer_port}", "--log-level", "warning"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

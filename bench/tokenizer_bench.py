@@ -74,7 +74,7 @@ def bench_in_process(texts: list[str], tokenizer: Tokenizer) -> None:
 
 def start_server() -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "qwenserve_services.tokenizer.server", "--port", "0"],
+        [sys.executable, "-m", "qwenserve_services.tokenizer.server", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

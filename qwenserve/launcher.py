@@ -93,7 +93,7 @@ class LocalCluster:
     children: list[Child] = field(default_factory=list)
 
     def _stage(self, stage: str, port: int, extra: list[str]) -> Child:
-        argv = [sys.executable, "-P", "-m", "qwenserve.cli", "serve", stage, "--host", self.host, "--port", str(port)]
+        argv = [sys.executable, "-m", "qwenserve.cli", "serve", stage, "--host", self.host, "--port", str(port)]
         argv += ["--model", str(self.model), *extra]
         name = stage if stage in ("tokenizer", "router") else f"{stage}-{sum(c.name.startswith(stage) for c in self.children)}"
         metrics_port = free_port(self.host)

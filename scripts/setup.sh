@@ -10,9 +10,8 @@ python=${PYTHON:-python3}
 torch_spec=${QWENSERVE_TORCH:-torch==2.13.0}
 extras=${QWENSERVE_EXTRAS:-dev}
 
-# -P everywhere: run from the repo root, the operator/ folder would shadow the standard library.
-[ -x .venv/bin/python ] || "$python" -P -m venv .venv
-pip() { .venv/bin/python -P -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "WARNING: Location" >&2); }
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "WARNING: Location" >&2); }
 
 # torch first and pinned, so that resolving the project never pulls a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "$torch_spec"

@@ -30,7 +30,7 @@ print(json.dumps({"applied": applied, "rounds": [cycle() for _ in range(4)], "pa
 
 
 def _rounds(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-P", "-c", SCRIPT, mode], check=True, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], check=True, capture_output=True, text=True,
                          timeout=120)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

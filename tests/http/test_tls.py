@@ -117,7 +117,7 @@ async def test_the_router_process_serves_grpc_over_tls(certs) -> None:
 
     port = free_port()
     router = subprocess.Popen(
-        [sys.executable, "-P", "-m", "qwenserve.cli", "serve", "router", "--port", str(port),
+        [sys.executable, "-m", "qwenserve.cli", "serve", "router", "--port", str(port),
          "--model", str(ensure_default_model()), "--tokenizer", f"127.0.0.1:{free_port()}",
          "--decode", f"127.0.0.1:{free_port()}", "--no-auth",
          "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)],

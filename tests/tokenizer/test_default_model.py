@@ -93,6 +93,6 @@ def test_write_checkpoint_makes_tiny_models_of_each_family(tmp_path, extra):
 
 def test_cli_prints_the_model_folder(default_model):
     out = subprocess.run(
-        [sys.executable, "-P", "-m", "qwenserve.cli", "model", "path"], capture_output=True, text=True
+        [sys.executable, "-m", "qwenserve.cli", "model", "path"], capture_output=True, text=True
     )
     assert out.returncode == 0 and out.stdout.strip() == str(default_model)

@@ -20,7 +20,7 @@ from qwenserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 def start_server(*args: str) -> tuple[subprocess.Popen, int]:
     """Run `python -m qwenserve_services.tokenizer.server --port 0` and read the bound port it prints."""
     proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "qwenserve_services.tokenizer.server", "--port", "0", "--grace-s", "1", *args],
+        [sys.executable, "-m", "qwenserve_services.tokenizer.server", "--port", "0", "--grace-s", "1", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
