@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +35,7 @@ MiB = 1 << 20
 
 @dataclass
 class ExporterConfig:
-    """Settings of a KVExporter; `from_env` reads QWENSERVE_KV_* variables."""
+    """Settings of a KVExporter (the prefill service fills them from its flags: --kv-pool-mib, --kv-max-mib...)."""
 
     #: Transport written into handles: KV_TRANSPORT_SHM, _GRPC or _MOONCAKE.
     transport: int = KVTransport.KV_TRANSPORT_SHM
@@ -60,23 +59,6 @@ class ExporterConfig:
     #: Address Mooncake listens on and advertises.
     mooncake_host: str = "127.0.0.1"
     mooncake_protocol: str = "tcp"
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> ExporterConfig:
-        """Defaults overridden by QWENSERVE_KV_TRANSPORT (shm|grpc|mooncake), QWENSERVE_KV_POOL_MIB,
-        QWENSERVE_KV_MAX_MIB, QWENSERVE_KV_CHECKSUM and QWENSERVE_KV_CONTROL_ENDPOINT."""
-        env = os.environ if environ is None else environ
-        config = cls()
-        if "QWENSERVE_KV_TRANSPORT" in env:
-            config.transport = KVTransport.Value(f"KV_TRANSPORT_{env['QWENSERVE_KV_TRANSPORT'].upper()}")
-            config.use_shm = config.transport == KVTransport.KV_TRANSPORT_SHM
-        if "QWENSERVE_KV_POOL_MIB" in env:
-            config.pool_bytes = int(env["QWENSERVE_KV_POOL_MIB"]) * MiB
-        if "QWENSERVE_KV_MAX_MIB" in env:
-            config.max_bytes = int(env["QWENSERVE_KV_MAX_MIB"]) * MiB
-        config.checksum = env.get("QWENSERVE_KV_CHECKSUM", config.checksum)
-        config.control_endpoint = env.get("QWENSERVE_KV_CONTROL_ENDPOINT", config.control_endpoint)
-        return config
 
 
 @dataclass(frozen=True)
