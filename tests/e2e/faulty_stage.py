@@ -1,6 +1,6 @@
 """A real prefill or decode stage whose engine's compute loop fails on cue (a helper process, not a test module).
 
-    python -P faulty_stage.py prefill|decode [the stage's flags...]
+    python faulty_stage.py prefill|decode [the stage's flags...]
 
 Everything is the real stage, except that the engine's scheduler raises as soon as a request whose id starts
 with `kill-the-loop` waits in it: a fault that belongs to no step, so the compute loop itself dies, as a bug

@@ -57,7 +57,7 @@ def start_stage(tmp_path: Path) -> Iterator[Callable[..., Stage]]:
     def start(kind: str, model: Path, *flags: str, env: dict[str, str] | None = None, faulty: bool = False) -> Stage:
         port, metrics_port = free_port(), free_port()
         entry = [str(FAULTY_STAGE)] if faulty else ["-m", "qwenserve.cli", "serve"]
-        argv = [sys.executable, "-P", *entry, kind, "--model", str(model), "--port", str(port),
+        argv = [sys.executable, *entry, kind, "--model", str(model), "--port", str(port),
                 "--metrics-port", str(metrics_port), *flags]
         log = open(tmp_path / f"{kind}-{port}.log", "w")  # noqa: SIM115 - the process writes it until it ends
         process = subprocess.Popen(argv, env={**os.environ, **WORKER_ENV, **(env or {})}, stdout=log,
