@@ -50,6 +50,7 @@ from qwenserve.protocol import FINISH_REASON_NAMES
 from qwenserve.router.admission import Gatekeeper, Ticket, api_key_from_headers
 from qwenserve.router.errors import InvalidRequest, RouterError
 from qwenserve.router.front_errors import (
+    AuthenticationFailed,
     BodyReadTimeout,
     BodyTooLarge,
     MethodNotAllowed,
@@ -237,6 +238,9 @@ class OpenAIFront:
 
     def _tenant(self, request: web.Request) -> Tenant:
         key = api_key_from_headers(request.headers.get("Authorization"), request.headers.get("X-Api-Key"))
+        if key is not None and not _is_text(key):
+            # aiohttp keeps header bytes that are not UTF-8 as lone surrogates; no key is made of those.
+            raise AuthenticationFailed("the API key is not valid UTF-8 text")
         return self.gatekeeper.authenticate(key)
 
     # -- completions -----------------------------------------------------------------------------
@@ -318,7 +322,7 @@ class OpenAIFront:
             self._record(generations, outcome, answer)
             log.info("%s tenant=%s %s n=%d prompt=%d completion=%d finish=%s %.3fs", request_id,
                      tenant.id, kind, parsed.n, answer.prompt_tokens, answer.completion_tokens(),
-                     ",".join(c.finish_reason or "-" for c in answer.choices), time.monotonic() - arrived)
+                     ",".join(c.summary() for c in answer.choices), time.monotonic() - arrived)
 
     def _timer(self, arrived: float) -> StreamTimer | None:
         metrics = self.gatekeeper.metrics
@@ -356,16 +360,15 @@ class OpenAIFront:
                       ticket: Ticket) -> web.StreamResponse:
         """Server-sent events as the tokens arrive; the headers wait for the router's first message."""
         events = generations.events()
-        first = await anext(events, None)
-        if first is not None:
-            choice = answer.choices[first[0]]
-            choice.add(first[1])
-            if choice.failed:
-                # Failed before anything was generated: still time for a plain HTTP error (a 400 for
-                # a request no worker can hold; a 503 the client's retry logic understands).
-                status, error = choice.failure()
-                return web.json_response({"error": error}, status=status,
-                                         headers={"X-Request-Id": answer.request_id, **ticket.headers()})
+        event = await anext(events, None)
+        if event is not None and _ends_badly(event[1]):
+            # Failed before anything was generated: still time for a plain HTTP error (a 400 for a
+            # request no worker can hold; a 503 the client's retry logic understands).
+            choice = answer.choices[event[0]]
+            choice.add(event[1])
+            status, error = choice.failure()
+            return web.json_response({"error": error}, status=status,
+                                     headers={"X-Request-Id": answer.request_id, **ticket.headers()})
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
@@ -377,14 +380,12 @@ class OpenAIFront:
             if answer.parsed.kind == "chat":
                 for choice in answer.choices:
                     await _send(response, answer.chunk([choice.opening()]))
-            failure = await _relay(response, answer, *first) if first is not None else None
-            while failure is None:
-                event = await anext(events, None)
-                if event is None:
-                    break
+            failure = None
+            while event is not None and failure is None:
                 index, msg = event
                 answer.choices[index].add(msg)
                 failure = await _relay(response, answer, index, msg)
+                event = await anext(events, None) if failure is None else None
             if generations.disconnected:
                 return response
             if failure is not None:
@@ -420,8 +421,21 @@ async def _relay(response: web.StreamResponse, answer: _Answer, index: int,
     return None
 
 
+def _ends_badly(msg: router_pb2.GenerateResponse) -> bool:
+    """A terminal message whose finish reason is not an OpenAI one (an error, an abort)."""
+    return bool(msg.finish_reason) and FINISH_REASON_NAMES.get(msg.finish_reason) not in OPENAI_FINISH_REASONS
+
+
 async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _request_id(request: web.Request, prefix: str) -> str:
@@ -568,6 +582,12 @@ class _Choice:
             message = f"generation failed: {detail.message}"
         param = detail.field.removeprefix("sampling.") or None
         return status, {"message": message, "type": _error_type(status), "param": param, "code": code}
+
+    def summary(self) -> str:
+        """How the choice ended, for the request's log line: "length", "error:no_decode_worker", "-"."""
+        if self.failed and self.error is not None and self.error.code:
+            return f"{self.finish_reason}:{self.error.code}"
+        return self.finish_reason or "-"
 
     def closing(self) -> dict[str, Any]:
         """The last chunk of a streamed choice that ended well: its finish reason."""

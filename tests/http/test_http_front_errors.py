@@ -211,20 +211,28 @@ async def test_the_x_request_id_header_is_echoed_only_when_it_is_a_safe_token(de
         assert response.headers["X-Request-Id"].startswith("cmpl-") is not echoed
 
 
-async def _raw_post(port: int, head_extra: bytes, body: bytes, content_length: int) -> tuple[bytes, float]:
+async def _raw_post(port: int, auth: bytes, body: bytes, content_length: int,
+                    connection: bytes = b"keep-alive") -> tuple[bytes, float]:
     """Send headers and `body` (maybe less than Content-Length); the server's whole answer and how long
     until it closed the connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     started = time.monotonic()
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer sk-test\r\n"
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer " + auth + b"\r\n"
                  b"Content-Type: application/json\r\nContent-Length: " + str(content_length).encode() + b"\r\n"
-                 + head_extra + b"\r\n" + body)
+                 b"Connection: " + connection + b"\r\n\r\n" + body)
     await writer.drain()
     try:
         answer = await asyncio.wait_for(reader.read(), timeout=10)  # read() returns at EOF: the server closed
     finally:
         writer.close()
     return answer, time.monotonic() - started
+
+
+async def test_an_api_key_that_is_not_utf8_is_401_not_a_crash(client: TestClient) -> None:
+    body = json.dumps(CHAT).encode()
+    answer, _ = await _raw_post(client.port, b"sk-\xff\xfe", body, len(body), connection=b"close")
+    assert answer.startswith(b"HTTP/1.1 401 "), answer
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_api_key"
 
 
 async def test_a_half_sent_body_gets_408_and_the_connection_closed_at_the_body_timeout() -> None:
@@ -239,7 +247,7 @@ async def test_a_half_sent_body_gets_408_and_the_connection_closed_at_the_body_t
                                     "127.0.0.1", port, None)
     body = json.dumps(CHAT).encode()
     try:
-        answer, took = await _raw_post(port, b"", body[: len(body) // 2], len(body))
+        answer, took = await _raw_post(port, b"sk-test", body[: len(body) // 2], len(body))
     finally:
         await runner.cleanup()
         await router.close()
