@@ -7,6 +7,24 @@ a bad caller cannot blow up cardinality. Tenants are capped the same way (`Bound
 Each group is built on a `CollectorRegistry`; `router_metrics()`, `engine_metrics()`, ... return
 one group per registry, so importing a module twice or building a service twice in one test
 process never registers a metric twice. Services use the default registry; tests pass their own.
+
+Tools built for vLLM (its Grafana dashboard, the production-stack router, autoscalers reading vLLM's
+names) find vLLM's metrics next to ours, by vLLM's names and each with a `model_name` label, the
+served model name (`RouterMetrics.model_name`, `EngineMetrics.model_name`, set by each service at
+start-up). Each is counted in one process only, so a sum over every target never counts twice:
+
+- router (sees every request whole, on its HTTP port's /metrics as on --metrics-port):
+  `vllm:prompt_tokens_total` and `vllm:generation_tokens_total` (the usage each request reported),
+  `vllm:request_success_total{finished_reason}` (stop, length, abort),
+  `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds` (also under its older name
+  `vllm:time_per_output_token_seconds`) and `vllm:e2e_request_latency_seconds`.
+- prefill and decode (each engine's own state): `vllm:num_requests_running`,
+  `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:num_preemptions_total`, and
+  `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` in prompt tokens. A prompt is
+  looked up in the prefix cache of the engine that prefills it: the prefill stage, or decode for a
+  prompt it prefills itself; KV handed to decode is no lookup there.
+
+Engines count no tokens of their own: a prompt passes through both, the router sees it once.
 """
 
 from __future__ import annotations
@@ -64,6 +82,11 @@ GRPC_CODES = frozenset({
     "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
 })  # fmt: skip
 
+# The label value until a service names its model (RouterConfig's default name).
+DEFAULT_MODEL_NAME = "qwen"
+# Our finish reasons as vLLM's `finished_reason` (a tool call ends a sequence with vLLM's "stop").
+VLLM_FINISHED_REASONS = {"stop": "stop", "tool_calls": "stop", "length": "length", "abort": "abort"}
+
 
 def bounded(value: str, allowed: frozenset[str]) -> str:
     """`value` if it is one of `allowed`, else "other" — keeps a label's cardinality fixed."""
@@ -92,11 +115,67 @@ class BoundedLabel:
         return OTHER
 
 
+class VllmRouterMetrics:
+    """vLLM's request-level metrics by vLLM's names, each labelled with the served model (`model_name`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r, model = registry, ["model_name"]
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens",
+            "Prompt tokens of finished requests, cached ones included.",
+            model,
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated for finished requests.", model, registry=r
+        )
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Requests that ended with a finish reason (stop, length, abort).",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from request arrival to the first streamed token.",
+            model,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between successive token deliveries of one request.",
+            model,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "The same observations as vllm:inter_token_latency_seconds, under vLLM's older name.",
+            model,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from request arrival to its terminal event.",
+            model,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+
+
 class RouterMetrics:
-    """The router's request, latency, retry, rate-limit and token metrics."""
+    """The router's request, latency, retry, rate-limit and token metrics, ours and vLLM's (`vllm`).
+
+    Set `model_name` to the served model name before the first request: vLLM's metrics carry it.
+    """
 
     def __init__(self, registry: CollectorRegistry, max_tenants: int = 100) -> None:
         r = registry
+        self.registry = registry
+        self.model_name = DEFAULT_MODEL_NAME
+        self.vllm = VllmRouterMetrics(r)
         self.requests = Counter(
             "qwenserve_router_requests_total",
             "Finished requests by outcome and finish reason.",
@@ -165,6 +244,10 @@ class RouterMetrics:
         self.requests.labels(
             bounded(outcome, OUTCOMES), bounded(finish_reason or "none", FINISH_REASONS)
         ).inc()
+        # vLLM counts a request its client left as aborted; failures are no success of any kind.
+        reason = VLLM_FINISHED_REASONS.get(finish_reason, "abort" if outcome == "cancelled" else None)
+        if reason is not None:
+            self.vllm.request_success.labels(self.model_name, reason).inc()
 
     def record_tokens(self, tenant: str, prompt: int = 0, cached: int = 0, completion: int = 0) -> None:
         """Add a request's usage to the tenant's token counters."""
@@ -172,6 +255,10 @@ class RouterMetrics:
         for kind, n in (("prompt", prompt), ("cached", cached), ("completion", completion)):
             if n:
                 self.tokens.labels(t, kind).inc(n)
+        if prompt:
+            self.vllm.prompt_tokens.labels(self.model_name).inc(prompt)
+        if completion:
+            self.vllm.generation_tokens.labels(self.model_name).inc(completion)
 
     def record_retry(self, stage: str) -> None:
         """Count a retry of `stage` on another worker."""
@@ -210,11 +297,15 @@ class StreamTimer:
     def token(self, now: float | None = None) -> None:
         """Record a token delivery at `now` (time.monotonic()) or the current time."""
         now = time.monotonic() if now is None else now
+        m, model = self._metrics, self._metrics.model_name
         if self._last is None:
             self.first_token_at = now
-            self._metrics.ttft.observe(now - self.arrived)
+            m.ttft.observe(now - self.arrived)
+            m.vllm.ttft.labels(model).observe(now - self.arrived)
         else:
-            self._metrics.inter_token_latency.observe(now - self._last)
+            m.inter_token_latency.observe(now - self._last)
+            m.vllm.inter_token_latency.labels(model).observe(now - self._last)
+            m.vllm.time_per_output_token.labels(model).observe(now - self._last)
         self._last = now
 
     def finish(self, now: float | None = None) -> None:
@@ -224,6 +315,7 @@ class StreamTimer:
         self._finished = True
         now = time.monotonic() if now is None else now
         self._metrics.e2e_latency.observe(now - self.arrived)
+        self._metrics.vllm.e2e_latency.labels(self._metrics.model_name).observe(now - self.arrived)
 
 
 class EngineStats(Protocol):
@@ -235,18 +327,55 @@ class EngineStats(Protocol):
     kv_blocks_free: int
     kv_blocks_total: int
     prefix_cache_hit_rate: float
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
     preemptions: int
 
 
+class VllmEngineMetrics:
+    """vLLM's scheduler and cache metrics by vLLM's names, each labelled with the served model (`model_name`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r, model = registry, ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", model, registry=r)
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests queued for admission to the batch.", model, registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage, 0..1 (1 means every block in use).",
+            model,
+            registry=r,
+        )
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            model,
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            model,
+            registry=r,
+        )
+        self.num_preemptions = Counter(
+            "vllm:num_preemptions", "Requests preempted (blocks freed, recomputed later).", model, registry=r
+        )
+
+
 class EngineMetrics:
-    """Scheduler and KV-cache metrics of a prefill or decode engine.
+    """Scheduler and KV-cache metrics of a prefill or decode engine, ours and vLLM's (`vllm`).
 
     `qwenserve_engine_running_requests`, `qwenserve_engine_waiting_requests` and
     `qwenserve_kv_blocks_usage_ratio` are read by the autoscaler: their names are a contract.
+    Set `model_name` to the served model name before the first snapshot: vLLM's metrics carry it.
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
+        self.model_name = DEFAULT_MODEL_NAME
+        self.vllm = VllmEngineMetrics(r)
         self.running = Gauge(
             "qwenserve_engine_running_requests", "Requests in the running batch.", registry=r
         )
@@ -320,28 +449,37 @@ class EngineMetrics:
     def update_from_stats(self, stats: EngineStats) -> None:
         """Set the gauges from an engine stats snapshot (duck-typed; missing attributes are skipped).
 
-        `stats.preemptions` and `stats.prefill_only_steps` are the engine's cumulative counts: each counter
-        advances by the difference since the previous snapshot (by the whole value if the count went
-        backwards, i.e. the engine restarted).
+        `stats.preemptions`, `stats.prefill_only_steps` and the prefix-cache token counts are the engine's
+        cumulative counts: each counter advances by the difference since the previous snapshot (by the whole
+        value if the count went backwards, i.e. the engine restarted).
         """
-        for attr, gauge in (
-            ("running", self.running),
-            ("waiting", self.waiting),
-            ("kv_blocks_used", self.kv_blocks_used),
-            ("kv_blocks_free", self.kv_blocks_free),
-            ("kv_blocks_total", self.kv_blocks_total),
-            ("prefix_cache_hit_rate", self.prefix_cache_hit_ratio),
+        v, model = self.vllm, self.model_name
+        for attr, gauges in (
+            ("running", (self.running, v.running.labels(model))),
+            ("waiting", (self.waiting, v.waiting.labels(model))),
+            ("kv_blocks_used", (self.kv_blocks_used,)),
+            ("kv_blocks_free", (self.kv_blocks_free,)),
+            ("kv_blocks_total", (self.kv_blocks_total,)),
+            ("prefix_cache_hit_rate", (self.prefix_cache_hit_ratio,)),
         ):
             value = getattr(stats, attr, None)
             if value is not None:
-                gauge.set(value)
+                for gauge in gauges:
+                    gauge.set(value)
         used = getattr(stats, "kv_blocks_used", None)
         total = getattr(stats, "kv_blocks_total", None)
         if total is None and used is not None and getattr(stats, "kv_blocks_free", None) is not None:
             total = used + stats.kv_blocks_free
         if used is not None and total is not None:
-            self.kv_blocks_usage_ratio.set(min(1.0, used / total) if total > 0 else 0.0)
-        for attr, counter in (("preemptions", self.preemptions), ("prefill_only_steps", self.prefill_only_steps)):
+            usage = min(1.0, used / total) if total > 0 else 0.0
+            self.kv_blocks_usage_ratio.set(usage)
+            v.kv_cache_usage.labels(model).set(usage)
+        for attr, counters in (
+            ("preemptions", (self.preemptions, v.num_preemptions.labels(model))),
+            ("prefill_only_steps", (self.prefill_only_steps,)),
+            ("prefix_cache_query_tokens", (v.prefix_cache_queries.labels(model),)),
+            ("prefix_cache_hit_tokens", (v.prefix_cache_hits.labels(model),)),
+        ):
             count = getattr(stats, attr, None)
             if count is None:
                 continue
@@ -350,7 +488,8 @@ class EngineMetrics:
                 delta = count if last is None or count < last else count - last
                 self._last_counts[attr] = count
             if delta > 0:
-                counter.inc(delta)
+                for counter in counters:
+                    counter.inc(delta)
 
 
 class HandoffMetrics:
@@ -537,6 +676,12 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
+def metrics_page(registry: CollectorRegistry, accept: str = "") -> tuple[bytes, str]:
+    """`registry` in the exposition format the `Accept` header asks for, and its content type."""
+    encoder, content_type = choose_encoder(accept)
+    return encoder(registry), content_type
+
+
 def _probe(check: Callable[[], bool] | None, default: bool) -> bool:
     if check is None:
         return default
@@ -552,8 +697,7 @@ def _make_handler(server: MetricsServer) -> type[http.server.BaseHTTPRequestHand
         def do_GET(self) -> None:
             path = urlsplit(self.path).path
             if path == "/metrics":
-                encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-                self._reply(200, encoder(server.registry), content_type)
+                self._reply(200, *metrics_page(server.registry, self.headers.get("Accept", "")))
             elif path == "/healthz":
                 ok = _probe(server.live, default=True)
                 self._reply(200 if ok else 503, b"ok\n" if ok else b"not live\n")

@@ -73,7 +73,40 @@ def test_every_group_exposes_its_contract_names(registry):
         "qwenserve_tokenizer_latency_seconds": "histogram",
     }
     assert {name: families.get(name) for name in expected} == expected
-    assert all(name.startswith("qwenserve_") for name in families)
+    assert all(name.startswith(("qwenserve_", "vllm:")) for name in families)
+
+
+def test_vllm_names_are_exported_with_a_model_name_label(registry):
+    router, engine = router_metrics(registry), engine_metrics(registry)
+    router.model_name = engine.model_name = "tiny-served"
+    router.record_tokens("acme", prompt=1, completion=1)
+    router.record_finished("ok", "stop")
+    timer = router.stream_timer(arrived=0.0)
+    timer.token(now=0.1), timer.token(now=0.2), timer.finish(now=0.3)
+    engine.update_from_stats(_stats(prefix_cache_query_tokens=1, prefix_cache_hit_tokens=1))
+    vllm = {
+        f.name: (f.type, {s.labels.get("model_name") for s in f.samples})
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
+        if f.name.startswith("vllm:") and not f.name.endswith("_created")
+    }
+    # Names as vLLM's own /metrics page has them (counters without their _total suffix, as parsed).
+    expected = {
+        "vllm:prompt_tokens": "counter",
+        "vllm:generation_tokens": "counter",
+        "vllm:request_success": "counter",
+        "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:time_per_output_token_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter",
+        "vllm:num_preemptions": "counter",
+    }
+    assert {name: kind for name, (kind, _) in vllm.items()} == expected
+    assert all(labels == {"tiny-served"} for _, labels in vllm.values())
 
 
 def test_groups_are_created_once_per_registry(registry):
@@ -123,6 +156,7 @@ def test_tenant_label_is_capped(registry):
 
 def test_stream_timer_observes_ttft_gaps_and_end_to_end(registry):
     router = router_metrics(registry)
+    router.model_name = "m"
     timer = router.stream_timer(arrived=100.0)
     for t in (100.25, 100.30, 100.40):
         timer.token(now=t)
@@ -137,6 +171,32 @@ def test_stream_timer_observes_ttft_gaps_and_end_to_end(registry):
     assert _value(registry, "qwenserve_router_inter_token_latency_seconds_sum") == pytest.approx(0.15)
     assert _value(registry, "qwenserve_router_e2e_latency_seconds_count") == 1
     assert _value(registry, "qwenserve_router_e2e_latency_seconds_sum") == pytest.approx(1.0)
+    # vLLM's histograms hold the same observations, per model.
+    assert _value(registry, "vllm:time_to_first_token_seconds_sum", model_name="m") == pytest.approx(0.25)
+    assert _value(registry, "vllm:time_to_first_token_seconds_count", model_name="m") == 1
+    for name in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"):
+        assert _value(registry, f"{name}_count", model_name="m") == 2
+        assert _value(registry, f"{name}_sum", model_name="m") == pytest.approx(0.15)
+    assert _value(registry, "vllm:e2e_request_latency_seconds_count", model_name="m") == 1
+    assert _value(registry, "vllm:e2e_request_latency_seconds_sum", model_name="m") == pytest.approx(1.0)
+
+
+def test_vllm_token_counters_take_each_requests_usage_and_success_its_finish_reason(registry):
+    router = router_metrics(registry)
+    router.model_name = "m"
+    router.record_tokens("acme", prompt=10, cached=4, completion=3)
+    router.record_tokens("globex", prompt=7, completion=0)
+    assert _value(registry, "vllm:prompt_tokens_total", model_name="m") == 17
+    assert _value(registry, "vllm:generation_tokens_total", model_name="m") == 3
+    for outcome, reason in (("ok", "stop"), ("ok", "tool_calls"), ("ok", "length"), ("cancelled", ""),
+                            ("error", "error"), ("rejected", "none"), ("ok", "abort")):
+        router.record_finished(outcome, reason)
+    success = {
+        reason: registry.get_sample_value("vllm:request_success_total", {"model_name": "m", "finished_reason": reason})
+        for reason in ("stop", "length", "abort", "error", "none")
+    }
+    # A tool call ends as vLLM's "stop", a client that left as "abort"; failures are no success.
+    assert success == {"stop": 2, "length": 1, "abort": 2, "error": None, "none": None}
 
 
 def _stats(**overrides: object) -> SimpleNamespace:
@@ -147,6 +207,8 @@ def _stats(**overrides: object) -> SimpleNamespace:
         kv_blocks_free=90,
         kv_blocks_total=120,
         prefix_cache_hit_rate=0.4,
+        prefix_cache_hit_tokens=40,
+        prefix_cache_query_tokens=100,
         preemptions=2,
         prefill_only_steps=4,
     )
@@ -175,6 +237,24 @@ def test_engine_gauges_follow_stats_snapshots(registry):
 
     engine.update_from_stats(_stats(preemptions=1))  # the engine restarted its count
     assert _value(registry, "qwenserve_engine_preemptions_total") == 8
+
+
+def test_vllm_engine_metrics_follow_the_same_snapshots_per_model(registry):
+    engine = engine_metrics(registry)
+    engine.model_name = "m"
+    engine.update_from_stats(_stats())
+    engine.update_from_stats(
+        _stats(running=1, waiting=0, kv_blocks_used=60, prefix_cache_query_tokens=164, prefix_cache_hit_tokens=104,
+               preemptions=3)
+    )
+    assert _value(registry, "vllm:num_requests_running", model_name="m") == 1
+    assert _value(registry, "vllm:num_requests_waiting", model_name="m") == 0
+    assert _value(registry, "vllm:kv_cache_usage_perc", model_name="m") == pytest.approx(0.5)
+    # Cumulative token counts from the engine become counters that advance by each snapshot's difference.
+    assert _value(registry, "vllm:prefix_cache_queries_total", model_name="m") == 164
+    assert _value(registry, "vllm:prefix_cache_hits_total", model_name="m") == 104
+    assert _value(registry, "vllm:num_preemptions_total", model_name="m") == 3
+    assert _value(registry, "qwenserve_engine_preemptions_total") == 3
 
 
 def test_engine_stats_may_omit_fields_and_ratio_survives_an_empty_pool(registry):
