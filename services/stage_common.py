@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from qwenserve.engine.config import EngineConfig
@@ -69,8 +70,10 @@ async def warm_up_engine(engine: LLMEngine) -> None:
 
 
 def add_metrics_flag(parser: argparse.ArgumentParser) -> None:
-    """`--metrics-port` (Prometheus /metrics, /healthz, /readyz) plus the logging flags."""
+    """`--metrics-port` (Prometheus /metrics, /healthz, /readyz), `--served-model-name` plus the logging flags."""
     add_flag(parser, "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    add_flag(parser, "--served-model-name", default="",
+             help="the model_name label of vLLM's metrics, as the router's (default: the checkpoint folder's name)")
     add_telemetry_flags(parser)
 
 
@@ -79,11 +82,19 @@ def observe_engine_steps(engine: LLMEngine) -> EngineStepObserver:
     return EngineStepObserver(engine_metrics()).attach(engine)
 
 
+def served_model_name(args: argparse.Namespace, model: str) -> str:
+    """`--served-model-name`, or the folder name of the checkpoint `model` (what the router defaults to)."""
+    return args.served_model_name or Path(model).name
+
+
 async def publish_engine_metrics(
-    engine: LLMEngine, exporter: Any = None, interval_s: float = 0.5, steps: EngineStepObserver | None = None
+    engine: LLMEngine, exporter: Any = None, interval_s: float = 0.5, steps: EngineStepObserver | None = None,
+    model_name: str | None = None,
 ) -> None:
-    """Copy the engine's (and exporter's) state into the Prometheus gauges, forever."""
+    """Copy the engine's (and exporter's) state into the Prometheus gauges, forever; vLLM's carry `model_name`."""
     gauges, handoff = engine_metrics(), handoff_metrics()
+    if model_name:
+        gauges.model_name = model_name
     reclaimed_seen = 0
     while True:
         gauges.update_from_stats(engine.stats())

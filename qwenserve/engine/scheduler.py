@@ -232,7 +232,8 @@ class Scheduler:
             seq.admitted_once = True
             seq.num_cached_tokens = min(hits * bs, seq.prompt_len)
             self.prefix_hit_tokens += seq.num_cached_tokens
-            self.prefix_query_tokens += seq.prompt_len
+            # A prompt whose KV was imported was looked up where it was prefilled, not here.
+            self.prefix_query_tokens += seq.prompt_len if seq.kv_import is None else 0
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

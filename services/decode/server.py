@@ -31,6 +31,7 @@ from qwenserve_services.stage_common import (
     observe_engine_steps,
     publish_engine_metrics,
     resolve_model,
+    served_model_name,
     warm_up_engine,
 )
 
@@ -48,6 +49,7 @@ class DecodeServiceConfig:
     stream_interval_ms: float = 0.0
     log_json: bool | None = None
     log_level: str | None = None
+    served_model_name: str = ""  # the model_name label of vLLM's metrics
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -76,10 +78,11 @@ def parse_config(argv: list[str]) -> DecodeServiceConfig:
     add_engine_flags(parser)
     add_metrics_flag(parser)
     args, _unknown = parser.parse_known_args(argv)
+    model = resolve_model(args.model)
     return DecodeServiceConfig(
-        host=args.host, port=args.port, model=resolve_model(args.model), grace_s=args.grace_s,
+        host=args.host, port=args.port, model=model, grace_s=args.grace_s,
         metrics_port=args.metrics_port, engine=engine_config(args), stream_interval_ms=args.stream_interval_ms,
-        log_json=args.log_json, log_level=args.log_level,
+        log_json=args.log_json, log_level=args.log_level, served_model_name=served_model_name(args, model),
     )
 
 
@@ -98,7 +101,9 @@ async def run(config: DecodeServiceConfig) -> None:
     def register(server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
 
-    publisher = asyncio.create_task(publish_engine_metrics(engine, None, steps=steps))
+    publisher = asyncio.create_task(
+        publish_engine_metrics(engine, None, steps=steps, model_name=config.served_model_name)
+    )
     server_config = GrpcServerConfig(
         host=config.host, port=config.port, grace_s=config.grace_s, metrics_port=config.metrics_port
     )

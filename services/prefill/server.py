@@ -30,6 +30,7 @@ from qwenserve_services.stage_common import (
     observe_engine_steps,
     publish_engine_metrics,
     resolve_model,
+    served_model_name,
     warm_up_engine,
 )
 
@@ -53,6 +54,7 @@ class PrefillServiceConfig:
     engine: EngineConfig
     log_json: bool | None = None
     log_level: str | None = None
+    served_model_name: str = ""  # the model_name label of vLLM's metrics
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -84,10 +86,11 @@ def parse_config(argv: list[str]) -> PrefillServiceConfig:
     add_engine_flags(parser)
     add_metrics_flag(parser)
     args, _unknown = parser.parse_known_args(argv)
+    model = resolve_model(args.model)
     return PrefillServiceConfig(
-        host=args.host, port=args.port, model=resolve_model(args.model), kv_transfer=args.kv_transfer,
+        host=args.host, port=args.port, model=model, kv_transfer=args.kv_transfer,
         lease_s=args.lease_s, kv_pool_mib=args.kv_pool_mib, kv_max_mib=args.kv_max_mib, grace_s=args.grace_s, metrics_port=args.metrics_port, engine=engine_config(args),
-        log_json=args.log_json, log_level=args.log_level,
+        log_json=args.log_json, log_level=args.log_level, served_model_name=served_model_name(args, model),
     )
 
 
@@ -110,7 +113,9 @@ async def run(config: PrefillServiceConfig) -> None:
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
         add_kv_transfer_service(server, exporter)
 
-    publisher = asyncio.create_task(publish_engine_metrics(engine, exporter, steps=steps))
+    publisher = asyncio.create_task(
+        publish_engine_metrics(engine, exporter, steps=steps, model_name=config.served_model_name)
+    )
     try:
         await serve(server_config, "prefill", SERVICES, register, warm_up=lambda: warm_up_engine(engine),
                     failure=engine_failure(engine))
