@@ -61,7 +61,7 @@ from qwenserve.router.front_errors import (
 from qwenserve.router.generation import PreparedRequest, Router
 from qwenserve.router.grpc_front import outcome_for
 from qwenserve.router.openai_request import ParsedRequest, parse_chat, parse_completion, parse_json_body
-from qwenserve.telemetry.metrics import StreamTimer
+from qwenserve.telemetry.metrics import StreamTimer, metrics_page
 from qwenserve.telemetry.tracing import Attr, get_tracer, server_span
 from qwenserve.tenancy.tenants import Tenant
 from qwenserve.v1 import common_pb2, router_pb2
@@ -118,6 +118,7 @@ def build_app(
     app.router.add_get("/v1/models", front.list_models)
     app.router.add_get("/v1/models/{model:.+}", front.get_model)
     app.router.add_get("/health", front.health)
+    app.router.add_get("/metrics", front.prometheus_metrics)
     return app
 
 
@@ -209,6 +210,11 @@ class OpenAIFront:
     async def health(self, request: web.Request) -> web.Response:
         """Liveness of the HTTP front itself (no auth)."""
         return web.json_response({"status": "ok"})
+
+    async def prometheus_metrics(self, request: web.Request) -> web.Response:
+        """`GET /metrics`: the router's registry, as on its --metrics-port (no auth, as vLLM's)."""
+        body, content_type = metrics_page(self.router.metrics.registry, request.headers.get("Accept", ""))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def list_models(self, request: web.Request) -> web.Response:
         """`GET /v1/models`: the one model this deployment serves."""
