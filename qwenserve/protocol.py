@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from qwenserve.engine.outputs import TokenLogprob
-from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from qwenserve.v1 import common_pb2
 
 FINISH_REASONS: dict[str, int] = {
@@ -16,9 +17,21 @@ FINISH_REASONS: dict[str, int] = {
 }
 FINISH_REASON_NAMES: dict[int, str] = {v: k for k, v in FINISH_REASONS.items()}
 
+# Float settings above this size are mistakes (and +-inf / NaN would poison the logits); HTTP refuses the same.
+MAX_SAMPLING_MAGNITUDE = 1e6
+FLOAT_SAMPLING_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                         "frequency_penalty")
+
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int | None) -> SamplingParams:
-    """Fill unset fields with defaults; raises InvalidSamplingParams naming the bad field."""
+    """Fill unset fields with defaults; raises InvalidSamplingParams naming the bad field.
+
+    Every front (gRPC and HTTP, through `Router.prepare`) goes through here, so the ranges are checked once.
+    """
+    for name in FLOAT_SAMPLING_FIELDS:
+        value = getattr(msg, name)
+        if not math.isfinite(value) or abs(value) > MAX_SAMPLING_MAGNITUDE:
+            raise InvalidSamplingParams(name, "must be a finite number of reasonable size")
     return SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,

@@ -1,6 +1,9 @@
 """`qwen-serve status`: health and load of a running deployment, asked of its router.
 
-    qwen-serve status [--router HOST:PORT] [--json]
+    qwen-serve status [--router HOST:PORT] [--api-key KEY] [--json]
+
+A router with API keys configured answers only callers with a key (`--api-key`, or
+`QWENSERVE_API_KEY`), since the table names every worker's address.
 
 The router answers `Router.GetStatus` by checking each stage worker's gRPC health and reading its
 Prometheus endpoint (when the router was given the stages' metrics addresses, as `qwen-serve up`
@@ -103,11 +106,12 @@ def format_table(stages: Iterable[router_pb2.StageStatus]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
-async def fetch_status(router: str, timeout_s: float) -> router_pb2.GetStatusResponse:
+async def fetch_status(router: str, timeout_s: float, api_key: str | None = None) -> router_pb2.GetStatusResponse:
     """Ask the router at `router` (host:port) for the deployment's status."""
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     async with grpc.aio.insecure_channel(router) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-        return await stub.GetStatus(router_pb2.GetStatusRequest(), timeout=timeout_s)
+        return await stub.GetStatus(router_pb2.GetStatusRequest(), timeout=timeout_s, metadata=metadata)
 
 
 def main(argv: list[str]) -> int:
@@ -116,10 +120,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--router", default=os.environ.get("QWENSERVE_ROUTER", "127.0.0.1:50050"),
                         help="the router's gRPC address [env QWENSERVE_ROUTER]")
     parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument("--api-key", default=os.environ.get("QWENSERVE_API_KEY"),
+                        help="API key, when the router requires one [env QWENSERVE_API_KEY]")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args(argv)
     try:
-        status = asyncio.run(fetch_status(args.router, args.timeout_s))
+        status = asyncio.run(fetch_status(args.router, args.timeout_s, args.api_key))
     except grpc.aio.AioRpcError as e:
         print(f"qwen-serve status: the router at {args.router} did not answer: {e.code().name} {e.details()}",
               file=sys.stderr)

@@ -32,3 +32,13 @@ class ServiceUnavailable(RouterError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
     code = "service_unavailable"
+
+
+class UnknownModel(InvalidRequest):
+    """The request names a model this deployment does not serve (an empty name means its model).
+
+    INVALID_ARGUMENT over gRPC; the HTTP front answers OpenAI's 404 `model_not_found`.
+    """
+
+    http_status = 404
+    code = "model_not_found"

@@ -3,13 +3,22 @@
 `Router.prepare()` turns a GenerateRequest into token ids and validated sampling (the rate limiter
 needs the exact prompt length before any work starts); `Router.run()` streams GenerateResponses and
 always ends with exactly one message that carries a finish reason and usage.
+
+Every wait on a worker is bounded, so a request without a deadline of its own still ends: a worker's
+connection must be ready within `connect_timeout_s`; tokenizer and prefill calls have default
+deadlines; a decode stream silent for `stall_timeout_s` is failed over; channels send keepalive
+pings, so a worker that stopped answering (SIGSTOP, a dead host) breaks its calls within seconds.
+Only worker faults count towards a worker's circuit breaker, never a client that left or a
+stop string. A router that is draining ends the streams still running at its drain deadline with
+finish reason ABORT, and any stream that fails while it drains too: "error" means our fault.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -20,7 +29,8 @@ from prometheus_client import CollectorRegistry
 
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from qwenserve.protocol import sampling_from_proto
-from qwenserve.router.errors import ContextLengthExceeded, InvalidRequest, ServiceUnavailable
+from qwenserve.router.errors import ContextLengthExceeded, InvalidRequest, ServiceUnavailable, UnknownModel
+from qwenserve.router.request_ids import REQUEST_ID_RULE, internal_id, new_request_id, valid_request_id
 from qwenserve.router.stop_strings import StopStringMatcher
 from qwenserve.router.workers import NoWorkerAvailable, WorkerPool
 from qwenserve.telemetry.metrics import RouterMetrics, router_metrics
@@ -29,6 +39,8 @@ from qwenserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
     router_pb2,
@@ -40,10 +52,14 @@ log = logging.getLogger(__name__)
 tracer = get_tracer("qwenserve.router")
 
 MAX_STOP_STRINGS = 16
-# Codes after which the same request may succeed on another worker.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-# A decode stream that breaks with these means the worker (not the request) failed: fail over.
-FAILOVER = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+# Codes that mean the request itself is wrong: it ends with this error, no other worker is tried.
+# Any other failure of a stage call is the worker's, and the request moves on to another worker.
+CLIENT_MISTAKES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+# After these the worker is gone or going (dead, restarting, draining): send it nothing for a while.
+WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+# How long after abandoning a decode call that never answered the router releases its handoff itself.
+HANDOFF_RELEASE_DELAY_S = 3.0
+HANDOFF_RELEASE_TIMEOUT_S = 5.0  # short: a release that cannot be made is made by the lease's expiry
 
 
 class Detokenizer(Protocol):
@@ -63,15 +79,24 @@ class RouterConfig:
     # Prompts shorter than this are prefilled on the decode worker itself (no handoff).
     local_prefill_threshold: int = 0
     prefill_attempts: int = 3
-    # How long to wait for a worker's first reply before trying another.
+    # How long a worker's connection may take to become ready before another worker is tried.
     connect_timeout_s: float = 5.0
+    # Default deadline of a tokenizer call (the client's deadline wins when it is sooner).
+    rpc_timeout_s: float = 30.0
+    # Default deadline of a prefill call: a long prompt on a CPU may legitimately take minutes.
+    prefill_timeout_s: float = 300.0
+    # A decode stream that sends nothing for this long (its first token included) is failed over.
+    stall_timeout_s: float = 30.0
+    # Keepalive pings on every channel: a worker that does not answer one within the timeout is cut off.
+    keepalive_s: float = 10.0
+    keepalive_timeout_s: float = 10.0
 
 
 @dataclass(slots=True)
 class PreparedRequest:
     """A validated request: exact prompt ids and engine sampling settings."""
 
-    request_id: str
+    request_id: str  # the client's: echoed in every answer
     prompt_ids: list[int]
     sampling: SamplingParams
     wire_sampling: common_pb2.SamplingParams
@@ -81,6 +106,11 @@ class PreparedRequest:
     deadline: float | None  # time.monotonic() deadline
     echo_prompt: bool = False
     arrived: float = field(default_factory=time.monotonic)  # when prepare() began, for the queue-time metric
+    internal_id: str = ""  # what the stages know it by (unique even when client ids repeat); made if empty
+
+    def __post_init__(self) -> None:
+        if not self.internal_id:
+            self.internal_id = internal_id(self.request_id)
 
     @property
     def budget_tokens(self) -> int:
@@ -95,6 +125,7 @@ class _Progress:
     generated: list[int] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     first_token_at: float | None = None
+    handoff_sent: bool = False  # a decode call carried the prefill's handoff: its worker releases it
 
 
 class Router:
@@ -116,17 +147,73 @@ class Router:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.vocab_size = 0
         self.metrics = metrics if metrics is not None else router_metrics(CollectorRegistry())
+        self._drain_deadline: float | None = None  # time.monotonic(); set once the router drains
+        self._background: set[asyncio.Task[None]] = set()  # handoff releases still on their way
+        self._closing = asyncio.Event()  # set by close(): delayed releases go out at once
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
+            c = self.config
             self._channels[address] = grpc.aio.insecure_channel(
                 address,
-                options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.enable_retries", 0)],
+                options=[
+                    ("grpc.max_receive_message_length", 64 << 20),
+                    ("grpc.enable_retries", 0),
+                    ("grpc.keepalive_time_ms", int(c.keepalive_s * 1000)),
+                    ("grpc.keepalive_timeout_ms", int(c.keepalive_timeout_s * 1000)),
+                    ("grpc.keepalive_permit_without_calls", 1),
+                    # Keep pinging while only the worker sends (a decode stream): the pings are the point.
+                    ("grpc.http2.max_pings_without_data", 0),
+                    # A worker back from a restart is reachable again within seconds, not gRPC's 2-minute backoff.
+                    ("grpc.initial_reconnect_backoff_ms", 500),
+                    ("grpc.max_reconnect_backoff_ms", 5000),
+                ],
                 interceptors=client_interceptors(),
             )
         return self._channels[address]
+
+    async def _connected(self, address: str) -> bool:
+        """Whether the worker's connection is (or becomes, within connect_timeout_s) ready for calls.
+
+        A worker that refuses connections fails at once; one that accepts and never answers (a stopped
+        process) fails at the timeout. Either way the caller tries another worker.
+        """
+        channel = self._channel(address)
+        state = channel.get_state(try_to_connect=True)
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        while state != grpc.ChannelConnectivity.READY:
+            left = deadline - time.monotonic()
+            if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN) or left <= 0:
+                return False
+            try:
+                async with asyncio.timeout(left):
+                    await channel.wait_for_state_change(state)
+            except TimeoutError:
+                return False
+            state = channel.get_state(try_to_connect=True)
+        return True
+
+    def drain(self, grace_s: float) -> None:
+        """The router is shutting down: streams still running in (about) `grace_s` end with ABORT.
+
+        Ends them a little before the grace period does, so that each still gets its terminal message
+        before the server cancels the call.
+        """
+        self._drain_deadline = time.monotonic() + max(0.0, grace_s - min(1.0, grace_s / 5))
+        log.info("router draining: streams still running in %.1fs end with finish reason abort", grace_s)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def check_model(self, model: str) -> None:
+        """Raises UnknownModel unless `model` is empty (the default) or the model this router serves."""
+        if model and model != self.config.model_name:
+            raise UnknownModel(
+                f"the model {model!r} does not exist; this server serves {self.config.model_name!r}", "model"
+            )
 
     def channel(self, address: str) -> grpc.aio.Channel:
         """The router's (traced) channel to a worker, e.g. for health checks."""
@@ -139,6 +226,8 @@ class Router:
         self.vocab_size = info.vocab_size
 
     async def close(self) -> None:
+        self._closing.set()
+        await asyncio.gather(*self._background, return_exceptions=True)
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
@@ -150,7 +239,9 @@ class Router:
         arrived = time.monotonic()
         if not self.vocab_size:  # start() has not heard from the tokenizer yet: nothing can be checked
             raise ServiceUnavailable("the router is starting: waiting for the tokenizer service")
-        request_id = req.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        request_id = req.request_id or new_request_id()
+        if not valid_request_id(request_id):
+            raise InvalidRequest(f"request_id must be {REQUEST_ID_RULE}", "request_id")
         if len(req.stop) > MAX_STOP_STRINGS:
             raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
         if any(not s for s in req.stop):
@@ -178,6 +269,11 @@ class Router:
                 f"max_tokens {sampling.max_tokens} + prompt {len(prompt_ids)} tokens exceeds the context of "
                 f"{self.config.max_model_len}",
                 "sampling.max_tokens",
+            )
+        bad_stop = next((t for t in sampling.stop_token_ids if t >= self.vocab_size), None)
+        if bad_stop is not None:
+            raise InvalidRequest(
+                f"stop token id {bad_stop} is outside the vocabulary of {self.vocab_size}", "sampling.stop_token_ids"
             )
         return PreparedRequest(
             request_id=request_id,
@@ -211,7 +307,7 @@ class Router:
         stub = tokenizer_pb2_grpc.TokenizerStub(self._channel(self.config.tokenizer_address))
         with tracer.start_as_current_span("tokenize", attributes={"qwenserve.input": which}) as span:
             try:
-                resp = await stub.Tokenize(treq, timeout=_remaining(deadline, 30.0))
+                resp = await stub.Tokenize(treq, timeout=_remaining(deadline, self.config.rpc_timeout_s))
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequest(e.details() or "invalid input", "input") from e
@@ -222,32 +318,41 @@ class Router:
     # -- running ---------------------------------------------------------------------------------
 
     async def run(self, prep: PreparedRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Stream the answer; the last message has finish_reason and usage, whatever happens."""
+        """Stream the answer; the last message has finish_reason and usage, whatever happens.
+
+        Closing this generator early (a stop string, a client that left) cancels the worker's call at
+        once, so the worker frees the request's KV blocks; callers should close it (`aclosing`) rather
+        than leave that to the garbage collector.
+        """
         progress = _Progress()
         relay = _TextRelay(self._detokenizer_factory(prep.skip_special_tokens), StopStringMatcher(prep.stop))
         first = True
-        async for token_ids, logprobs, finish, error in self._tokens(prep, progress):
-            if token_ids:
-                self.metrics.completion_rate.add(len(token_ids))
-            text, stopped = relay.push(token_ids)
-            if stopped:
-                finish, error = common_pb2.FINISH_REASON_STOP, None
-            elif finish:
-                text += relay.flush()
-            msg = router_pb2.GenerateResponse(
-                request_id=prep.request_id, text=text, token_ids=token_ids, logprobs=logprobs
-            )
-            if first and prep.echo_prompt:
-                msg.prompt_token_ids.extend(prep.prompt_ids)
-            first = False
-            if finish:
-                msg.finish_reason = finish
-                msg.usage.CopyFrom(self._usage(prep, progress))
-                if error is not None:
-                    msg.error.CopyFrom(error)
+        async with contextlib.aclosing(self._tokens(prep, progress)) as tokens:
+            async for token_ids, logprobs, finish, error in tokens:
+                if token_ids:
+                    self.metrics.completion_rate.add(len(token_ids))
+                text, stopped = relay.push(token_ids)
+                if stopped:
+                    finish, error = common_pb2.FINISH_REASON_STOP, None
+                elif finish:
+                    text += relay.flush()
+                if finish == common_pb2.FINISH_REASON_ERROR and self.draining:
+                    # Workers go away while the deployment shuts down: for the client that is an abort.
+                    finish, error = common_pb2.FINISH_REASON_ABORT, _shutting_down()
+                msg = router_pb2.GenerateResponse(
+                    request_id=prep.request_id, text=text, token_ids=token_ids, logprobs=logprobs
+                )
+                if first and prep.echo_prompt:
+                    msg.prompt_token_ids.extend(prep.prompt_ids)
+                first = False
+                if finish:
+                    msg.finish_reason = finish
+                    msg.usage.CopyFrom(self._usage(prep, progress))
+                    if error is not None:
+                        msg.error.CopyFrom(error)
+                    yield msg
+                    return
                 yield msg
-                return
-            yield msg
 
     def _usage(self, prep: PreparedRequest, progress: _Progress) -> common_pb2.Usage:
         prompt, completion = len(prep.prompt_ids), len(progress.generated)
@@ -262,76 +367,118 @@ class Router:
         self, prep: PreparedRequest, progress: _Progress
     ) -> AsyncIterator[tuple[list[int], list[common_pb2.TokenLogprob], int, common_pb2.ErrorDetail | None]]:
         """Yields (token ids, logprobs, finish reason or 0, error detail) until a finish reason."""
-        start: decode_pb2.PrefilledStart | None = None
         use_prefill = bool(self.config.prefill_addresses) and len(prep.prompt_ids) >= self.config.local_prefill_threshold
         self.metrics.queue_time.observe(time.monotonic() - prep.arrived)
+        resp: prefill_pb2.PrefillResponse | None = None
         if use_prefill:
             try:
                 with tracer.start_as_current_span("prefill", attributes={Attr.PROMPT_TOKENS: len(prep.prompt_ids)}):
                     resp = await self._prefill(prep)
-            except NoWorkerAvailable:
-                resp = None  # every prefill worker failed: decode prefills locally
+            except NoWorkerAvailable as e:
+                log.warning("%s: %s; the decode worker prefills the prompt itself", prep.request_id, e)
             except _RequestFailed as e:
-                yield [], [], common_pb2.FINISH_REASON_ERROR, e.detail
+                yield [], [], e.finish_reason, e.detail
                 return
-            if resp is not None:
-                progress.generated.append(resp.first_token_id)
-                progress.cached_prompt_tokens = resp.cached_prompt_tokens
-                logprobs = [resp.first_logprob] if resp.HasField("first_logprob") else []
-                if resp.finish_reason:
-                    yield [resp.first_token_id], logprobs, resp.finish_reason, None
-                    return
-                yield [resp.first_token_id], logprobs, 0, None
-                start = decode_pb2.PrefilledStart(
-                    kv_handle=resp.kv_handle,
-                    first_token_id=resp.first_token_id,
-                    cached_prompt_tokens=resp.cached_prompt_tokens,
-                )
-                if resp.HasField("first_logprob"):
-                    start.first_logprob.CopyFrom(resp.first_logprob)
-        async for item in self._decode(prep, progress, start):
-            yield item
+        if resp is None:
+            async with contextlib.aclosing(self._decode(prep, progress, None)) as decode:
+                async for item in decode:
+                    yield item
+            return
+        progress.generated.append(resp.first_token_id)
+        progress.cached_prompt_tokens = resp.cached_prompt_tokens
+        logprobs = [resp.first_logprob] if resp.HasField("first_logprob") else []
+        if resp.finish_reason:  # no handoff was made
+            yield [resp.first_token_id], logprobs, resp.finish_reason, None
+            return
+        start = decode_pb2.PrefilledStart(
+            kv_handle=resp.kv_handle,
+            first_token_id=resp.first_token_id,
+            cached_prompt_tokens=resp.cached_prompt_tokens,
+        )
+        if resp.HasField("first_logprob"):
+            start.first_logprob.CopyFrom(resp.first_logprob)
+        try:
+            yield [resp.first_token_id], logprobs, 0, None
+            async with contextlib.aclosing(self._decode(prep, progress, start)) as decode:
+                async for item in decode:
+                    yield item
+        finally:
+            if not progress.handoff_sent:
+                # The request ended (a stop string in the first token, a client that left) or no decode
+                # worker could be reached before any took the handoff: free it now, not at lease expiry.
+                self._release_handoff(start.kv_handle, prep.request_id)
+
+    def _release_handoff(self, handle: common_pb2.KVHandle, request_id: str, delay_s: float = 0.0) -> None:
+        """Free a handoff at its exporter now (or after `delay_s`) rather than at its lease's expiry."""
+        if not handle.control_endpoint:
+            return
+        task = asyncio.ensure_future(self._release(handle, request_id, delay_s))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, handle: common_pb2.KVHandle, request_id: str, delay_s: float) -> None:
+        if delay_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), delay_s)
+        stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel(handle.control_endpoint))
+        release = kv_transfer_pb2.ReleaseRequest(handoff_id=handle.handoff_id, reason="cancelled")
+        try:
+            await stub.Release(release, timeout=HANDOFF_RELEASE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.warning("%s: could not release handoff %s at %s (%s); its lease will free it", request_id,
+                        handle.handoff_id, handle.control_endpoint, e.code().name)
 
     async def _prefill(self, prep: PreparedRequest) -> prefill_pb2.PrefillResponse:
-        """Prefill on the least loaded worker, retrying elsewhere on worker failures."""
+        """Prefill on the least loaded worker; a failure of any kind but the request's own moves it on.
+
+        Raises NoWorkerAvailable when no attempt succeeded (the decode worker then prefills locally),
+        _RequestFailed when the request itself was refused or ran out of time.
+        """
         tried: list[str] = []
         request = prefill_pb2.PrefillRequest(
-            request_id=prep.request_id,
+            request_id=prep.internal_id,
             prompt_token_ids=prep.prompt_ids,
             sampling=prep.wire_sampling,
             cache_salt=prep.cache_salt,
         )
+        tokens = len(prep.prompt_ids)
         for attempt in range(self.config.prefill_attempts):
             worker = self.prefill_pool.choose(prep.prompt_ids, exclude=tried)
             tried.append(worker.address)
             span = trace.get_current_span()
             span.set_attribute(Attr.WORKER, worker.address)
             span.set_attribute("qwenserve.attempt", attempt + 1)
-            stub = prefill_pb2_grpc.PrefillStub(self._channel(worker.address))
-            ok = False
-            self.prefill_pool.started(worker, len(prep.prompt_ids))
+            failed = False  # a client that leaves (CancelledError) is no fault of the worker
+            self.prefill_pool.started(worker, tokens)
             try:
-                resp = await stub.Prefill(request, timeout=_remaining(prep.deadline, None))
-                ok = True
-                return resp
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _expired(prep.deadline):
-                    raise _RequestFailed(_error("deadline_exceeded", "the request's deadline passed")) from e
-                if e.code() not in RETRYABLE:
-                    raise _RequestFailed(_error(e.code().name.lower(), e.details() or "prefill failed")) from e
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                if not await self._connected(worker.address):
+                    failed, why = True, f"no connection within {self.config.connect_timeout_s:g}s"
                     self.prefill_pool.mark_dead(worker)
-                log.warning("%s: prefill on %s failed (%s), attempt %d", prep.request_id, worker.address,
-                            e.code().name, attempt + 1)
-                self.metrics.record_retry("prefill")
+                else:
+                    stub = prefill_pb2_grpc.PrefillStub(self._channel(worker.address))
+                    timeout = _remaining(self._cutoff(prep), self.config.prefill_timeout_s)
+                    return await stub.Prefill(request, timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._expired(prep):
+                    raise _RequestFailed(common_pb2.FINISH_REASON_ABORT, self._cutoff_detail(prep)) from e
+                if code in CLIENT_MISTAKES:
+                    detail = _error(code.name.lower(), e.details() or "the request was refused")
+                    raise _RequestFailed(common_pb2.FINISH_REASON_ERROR, detail) from e
+                failed = code != grpc.StatusCode.RESOURCE_EXHAUSTED  # an overloaded worker did nothing wrong
+                if code in WORKER_GONE:
+                    self.prefill_pool.mark_dead(worker)
+                why = f"{code.name}: {e.details()}"
             finally:
-                self.prefill_pool.finished(worker, len(prep.prompt_ids), ok)
+                self.prefill_pool.finished(worker, tokens, failed)
+            log.warning("%s: prefill on %s failed (%s), attempt %d", prep.request_id, worker.address, why, attempt + 1)
+            self.metrics.record_retry("prefill")
         raise NoWorkerAvailable(f"prefill failed on {tried}")
 
     async def _decode(
         self, prep: PreparedRequest, progress: _Progress, start: decode_pb2.PrefilledStart | None
     ) -> AsyncIterator[tuple[list[int], list[common_pb2.TokenLogprob], int, common_pb2.ErrorDetail | None]]:
-        """Stream from a decode worker; on a worker failure resume on another from the tokens so far."""
+        """Stream from a decode worker; on a worker fault resume on another from the tokens so far."""
         tried: list[str] = []
         budget = prep.sampling.max_tokens or 0
         while True:
@@ -343,47 +490,50 @@ class Router:
                 )
                 return
             tried.append(worker.address)
-            request = decode_pb2.DecodeRequest(
-                request_id=prep.request_id,
-                prompt_token_ids=prep.prompt_ids,
-                sampling=prep.wire_sampling,
-                cache_salt=prep.cache_salt,
-            )
-            if start is not None and len(progress.generated) == 1:
-                request.prefilled.CopyFrom(start)
-            else:
-                request.local_prefill = True
-                request.resume_token_ids.extend(progress.generated)
-            stub = decode_pb2_grpc.DecodeStub(self._channel(worker.address))
             self.decode_pool.started(worker, budget)
             # A span per attempt; current only while the call starts (this generator yields across it).
             span = tracer.start_span("decode", attributes={
                 Attr.WORKER: worker.address, "qwenserve.attempt": len(tried), "qwenserve.handoff": start is not None,
             })
-            if span.is_recording():
-                with trace.use_span(span, end_on_exit=False):
-                    call = stub.Decode(request, timeout=_remaining(prep.deadline, None))
-            else:
-                call = stub.Decode(request, timeout=_remaining(prep.deadline, None))
-            ok = False
+            request = self._decode_request(prep, progress, start)
+            call: grpc.aio.UnaryStreamCall | None = None
+            answered = False  # the worker sent a message
+            # Set only for a fault of the worker: the request then fails over. A client that leaves
+            # (GeneratorExit at a yield, CancelledError at an await) or a normal finish leaves it unset.
+            fault = ""
+            failed = False  # whether the fault counts towards the worker's circuit breaker
             try:
-                async for msg in call:
-                    if msg.token_ids:
-                        progress.generated.extend(msg.token_ids)
-                    if msg.finish_reason:
-                        ok = True
-                        if msg.HasField("usage") and not progress.cached_prompt_tokens:
-                            progress.cached_prompt_tokens = msg.usage.cached_prompt_tokens
-                        error = msg.error if msg.HasField("error") else None
-                        yield list(msg.token_ids), list(msg.logprobs), msg.finish_reason, error
-                        return
-                    yield list(msg.token_ids), list(msg.logprobs), 0, None
-                failure = "the decode stream ended without a finish reason"
+                if not await self._connected(worker.address):
+                    fault, failed = f"no connection within {self.config.connect_timeout_s:g}s", True
+                    self.decode_pool.mark_dead(worker)
+                else:
+                    call = self._start_decode(worker.address, request, span, prep)
+                    progress.handoff_sent = progress.handoff_sent or request.HasField("prefilled")
+                    while True:
+                        msg = await self._next(call, prep)
+                        if msg is grpc.aio.EOF:
+                            fault, failed = "the decode stream ended without a finish reason", True
+                            break
+                        answered = True
+                        if msg.token_ids:
+                            progress.generated.extend(msg.token_ids)
+                        if msg.finish_reason:
+                            if msg.HasField("usage") and not progress.cached_prompt_tokens:
+                                progress.cached_prompt_tokens = msg.usage.cached_prompt_tokens
+                            error = msg.error if msg.HasField("error") else None
+                            yield list(msg.token_ids), list(msg.logprobs), msg.finish_reason, error
+                            return
+                        yield list(msg.token_ids), list(msg.logprobs), 0, None
+            except _Stalled:
+                fault, failed = f"no message for {self.config.stall_timeout_s:g}s", True
+                self.decode_pool.mark_dead(worker)
+            except _OutOfTime:
+                yield [], [], common_pb2.FINISH_REASON_ABORT, self._cutoff_detail(prep)
+                return
             except grpc.aio.AioRpcError as e:
                 code = e.code()
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    ok = True
-                    yield [], [], common_pb2.FINISH_REASON_ABORT, _error("deadline_exceeded", "the deadline passed")
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._expired(prep):
+                    yield [], [], common_pb2.FINISH_REASON_ABORT, self._cutoff_detail(prep)
                     return
                 if code == grpc.StatusCode.FAILED_PRECONDITION and start is not None:
                     # The handoff was refused (layout or checksum): recompute the prompt locally instead.
@@ -391,26 +541,103 @@ class Router:
                     start = None
                     tried.pop()
                     continue
-                if code not in FAILOVER:
-                    ok = True
-                    yield [], [], common_pb2.FINISH_REASON_ERROR, _error(code.name.lower(), e.details() or "")
+                if code in CLIENT_MISTAKES:
+                    yield [], [], common_pb2.FINISH_REASON_ERROR, _error(
+                        code.name.lower(), e.details() or "the request was refused"
+                    )
                     return
-                failure = f"{code.name}: {e.details()}"
-                self.decode_pool.mark_dead(worker)
+                fault, failed = f"{code.name}: {e.details()}", code != grpc.StatusCode.RESOURCE_EXHAUSTED
+                if code in WORKER_GONE:
+                    self.decode_pool.mark_dead(worker)
             finally:
-                call.cancel()  # a stop string or a client that left: the worker frees the KV
-                self.decode_pool.finished(worker, budget, ok)
+                if call is not None:
+                    call.cancel()  # a no-op after a finish; otherwise the worker aborts the request, frees the KV
+                    if request.HasField("prefilled") and not answered:
+                        # gRPC drops a call cancelled before its handler ran, and with it the worker's duty to
+                        # release the handoff: release it here, late enough for a handler that did run to
+                        # have done it first (releases are idempotent).
+                        self._release_handoff(request.prefilled.kv_handle, prep.request_id, HANDOFF_RELEASE_DELAY_S)
+                self.decode_pool.finished(worker, budget, failed)
                 span.set_attribute(Attr.COMPLETION_TOKENS, len(progress.generated))
                 span.end()
             self.metrics.record_failover("decode")
-            start = None  # the dead worker may have consumed the handoff: recompute the prompt
+            if call is not None:
+                start = None  # the failed worker may have consumed the handoff: recompute the prompt
             log.warning("%s: decode on %s failed (%s); resuming after %d tokens", prep.request_id,
-                        worker.address, failure, len(progress.generated))
+                        worker.address, fault, len(progress.generated))
+
+    def _decode_request(
+        self, prep: PreparedRequest, progress: _Progress, start: decode_pb2.PrefilledStart | None
+    ) -> decode_pb2.DecodeRequest:
+        request = decode_pb2.DecodeRequest(
+            request_id=prep.internal_id,
+            prompt_token_ids=prep.prompt_ids,
+            sampling=prep.wire_sampling,
+            cache_salt=prep.cache_salt,
+        )
+        if start is not None and len(progress.generated) == 1:
+            request.prefilled.CopyFrom(start)
+        else:
+            request.local_prefill = True
+            request.resume_token_ids.extend(progress.generated)
+        return request
+
+    def _start_decode(
+        self, address: str, request: decode_pb2.DecodeRequest, span: trace.Span, prep: PreparedRequest
+    ) -> grpc.aio.UnaryStreamCall:
+        stub = decode_pb2_grpc.DecodeStub(self._channel(address))
+        timeout = _remaining(self._cutoff(prep), None)
+        if span.is_recording():
+            with trace.use_span(span, end_on_exit=False):
+                return stub.Decode(request, timeout=timeout)
+        return stub.Decode(request, timeout=timeout)
+
+    async def _next(self, call: grpc.aio.UnaryStreamCall, prep: PreparedRequest) -> decode_pb2.DecodeResponse:
+        """The stream's next message, or grpc.aio.EOF. Raises _Stalled after stall_timeout_s without one,
+        _OutOfTime when the request's deadline or the router's drain deadline comes first."""
+        wait, cutoff = self.config.stall_timeout_s, self._cutoff(prep)
+        by_cutoff = cutoff is not None and cutoff - time.monotonic() <= wait
+        if by_cutoff:
+            wait = max(0.0, cutoff - time.monotonic())  # type: ignore[operator]
+        try:
+            async with asyncio.timeout(wait):
+                return await call.read()
+        except TimeoutError:
+            if by_cutoff:
+                raise _OutOfTime() from None
+            raise _Stalled() from None
+
+    def _cutoff(self, prep: PreparedRequest) -> float | None:
+        """When the request must end (time.monotonic()): its own deadline or the drain deadline, if sooner."""
+        ends = [t for t in (prep.deadline, self._drain_deadline) if t is not None]
+        return min(ends) if ends else None
+
+    def _expired(self, prep: PreparedRequest) -> bool:
+        # A little slack: gRPC's own deadline may fire a hair before our clock reads it.
+        cutoff = self._cutoff(prep)
+        return cutoff is not None and time.monotonic() >= cutoff - 0.05
+
+    def _cutoff_detail(self, prep: PreparedRequest) -> common_pb2.ErrorDetail:
+        drain = self._drain_deadline
+        if drain is not None and (prep.deadline is None or drain <= prep.deadline):
+            return _shutting_down()
+        return _error("deadline_exceeded", "the request's deadline passed")
+
+
+class _Stalled(Exception):
+    """A decode stream sent nothing for stall_timeout_s."""
+
+
+class _OutOfTime(Exception):
+    """The request's deadline (or the router's drain deadline) came while waiting on a worker."""
 
 
 class _RequestFailed(Exception):
-    def __init__(self, detail: common_pb2.ErrorDetail) -> None:
+    """The request itself cannot go on: refused by a stage as invalid, or out of time."""
+
+    def __init__(self, finish_reason: int, detail: common_pb2.ErrorDetail) -> None:
         super().__init__(detail.message)
+        self.finish_reason = finish_reason
         self.detail = detail
 
 
@@ -443,11 +670,13 @@ def _error(code: str, message: str, retryable: bool = False) -> common_pb2.Error
     return common_pb2.ErrorDetail(code=code, message=message, retryable=retryable)
 
 
-def _remaining(deadline: float | None, default: float | None) -> float | None:
-    if deadline is None:
-        return default
-    return max(0.001, deadline - time.monotonic())
+def _shutting_down() -> common_pb2.ErrorDetail:
+    return _error("shutting_down", "the server is shutting down; retry the request", retryable=True)
 
 
-def _expired(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() >= deadline
+def _remaining(deadline: float | None, cap: float | None) -> float | None:
+    """Seconds until `deadline` (time.monotonic()), at most `cap`; None when neither bounds it."""
+    left = None if deadline is None else max(0.001, deadline - time.monotonic())
+    if cap is None:
+        return left
+    return cap if left is None else min(left, cap)

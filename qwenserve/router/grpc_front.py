@@ -6,12 +6,16 @@
 
 Errors before the stream starts end the call with the error's gRPC status (rate-limit values as
 trailing metadata); once streaming, the router's terminal message carries any error.
+
+The client's `request_id` must be 1 to 128 characters of `A-Z a-z 0-9 . _ : -`
+(INVALID_ARGUMENT otherwise); an unusable `x-request-id` metadata value is ignored. Answers echo the
+client's id; the stages see a unique internal id (see `qwenserve.router.request_ids`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -21,6 +25,7 @@ from qwenserve.protocol import FINISH_REASON_NAMES
 from qwenserve.router.admission import Gatekeeper, api_key_from_grpc_metadata, grpc_error_metadata
 from qwenserve.router.errors import RouterError
 from qwenserve.router.generation import Router
+from qwenserve.router.request_ids import new_request_id, valid_request_id
 from qwenserve.telemetry.logs import bind_request_id
 from qwenserve.telemetry.tracing import REQUEST_ID_METADATA_KEY, Attr, get_tracer
 from qwenserve.v1 import common_pb2, router_pb2
@@ -47,13 +52,14 @@ def outcome_for(error: RouterError) -> str:
 def request_id_for(
     request: router_pb2.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]] | None
 ) -> str:
-    """The request's id: its own field, else the caller's x-request-id, else a new one."""
+    """The request's id: its own field (checked by `Router.prepare`), else the caller's x-request-id
+    when it is a valid id, else a new one."""
     if request.request_id:
         return request.request_id
     for key, value in metadata or ():
-        if key == REQUEST_ID_METADATA_KEY and isinstance(value, str) and value:
+        if key == REQUEST_ID_METADATA_KEY and isinstance(value, str) and valid_request_id(value):
             return value
-    return f"req-{uuid.uuid4().hex[:16]}"
+    return new_request_id()
 
 
 async def generate(
@@ -68,9 +74,13 @@ async def generate(
     and decode) with the request id bound, so every log line and span of it carries the id.
     """
     request.request_id = request_id_for(request, context.invocation_metadata())
-    with tracer.start_as_current_span("router.request") as span, bind_request_id(request.request_id):
-        async for msg in _generate(router, gatekeeper, request, context, span):
-            yield msg
+    # A bound id travels as metadata on every call to the stages: bind only a valid one (prepare() refuses
+    # the others before any such call).
+    bound = bind_request_id(request.request_id) if valid_request_id(request.request_id) else contextlib.nullcontext()
+    with tracer.start_as_current_span("router.request") as span, bound:
+        async with contextlib.aclosing(_generate(router, gatekeeper, request, context, span)) as stream:
+            async for msg in stream:
+                yield msg
 
 
 async def _generate(
@@ -83,6 +93,7 @@ async def _generate(
     arrived = time.monotonic()
     try:
         tenant = gatekeeper.authenticate(api_key_from_grpc_metadata(context.invocation_metadata()))
+        router.check_model(request.model)
         gatekeeper.check_request(tenant, request)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
@@ -103,16 +114,18 @@ async def _generate(
         metrics.in_flight.inc()
     finish = ""
     try:
-        async for msg in router.run(prep):
-            # Counted as they stream, so a cancelled call still settles what it consumed.
-            usage.completion_tokens += len(msg.token_ids)
-            if msg.token_ids and timer is not None:
-                timer.token()
-            if msg.HasField("usage"):
-                usage.CopyFrom(msg.usage)
-            if msg.finish_reason:
-                finish = FINISH_REASON_NAMES.get(msg.finish_reason, "error")
-            yield msg
+        # Closed explicitly: a client that leaves cancels the decode call now, not at garbage collection.
+        async with contextlib.aclosing(router.run(prep)) as stream:
+            async for msg in stream:
+                # Counted as they stream, so a cancelled call still settles what it consumed.
+                usage.completion_tokens += len(msg.token_ids)
+                if msg.token_ids and timer is not None:
+                    timer.token()
+                if msg.HasField("usage"):
+                    usage.CopyFrom(msg.usage)
+                if msg.finish_reason:
+                    finish = FINISH_REASON_NAMES.get(msg.finish_reason, "error")
+                yield msg
     finally:
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         await gatekeeper.finish(ticket, usage)

@@ -65,11 +65,15 @@ class WorkerPool:
         worker.outstanding += 1
         worker.outstanding_tokens += tokens
 
-    def finished(self, worker: Worker, tokens: int, ok: bool) -> None:
-        """Bookkeeping when a call ends; `ok=False` counts towards opening the circuit."""
+    def finished(self, worker: Worker, tokens: int, failed: bool) -> None:
+        """Bookkeeping when a call ends; `failed` counts towards opening the circuit.
+
+        Only a fault of the worker is a failure (transport error, timeout, crash, a stream that ended
+        without a finish); a client that left, a stop string or a request refused as invalid is not.
+        """
         worker.outstanding = max(0, worker.outstanding - 1)
         worker.outstanding_tokens = max(0, worker.outstanding_tokens - tokens)
-        if ok:
+        if not failed:
             worker.consecutive_failures = 0
             return
         worker.consecutive_failures += 1

@@ -4,6 +4,11 @@
 
 `--tokenizer-metrics`, `--prefill-metrics`, `--decode-metrics` (the stages' Prometheus host:port,
 in the same order as their gRPC addresses) let `GetStatus` / `qwen-serve status` show their load.
+
+When API keys are configured, every RPC needs one: `ListModels` and `GetStatus` as much as
+`Generate`. `GetStatus` names every worker's address, so only callers the deployment trusts (any
+valid key; there is no admin role yet) see its topology. On SIGTERM the router drains: streams still
+running near the end of `--grace-s` end with finish reason ABORT rather than being cut off.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from prometheus_client import Gauge
 from qwenserve.flags import add_flag, address_list
 from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
 from qwenserve.router import grpc_front
-from qwenserve.router.admission import Gatekeeper
+from qwenserve.router.admission import Gatekeeper, api_key_from_grpc_metadata
+from qwenserve.router.errors import RouterError
 from qwenserve.router.front import (
     FrontConfig,
     add_front_flags,
@@ -31,8 +37,10 @@ from qwenserve.router.front import (
     start_http_front,
 )
 from qwenserve.router.generation import Router, RouterConfig
+from qwenserve.router.request_ids import new_request_id
 from qwenserve.router.tls import grpc_server_credentials
 from qwenserve.status import probe_stage
+from qwenserve.telemetry.logs import bind_request_id
 from qwenserve.telemetry.metrics import RouterMetrics, router_metrics
 from qwenserve.telemetry.startup import add_telemetry_flags
 from qwenserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -55,6 +63,9 @@ class RouterServiceConfig:
     local_prefill_threshold: int
     grace_s: float
     front: FrontConfig
+    connect_timeout_s: float = 5.0
+    prefill_timeout_s: float = 300.0
+    stall_timeout_s: float = 30.0
     tokenizer_metrics: str = ""
     prefill_metrics: list[str] = field(default_factory=list)
     decode_metrics: list[str] = field(default_factory=list)
@@ -79,9 +90,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         async for msg in grpc_front.generate(self.router, self.gatekeeper, request, context):
             yield msg
 
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        """Ends the call with UNAUTHENTICATED unless it carries a valid API key (or auth is off)."""
+        try:
+            self.gatekeeper.authenticate(api_key_from_grpc_metadata(context.invocation_metadata()))
+        except RouterError as e:
+            await context.abort(e.grpc_code, e.message)
+
     async def ListModels(  # noqa: N802 - gRPC method name
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
+        await self._authenticate(context)
         card = router_pb2.ModelCard(
             id=self.router.config.model_name, max_model_len=self.router.config.max_model_len, owned_by="qwen-serve"
         )
@@ -90,6 +109,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def GetStatus(  # noqa: N802 - gRPC method name
         self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.GetStatusResponse:
+        await self._authenticate(context)
+        # The probes carry this id, not the caller's x-request-id (which could be up to gRPC's metadata limit).
+        with bind_request_id(new_request_id("status")):
+            return await self._status()
+
+    async def _status(self) -> router_pb2.GetStatusResponse:
         c = self.config
         me = router_pb2.StageStatus(
             stage="router", address=f"{c.host}:{c.port}", state="SERVING", load_known=True,
@@ -140,6 +165,12 @@ def parse_config(argv: list[str]) -> RouterServiceConfig:
     add_flag(parser, "--local-prefill-threshold", type=int, default=0,
              help="prompts shorter than this many tokens are prefilled on the decode worker")
     add_flag(parser, "--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    add_flag(parser, "--connect-timeout-s", type=float, default=5.0,
+             help="a worker whose connection is not ready within this many seconds is skipped")
+    add_flag(parser, "--prefill-timeout-s", type=float, default=300.0,
+             help="deadline of one prefill call when the request has none sooner")
+    add_flag(parser, "--stall-timeout-s", type=float, default=30.0,
+             help="a decode stream silent this long (first token included) fails over to another worker")
     add_flag(parser, "--tokenizer-metrics", default="", help="the tokenizer's metrics host:port (for status)")
     add_flag(parser, "--prefill-metrics", default="", help="prefill workers' metrics host:port, as --prefill")
     add_flag(parser, "--decode-metrics", default="", help="decode workers' metrics host:port, as --decode")
@@ -154,7 +185,8 @@ def parse_config(argv: list[str]) -> RouterServiceConfig:
         model=args.model, model_name=args.model_name, tokenizer=args.tokenizer,
         prefill=address_list(args.prefill), decode=decode,
         local_prefill_threshold=args.local_prefill_threshold, grace_s=args.grace_s,
-        front=FrontConfig.from_args(args),
+        front=FrontConfig.from_args(args), connect_timeout_s=args.connect_timeout_s,
+        prefill_timeout_s=args.prefill_timeout_s, stall_timeout_s=args.stall_timeout_s,
         tokenizer_metrics=args.tokenizer_metrics, prefill_metrics=address_list(args.prefill_metrics),
         decode_metrics=address_list(args.decode_metrics), log_json=args.log_json, log_level=args.log_level,
     )
@@ -168,11 +200,12 @@ async def run(config: RouterServiceConfig) -> None:
             tokenizer_address=config.tokenizer, prefill_addresses=config.prefill, decode_addresses=config.decode,
             model_name=config.model_name or folder_name, max_model_len=max_model_len,
             local_prefill_threshold=config.local_prefill_threshold,
+            connect_timeout_s=config.connect_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
+            stall_timeout_s=config.stall_timeout_s,
         ),
         lambda skip: IncrementalDetokenizer(tokenizer, skip_special_tokens=skip),
         metrics,
     )
-    metrics.model_name = router.config.model_name  # the model_name label of vLLM's metrics
     gatekeeper = make_gatekeeper(config.front, metrics)
     runners = []
 
@@ -193,7 +226,8 @@ async def run(config: RouterServiceConfig) -> None:
         credentials=grpc_server_credentials(tls) if tls is not None else None,
     )
     try:
-        await serve(server_config, "router", [SERVICE_NAME], register, warm_up=warm_up)
+        await serve(server_config, "router", [SERVICE_NAME], register, warm_up=warm_up,
+                    on_drain=lambda: router.drain(config.grace_s))
     finally:
         for runner in runners:
             await runner.cleanup()

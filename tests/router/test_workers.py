@@ -35,7 +35,7 @@ def test_repeated_failures_open_the_circuit_and_exclusions_are_respected() -> No
     a = pool.workers["a"]
     for _ in range(2):
         pool.started(a, 1)
-        pool.finished(a, 1, ok=False)
+        pool.finished(a, 1, failed=True)
     assert pool.choose().address == "b"
     with pytest.raises(NoWorkerAvailable):
         pool.choose(exclude=["b"])
@@ -44,7 +44,7 @@ def test_repeated_failures_open_the_circuit_and_exclusions_are_respected() -> No
 def test_success_resets_the_failure_count() -> None:
     pool = WorkerPool(["a"], failure_threshold=2)
     a = pool.workers["a"]
-    pool.finished(a, 0, ok=False)
-    pool.finished(a, 0, ok=True)
-    pool.finished(a, 0, ok=False)
+    pool.finished(a, 0, failed=True)
+    pool.finished(a, 0, failed=False)
+    pool.finished(a, 0, failed=True)
     assert pool.choose().address == "a"
