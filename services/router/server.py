@@ -206,6 +206,7 @@ async def run(config: RouterServiceConfig) -> None:
         lambda skip: IncrementalDetokenizer(tokenizer, skip_special_tokens=skip),
         metrics,
     )
+    metrics.model_name = router.config.model_name  # the model_name label of vLLM's metrics
     gatekeeper = make_gatekeeper(config.front, metrics)
     runners = []
 
