@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -19,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from qwenserve import progress
 from qwenserve.cache import cache_root
 from qwenserve.tokenizer import builtin
 
@@ -145,9 +147,10 @@ def _is_sparse_layer(config: dict[str, Any], layer: int) -> bool:
 
 
 def random_weights(
-    config: dict[str, Any], seed: int = DEFAULT_SEED, dtype: str = "float32"
+    config: dict[str, Any], seed: int = DEFAULT_SEED, dtype: str = "float32",
+    step: progress.ProgressStep | None = None,
 ) -> dict[str, Any]:
-    """Random weights for `config`, the same for the same seed on every machine.
+    """Random weights for `config`, the same for the same seed on every machine; each tensor counted on `step`.
 
     Each tensor draws from its own generator seeded by (seed, name), so adding a layer does not
     change the others. Norm weights are 1 plus noise so that a missing norm shows in a reference test.
@@ -156,13 +159,19 @@ def random_weights(
 
     std = float(config.get("initializer_range", 0.02))
     weights: dict[str, Any] = {}
-    for name, shape in _tensor_shapes(config).items():
+    shapes = _tensor_shapes(config)
+    if step is not None:
+        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        step.expect(len(shapes), sum(math.prod(shape) for shape in shapes.values()) * itemsize)
+    for name, shape in shapes.items():
         generator = torch.Generator().manual_seed(
             int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8])
         )
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
         tensor = 1.0 + 0.1 * noise if name.endswith("norm.weight") else noise * std
         weights[name] = tensor.to(getattr(torch, dtype)).contiguous()
+        if step is not None:
+            step.advance(1, weights[name].nbytes)
     return weights
 
 
@@ -177,20 +186,19 @@ def write_checkpoint(
     dtype: str = "float32",
     vocab: builtin.BuiltinVocab | None = None,
     generation_config: dict[str, Any] | None = None,
+    step: progress.ProgressStep | None = None,
 ) -> Path:
     """Write a complete checkpoint folder: config, random safetensors weights and the real Qwen tokenizer.
 
     `config` is a transformers config dict (`model_type` qwen2, qwen3 or qwen3_moe); `dtype` is
     "float32", "bfloat16" or "float16". The vocabulary defaults to the one `vocab_size` fits.
-    Same arguments, same bytes. Returns `path`.
+    Same arguments, same bytes. Returns `path`. The tensors drawn are counted on `step`.
     """
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if vocab is None:
-        big = builtin.BuiltinVocab.QWEN3_5
-        vocab = big if config["vocab_size"] >= big.value.num_ranks else builtin.BuiltinVocab.QWEN3
+    vocab = vocab or vocab_for(config)
     tokens = vocab.value.num_ranks + len(vocab.value.added_tokens)
     if config["vocab_size"] < tokens:
         raise ValueError(
@@ -198,13 +206,27 @@ def write_checkpoint(
         )
     full_config = {**config, "torch_dtype": dtype}
     save_file(
-        random_weights(full_config, seed, dtype), str(path / "model.safetensors"), metadata={"format": "pt"}
+        random_weights(full_config, seed, dtype, step), str(path / "model.safetensors"), metadata={"format": "pt"}
     )
     (path / "config.json").write_bytes(_json_bytes(full_config))
     (path / "generation_config.json").write_bytes(_json_bytes(generation_config or GENERATION_CONFIG))
     shutil.copyfile(builtin.builtin_tokenizer_json(vocab), path / "tokenizer.json")
     (path / "tokenizer_config.json").write_bytes(_json_bytes(builtin.tokenizer_config(vocab)))
     return path
+
+
+def vocab_for(config: dict[str, Any]) -> builtin.BuiltinVocab:
+    """The built-in vocabulary a checkpoint of `config` gets: the larger one where `vocab_size` holds it."""
+    big = builtin.BuiltinVocab.QWEN3_5
+    return big if config["vocab_size"] >= big.value.num_ranks else builtin.BuiltinVocab.QWEN3
+
+
+def write_default_model(path: Path, where: str) -> Path:
+    """Write the default checkpoint into `path`, reporting progress as "writing the default model `where`"."""
+    vocab = vocab_for(DEFAULT_CONFIG)
+    builtin.builtin_tokenizer_json(vocab)  # converted first, as a step of its own rather than inside this one
+    with progress.step(f"writing the default model {where}", unit="tensors") as step:
+        return write_checkpoint(path, DEFAULT_CONFIG, DEFAULT_SEED, vocab=vocab, step=step)
 
 
 def default_model_dir(cache_dir: Path | None = None) -> Path:
@@ -221,7 +243,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     # Written beside the target and renamed into place: readers never see half a checkpoint.
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
-        write_checkpoint(staging, DEFAULT_CONFIG, DEFAULT_SEED)
+        write_default_model(staging, f"{DEFAULT_MODEL_NAME} (once per machine)")
         os.rename(staging, target)
     except OSError:
         if not (target / "model.safetensors").is_file():
@@ -244,6 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "path":
         print(default_model_dir())
         return 0
-    folder = write_checkpoint(args.dir, DEFAULT_CONFIG, DEFAULT_SEED) if args.dir else ensure_default_model()
+    folder = write_default_model(args.dir, f"into {args.dir}") if args.dir else ensure_default_model()
     print(folder)
     return 0

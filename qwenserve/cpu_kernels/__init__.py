@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from qwenserve import progress
 from qwenserve.cache import cache_root
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ def load() -> ctypes.CDLL | None:
         target = cache_root() / "kernels" / f"qwenserve-cpu-{digest}.so"
         try:
             if not target.is_file():
-                build(cc, flags, target)
+                with progress.step(f"building the CPU kernels with {os.path.basename(cc)} (once per machine)"):
+                    build(cc, flags, target)
             lib = ctypes.CDLL(str(target))
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or exc

@@ -80,7 +80,7 @@ class LLMEngine:
         model.eval()
         if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available():
             # The panel layout the CPU product runs fastest on (2x the row-major kernel at prefill sizes).
-            log.info("packed %d weight matrices for the CPU kernels", pack_linear_weights(model))
+            pack_linear_weights(model)  # a progress step: it says how many it packed
         block_size = config.block_size or default_block_size(device, dtype)
         bytes_per_block = (
             model_cfg.num_layers * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from qwenserve import progress
 from qwenserve.engine.errors import CheckpointError
 from qwenserve.models import ModelConfig, QwenForCausalLM
 
@@ -50,8 +51,11 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
     optional = model.optional_checkpoint_tensors()
     seen: set[str] = set()
     samples: dict[str, bytes] = {}
-    with torch.inference_mode():
-        for path in checkpoint_files(folder):
+    files = checkpoint_files(folder)
+    in_memory = sum(dst.numel() * dst.element_size() for dst in targets.values())
+    with torch.inference_mode(), progress.step(f"loading weights from {folder}", total=len(targets),
+                                               unit="tensors", total_bytes=in_memory) as step:
+        for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     if name.endswith(IGNORED_SUFFIXES) or (name in optional and name not in targets):
@@ -72,9 +76,10 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
                         )
                     tensor = f.get_tensor(name)
                     dst.copy_(tensor)
-                    step = max(1, tensor.numel() // FINGERPRINT_SAMPLES)
-                    samples[name] = tensor.reshape(-1)[::step][:FINGERPRINT_SAMPLES].float().numpy().tobytes()
+                    stride = max(1, tensor.numel() // FINGERPRINT_SAMPLES)
+                    samples[name] = tensor.reshape(-1)[::stride][:FINGERPRINT_SAMPLES].float().numpy().tobytes()
                     seen.add(name)
+                    step.advance(1, dst.numel() * dst.element_size())
     missing = sorted(set(targets) - seen)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

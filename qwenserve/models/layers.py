@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwenserve import cpu_kernels
+from qwenserve import cpu_kernels, progress
 from qwenserve.models.config import RopeConfig
 
 # The weights pack_linear_weights packs: every matrix a token's hidden state is multiplied by.
@@ -39,14 +39,14 @@ def pack_linear_weights(model: nn.Module) -> int:
     """Repack the model's linear weights in place for cpu_kernels.linear_packed (fp32 on CPU, output rows a
     multiple of 16; others stay as they are) and return how many were packed. Call it after the checkpoint is
     loaded: checkpoint_targets describes the unpacked layout."""
-    packed = 0
-    for module in model.modules():
-        for name in PACKED_WEIGHTS:
-            param = module._parameters.get(name)
-            if param is not None and cpu_kernels.packable(param.data):
-                param.data = cpu_kernels.pack_weight(param.data)
-                packed += 1
-    return packed
+    params = [param for module in model.modules() for name in PACKED_WEIGHTS
+              if (param := module._parameters.get(name)) is not None and cpu_kernels.packable(param.data)]
+    with progress.step("packing weights for the CPU kernels", total=len(params), unit="matrices",
+                       total_bytes=sum(param.data.nbytes for param in params)) as step:
+        for param in params:
+            param.data = cpu_kernels.pack_weight(param.data)
+            step.advance(1, param.data.nbytes)
+    return len(params)
 
 
 def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

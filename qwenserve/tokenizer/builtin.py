@@ -23,6 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from qwenserve import progress
 from qwenserve.cache import cache_root
 
 # Bump when the conversion changes, so that caches of an older conversion are not reused.
@@ -187,14 +188,19 @@ def _last_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | 
     return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
-def build_tokenizer_json(vocab: BuiltinVocab) -> dict:
-    """Convert a vocabulary's tiktoken ranks into the content of a Hugging Face `tokenizer.json`."""
+def build_tokenizer_json(vocab: BuiltinVocab, step: progress.ProgressStep | None = None) -> dict:
+    """Convert a vocabulary's tiktoken ranks into the content of a Hugging Face `tokenizer.json`, counting the
+    tokens done on `step`."""
     spec = vocab.value
     ranks = load_ranks(vocab)
+    if step is not None:
+        step.expect(len(ranks))
     by_rank = sorted(ranks.items(), key=lambda item: item[1])
     hf_vocab = {bytes_to_unicode(token): rank for token, rank in by_rank}
     merges: list[list[str]] = []
-    for token, _ in by_rank:
+    for i, (token, _) in enumerate(by_rank):
+        if step is not None and i % 1024 == 0:
+            step.advance(min(1024, len(by_rank) - i))
         if len(token) < 2:
             continue
         pair = _last_merge(token, ranks)
@@ -262,9 +268,9 @@ def write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
-def tokenizer_json_bytes(vocab: BuiltinVocab) -> bytes:
+def tokenizer_json_bytes(vocab: BuiltinVocab, step: progress.ProgressStep | None = None) -> bytes:
     """The deterministic bytes of a vocabulary's `tokenizer.json`."""
-    return json.dumps(build_tokenizer_json(vocab), ensure_ascii=False, indent=None).encode("utf-8")
+    return json.dumps(build_tokenizer_json(vocab, step), ensure_ascii=False, indent=None).encode("utf-8")
 
 
 def builtin_tokenizer_json(vocab: BuiltinVocab = BuiltinVocab.QWEN3, cache_dir: Path | None = None) -> Path:
@@ -272,7 +278,9 @@ def builtin_tokenizer_json(vocab: BuiltinVocab = BuiltinVocab.QWEN3, cache_dir: 
     folder = (cache_dir or cache_root()) / "vocab" / f"{vocab.value.name}-v{CONVERSION_VERSION}"
     path = folder / "tokenizer.json"
     if not path.exists():
-        write_atomically(path, tokenizer_json_bytes(vocab))
+        what = f"converting the {vocab.value.name} vocabulary to tokenizer.json (once per machine)"
+        with progress.step(what, unit="tokens") as step:
+            write_atomically(path, tokenizer_json_bytes(vocab, step))
     return path
 
 
