@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from qwenserve import progress
 from qwenserve.kv_transfer.shm import reap_orphaned_segments
 
 PR_SET_PDEATHSIG = 1
@@ -142,8 +143,10 @@ class LocalCluster:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 out = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - lives as long as the child
             # Children's own output never mixes with the launcher's stdout (which carries the ready line).
+            # Progress as named lines, never bars: the children share the launcher's terminal or write files.
             child.process = subprocess.Popen(
-                child.argv, env=env, stdout=out or sys.stderr, stderr=subprocess.STDOUT if out else None,
+                child.argv, env={**env, **progress.child_env(child.name, env)}, stdout=out or sys.stderr,
+                stderr=subprocess.STDOUT if out else None,
                 preexec_fn=_child_setup(self.prefill_nice if child.name.startswith("prefill") else 0),
             )
         try:
@@ -154,8 +157,13 @@ class LocalCluster:
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            wait_serving(child.address, deadline, child.process, f"{child.name} at {child.address}")
+        names = ", ".join(child.name for child in self.children)
+        # A bar only where the children's own lines do not share the terminal with it.
+        with progress.step(f"starting {names}", total=len(self.children), unit="serving",
+                           allow_bar=self.log_dir is not None) as step:
+            for child in self.children:
+                wait_serving(child.address, deadline, child.process, f"{child.name} at {child.address}")
+                step.advance()
         # The router's HTTP front opens during its warm-up, before health says SERVING.
         if self.http_port and not _port_open(self.host, self.http_port):
             raise RuntimeError(f"the router's HTTP port {self.http_port} is not open")
