@@ -109,7 +109,7 @@ class StageServer:
             # Callers (the router) send keepalive pings every 10 s, also between calls, to notice a hung
             # stage; without these the server would answer them with GOAWAY "too many pings".
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),  # the minimum between received pings
         ]
         self.server = grpc.aio.server(
             options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs, interceptors=server_interceptors()
