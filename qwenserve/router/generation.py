@@ -279,7 +279,7 @@ class Router:
             request_id=request_id,
             prompt_ids=prompt_ids,
             sampling=sampling,
-            wire_sampling=_wire_sampling(req.sampling, sampling),
+            wire_sampling=_wire_sampling(req.sampling),
             stop=list(req.stop),
             skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
             cache_salt=req.cache_salt,
@@ -463,8 +463,7 @@ class Router:
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._expired(prep):
                     raise _RequestFailed(common_pb2.FINISH_REASON_ABORT, self._cutoff_detail(prep)) from e
                 if code in CLIENT_MISTAKES:
-                    detail = _error(code.name.lower(), e.details() or "the request was refused")
-                    raise _RequestFailed(common_pb2.FINISH_REASON_ERROR, detail) from e
+                    raise _RequestFailed(common_pb2.FINISH_REASON_ERROR, _refusal(code, e.details())) from e
                 failed = code != grpc.StatusCode.RESOURCE_EXHAUSTED  # an overloaded worker did nothing wrong
                 if code in WORKER_GONE:
                     self.prefill_pool.mark_dead(worker)
@@ -542,9 +541,7 @@ class Router:
                     tried.pop()
                     continue
                 if code in CLIENT_MISTAKES:
-                    yield [], [], common_pb2.FINISH_REASON_ERROR, _error(
-                        code.name.lower(), e.details() or "the request was refused"
-                    )
+                    yield [], [], common_pb2.FINISH_REASON_ERROR, _refusal(code, e.details())
                     return
                 fault, failed = f"{code.name}: {e.details()}", code != grpc.StatusCode.RESOURCE_EXHAUSTED
                 if code in WORKER_GONE:
@@ -657,13 +654,19 @@ class _TextRelay:
         return check.text + ("" if check.stopped else self._stops.flush())
 
 
-def _wire_sampling(msg: common_pb2.SamplingParams, sampling: SamplingParams) -> common_pb2.SamplingParams:
-    """The request's sampling with max_tokens made explicit, so every worker uses the same budget."""
+def _wire_sampling(msg: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+    """The request's sampling as the stages get it. A max_tokens the client left out stays out: each
+    stage then gives the request as many tokens as fit in its context and its KV cache (the router's
+    default, the whole context, could need more blocks than a worker's cache holds)."""
     out = common_pb2.SamplingParams()
     out.CopyFrom(msg)
-    if sampling.max_tokens is not None:
-        out.max_tokens = sampling.max_tokens
     return out
+
+
+def _refusal(code: grpc.StatusCode, details: str | None) -> common_pb2.ErrorDetail:
+    """A stage's refusal of the request itself; OUT_OF_RANGE: it does not fit (context or KV cache)."""
+    name = "context_length_exceeded" if code == grpc.StatusCode.OUT_OF_RANGE else code.name.lower()
+    return _error(name, details or "the request was refused")
 
 
 def _error(code: str, message: str, retryable: bool = False) -> common_pb2.ErrorDetail:

@@ -729,7 +729,9 @@ def _copy_for_choice(prep: PreparedRequest, copy: int) -> PreparedRequest:
         wire = common_pb2.SamplingParams()
         wire.CopyFrom(prep.wire_sampling)
         wire.seed = seed
-    return dataclasses.replace(prep, request_id=f"{prep.request_id}-{copy}", sampling=sampling, wire_sampling=wire)
+    # internal_id "" makes a fresh one: copies run side by side, and the stages key their work by it.
+    return dataclasses.replace(prep, request_id=f"{prep.request_id}-{copy}", sampling=sampling, wire_sampling=wire,
+                               internal_id="")
 
 
 def _mix64(seed: int, stream: int) -> int:

@@ -85,6 +85,7 @@ class DecodeWorker:
         prompt, sampling = checked_request(
             request.prompt_token_ids, request.sampling, vocab_size=self.engine.model_config.vocab_size,
             max_model_len=self.engine.max_model_len, generated=len(resume) + (start == "prefilled"),
+            kv_capacity=self.engine.pool.num_blocks * self.engine.pool.block_size,
         )
         bad = next((i for i in resume if i >= self.engine.model_config.vocab_size), None)
         if bad is not None:

@@ -11,7 +11,12 @@ import logging
 
 import grpc
 
-from qwenserve.engine.errors import EngineShutdownError, RequestError
+from qwenserve.engine.errors import (
+    ContextLengthExceededError,
+    EngineShutdownError,
+    RequestError,
+    RequestTooLargeError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +27,13 @@ class WorkerError(Exception):
 
 class BadRequest(WorkerError):
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ContextTooLong(BadRequest):
+    """Prompt plus output budget do not fit in the context or in this worker's KV cache; the router
+    answers the client `context_length_exceeded` (HTTP 400)."""
+
+    grpc_code = grpc.StatusCode.OUT_OF_RANGE
 
 
 class HandoffRefused(WorkerError):
@@ -51,6 +63,8 @@ def grpc_status(error: Exception) -> tuple[grpc.StatusCode, str]:
     with their traceback here, once, and answered INTERNAL (never a bare UNKNOWN without a reason)."""
     if isinstance(error, WorkerError):
         return error.grpc_code, str(error)
+    if isinstance(error, ContextLengthExceededError | RequestTooLargeError):
+        return grpc.StatusCode.OUT_OF_RANGE, str(error)
     if isinstance(error, RequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     if isinstance(error, EngineShutdownError):

@@ -51,6 +51,7 @@ class PrefillWorker:
         prompt, sampling = checked_request(
             request.prompt_token_ids, request.sampling,
             vocab_size=self.engine.model_config.vocab_size, max_model_len=self.engine.max_model_len,
+            kv_capacity=self.engine.pool.num_blocks * self.engine.pool.block_size,
         )
         with tracer.start_as_current_span("prefill", attributes={Attr.PROMPT_TOKENS: len(prompt)}) as span:
             return await self._prefill(request_id, prompt, sampling, cache_salt, span)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from qwenserve.protocol import sampling_from_proto
 from qwenserve.v1 import common_pb2
-from qwenserve.worker.errors import BadRequest
+from qwenserve.worker.errors import BadRequest, ContextTooLong
 
 #: Visible ASCII only: the id goes into logs, spans, metadata and handoff ids, where anything else breaks.
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
@@ -26,9 +26,14 @@ def checked_request(
     *,
     vocab_size: int,
     max_model_len: int,
+    kv_capacity: int | None = None,
     generated: int = 0,
 ) -> tuple[list[int], SamplingParams]:
-    """Validate ids and sampling; `generated` tokens already exist (resume) and count against the budget."""
+    """Validate ids and sampling; `generated` tokens already exist (resume) and count against the budget.
+
+    `kv_capacity` is the most tokens the worker's KV cache holds: a request needing more could never
+    be scheduled, so it is refused (ContextTooLong), and an unset max_tokens is capped to what fits.
+    """
     ids = list(prompt_ids)
     if not ids:
         raise BadRequest("prompt_token_ids is empty")
@@ -37,16 +42,26 @@ def checked_request(
         raise BadRequest(f"token id {bad} is outside the vocabulary of {vocab_size}")
     room = max_model_len - len(ids)
     if room < 1:
-        raise BadRequest(f"the prompt has {len(ids)} tokens; the context is {max_model_len}")
+        raise ContextTooLong(f"the prompt has {len(ids)} tokens; the context is {max_model_len}")
+    fits = room if kv_capacity is None else min(room, kv_capacity - len(ids))
+    if fits < 1:
+        raise ContextTooLong(f"the prompt has {len(ids)} tokens; this server's KV cache holds {kv_capacity}")
     try:
-        params = sampling_from_proto(sampling, default_max_tokens=room)
+        params = sampling_from_proto(sampling, default_max_tokens=fits)
     except InvalidSamplingParams as e:
         raise BadRequest(f"sampling.{e}") from e
     bad = next((i for i in params.stop_token_ids if i >= vocab_size), None)
     if bad is not None:
         raise BadRequest(f"sampling.stop_token_ids: token id {bad} is outside the vocabulary of {vocab_size}")
     if params.max_tokens is not None and params.max_tokens > room:
-        raise BadRequest(f"max_tokens {params.max_tokens} + prompt {len(ids)} exceeds the context of {max_model_len}")
+        raise ContextTooLong(
+            f"max_tokens {params.max_tokens} + prompt {len(ids)} exceeds the context of {max_model_len}"
+        )
+    if params.max_tokens is not None and params.max_tokens > fits:
+        raise ContextTooLong(
+            f"max_tokens {params.max_tokens} + prompt {len(ids)} tokens is more than this server's KV cache "
+            f"holds ({kv_capacity} tokens); lower max_tokens to at most {fits}"
+        )
     if generated and params.max_tokens is not None and generated >= params.max_tokens:
         raise BadRequest(f"{generated} tokens were already generated; max_tokens is {params.max_tokens}")
     return ids, params
