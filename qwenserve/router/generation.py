@@ -150,6 +150,7 @@ class Router:
         self._drain_deadline: float | None = None  # time.monotonic(); set once the router drains
         self._background: set[asyncio.Task[None]] = set()  # handoff releases still on their way
         self._closing = asyncio.Event()  # set by close(): delayed releases go out at once
+        self._watches: set[_StreamWatch] = set()  # decode streams in flight, told when a drain starts
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -202,6 +203,8 @@ class Router:
         before the server cancels the call.
         """
         self._drain_deadline = time.monotonic() + max(0.0, grace_s - min(1.0, grace_s / 5))
+        for watch in list(self._watches):
+            watch.check()
         log.info("router draining: streams still running in %.1fs end with finish reason abort", grace_s)
 
     @property
@@ -496,6 +499,7 @@ class Router:
             })
             request = self._decode_request(prep, progress, start)
             call: grpc.aio.UnaryStreamCall | None = None
+            watch: _StreamWatch | None = None
             answered = False  # the worker sent a message
             # Set only for a fault of the worker: the request then fails over. A client that leaves
             # (GeneratorExit at a yield, CancelledError at an await) or a normal finish leaves it unset.
@@ -508,8 +512,10 @@ class Router:
                 else:
                     call = self._start_decode(worker.address, request, span, prep)
                     progress.handoff_sent = progress.handoff_sent or request.HasField("prefilled")
+                    watch = _StreamWatch(call, self.config.stall_timeout_s, lambda: self._drain_deadline)
+                    self._watches.add(watch)
                     while True:
-                        msg = await self._next(call, prep)
+                        msg = await watch.read()
                         if msg is grpc.aio.EOF:
                             fault, failed = "the decode stream ended without a finish reason", True
                             break
@@ -547,6 +553,9 @@ class Router:
                 if code in WORKER_GONE:
                     self.decode_pool.mark_dead(worker)
             finally:
+                if watch is not None:
+                    watch.close()
+                    self._watches.discard(watch)
                 if call is not None:
                     call.cancel()  # a no-op after a finish; otherwise the worker aborts the request, frees the KV
                     if request.HasField("prefilled") and not answered:
@@ -589,21 +598,6 @@ class Router:
                 return stub.Decode(request, timeout=timeout)
         return stub.Decode(request, timeout=timeout)
 
-    async def _next(self, call: grpc.aio.UnaryStreamCall, prep: PreparedRequest) -> decode_pb2.DecodeResponse:
-        """The stream's next message, or grpc.aio.EOF. Raises _Stalled after stall_timeout_s without one,
-        _OutOfTime when the request's deadline or the router's drain deadline comes first."""
-        wait, cutoff = self.config.stall_timeout_s, self._cutoff(prep)
-        by_cutoff = cutoff is not None and cutoff - time.monotonic() <= wait
-        if by_cutoff:
-            wait = max(0.0, cutoff - time.monotonic())  # type: ignore[operator]
-        try:
-            async with asyncio.timeout(wait):
-                return await call.read()
-        except TimeoutError:
-            if by_cutoff:
-                raise _OutOfTime() from None
-            raise _Stalled() from None
-
     def _cutoff(self, prep: PreparedRequest) -> float | None:
         """When the request must end (time.monotonic()): its own deadline or the drain deadline, if sooner."""
         ends = [t for t in (prep.deadline, self._drain_deadline) if t is not None]
@@ -627,6 +621,56 @@ class _Stalled(Exception):
 
 class _OutOfTime(Exception):
     """The request's deadline (or the router's drain deadline) came while waiting on a worker."""
+
+
+class _StreamWatch:
+    """Reads a decode stream; cancels the call when it sends nothing for `stall_s` or the router's drain
+    deadline comes, and then makes `read()` raise _Stalled or _OutOfTime.
+
+    One timer per stream, moved on only when it fires: noting a message is an assignment (an asyncio
+    timeout around every read cost more than relaying the message). The request's own deadline is the
+    call's gRPC deadline.
+    """
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, stall_s: float,
+                 drain_deadline: Callable[[], float | None]) -> None:
+        self._call = call
+        self._stall_s = stall_s
+        self._drain_deadline = drain_deadline
+        self._last = time.monotonic()
+        self._fired: type[Exception] | None = None
+        self._timer = asyncio.get_running_loop().call_later(stall_s, self.check)
+
+    async def read(self) -> decode_pb2.DecodeResponse:
+        """The next message, or grpc.aio.EOF."""
+        try:
+            msg = await self._call.read()
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
+            # Our own cancel surfaces as CancelledError (or CANCELLED); a cancel of the task itself passes on.
+            task = asyncio.current_task()
+            ours = not isinstance(e, grpc.aio.AioRpcError) or e.code() == grpc.StatusCode.CANCELLED
+            if self._fired is None or not ours or (task is not None and task.cancelling()):
+                raise
+            raise self._fired() from None
+        self._last = time.monotonic()
+        return msg
+
+    def check(self) -> None:
+        """Cancel the call if it is overdue, else look again when it would be (also when a drain starts)."""
+        self._timer.cancel()
+        due, why = self._last + self._stall_s, _Stalled
+        drain = self._drain_deadline()
+        if drain is not None and drain < due:
+            due, why = drain, _OutOfTime
+        left = due - time.monotonic()
+        if left > 0:
+            self._timer = asyncio.get_running_loop().call_later(left, self.check)
+            return
+        self._fired = why
+        self._call.cancel()
+
+    def close(self) -> None:
+        self._timer.cancel()
 
 
 class _RequestFailed(Exception):
