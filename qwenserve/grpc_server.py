@@ -110,6 +110,9 @@ class StageServer:
             # stage; without these the server would answer them with GOAWAY "too many pings".
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),  # the minimum between received pings
+            # A long prompt's prefill is a unary call with no data frames for minutes: pings then arrive
+            # "without data", and a ping deemed early must never cost the call its connection.
+            ("grpc.http2.max_ping_strikes", 0),
         ]
         self.server = grpc.aio.server(
             options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs, interceptors=server_interceptors()

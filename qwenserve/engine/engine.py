@@ -116,6 +116,8 @@ class LLMEngine:
         self._active: dict[str, Sequence] = {}  # request id -> sequence, until its terminal output
         self._pending = 0  # submitted, not yet seen by the loop
         self._finished = 0
+        # Steps the loop has begun: a reader that sees it move knows the engine is making progress.
+        self.steps_completed = 0
         self._closed = False
         self._failure: str | None = None  # why the compute loop died; None while it runs
         self._failure_callbacks: list[Callable[[str], None]] = []
@@ -252,6 +254,11 @@ class LLMEngine:
                 self._failure_callbacks.append(callback)
                 return
         callback(self._failure)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is queued or running (its terminal output not yet produced)."""
+        with self._lock:
+            return request_id in self._active
 
     def kv_layout(self) -> KVLayout:
         """How this engine's KV is shaped and which weights produced it (for export / import)."""
@@ -428,6 +435,7 @@ class LLMEngine:
                     self._finish(seq, "abort")
 
     def _step(self) -> None:
+        self.steps_completed += 1  # counted as the step starts: a step that raises still moved the loop
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             # Only possible while the pool is briefly full of cached blocks being released; wait for news.

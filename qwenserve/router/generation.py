@@ -520,6 +520,8 @@ class Router:
                             fault, failed = "the decode stream ended without a finish reason", True
                             break
                         answered = True
+                        if not msg.token_ids and not msg.finish_reason:
+                            continue  # a heartbeat: the worker is busy on this request (a long prompt)
                         if msg.token_ids:
                             progress.generated.extend(msg.token_ids)
                         if msg.finish_reason:

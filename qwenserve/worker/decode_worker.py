@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from opentelemetry import trace
@@ -24,6 +24,15 @@ from qwenserve.worker.requests import checked_cache_salt, checked_request, check
 
 log = logging.getLogger(__name__)
 tracer = get_tracer("qwenserve.decode")
+
+# How often a stream with nothing to send tells the router it is alive: well inside the router's stall
+# timeout (--stall-timeout-s, 30 s by default), so a long prompt prefilled here is not taken for a hang.
+HEARTBEAT_S = 5.0
+# How long a cancelled import's release waits for the engine to let go of the request (an abort waits at
+# most one step) before it releases anyway.
+ENGINE_LET_GO_S = 30.0
+# Release tasks in flight: held so the event loop does not drop them half done.
+_BACKGROUND: set[asyncio.Task[None]] = set()
 
 
 class DecodeWorker:
@@ -54,26 +63,41 @@ class DecodeWorker:
         span = tracer.start_span("decode")
         timing = _Timing()
         traced = span.is_recording()
+        held = _HeldHandoff(self.importer, self.engine)
         try:
             if traced:
                 with trace.use_span(span, end_on_exit=False):
-                    outputs, cached = await self._start(request, timing, traced)
+                    outputs, cached = await self._start(request, timing, traced, held)
                 outputs = timing.watch(outputs)
             else:
-                outputs, cached = await self._start(request, timing, traced)
-            async for msg in _coalesced(outputs, cached, self.stream_interval_s):
+                outputs, cached = await self._start(request, timing, traced, held)
+            async for msg in _coalesced(outputs, cached, self.stream_interval_s, self._engine_moved()):
                 yield msg
         except Exception as e:
             span.record_exception(e)
             span.set_status(trace.StatusCode.ERROR, str(e) or type(e).__name__)
             raise
         finally:
+            # Ended before the engine copied the import (a cancel during the fetch, before the first output):
+            # the handoff still goes back, here rather than in a generator that may never have started.
+            held.release_when_engine_lets_go()
             if traced:
                 timing.spans(span, self.steps.first_scheduled_ns(timing.request_id) if self.steps else None)
             span.end()
 
+    def _engine_moved(self) -> Callable[[], bool]:
+        """A probe: whether the engine finished a step since the probe's last call."""
+        seen = [getattr(self.engine, "steps_completed", 0)]
+
+        def moved() -> bool:
+            now = getattr(self.engine, "steps_completed", 0)
+            moved, seen[0] = now != seen[0], now
+            return moved
+
+        return moved
+
     async def _start(
-        self, request: decode_pb2.DecodeRequest, timing: _Timing, traced: bool
+        self, request: decode_pb2.DecodeRequest, timing: _Timing, traced: bool, held: _HeldHandoff
     ) -> tuple[AsyncIterator[Any], int]:
         """Check the request, import its handoff and submit it; the engine's outputs and cached tokens."""
         start = request.WhichOneof("start")
@@ -96,8 +120,9 @@ class DecodeWorker:
             first = request.prefilled.first_token_id
             if first >= self.engine.model_config.vocab_size:
                 raise BadRequest(f"prefilled.first_token_id {first} is outside the vocabulary")
-            handle = request.prefilled.kv_handle
-            kv_import = await self._import(handle, len(prompt))
+            handle = held.handle = request.prefilled.kv_handle
+            held.request_id = request_id
+            kv_import = await self._import(held, len(prompt))
             resume = [first]
             cached = request.prefilled.cached_prompt_tokens
         timing.request_id = request_id
@@ -108,25 +133,11 @@ class DecodeWorker:
             request_id, prompt, sampling, cache_salt=cache_salt, resume_token_ids=resume, kv_import=kv_import,
         )
         if handle is not None:
-            outputs = self._release_after_first(outputs, handle)
+            outputs = _release_after_first(outputs, held)
         return outputs, cached
 
-    async def _release_after_first(self, outputs: AsyncIterator[Any], handle: Any) -> AsyncIterator[Any]:
-        """An shm import is a view of the exporter's memory: release it only once the engine has copied it
-        into its own blocks, which has happened by the time the first output exists."""
-        released = False
-        try:
-            async for out in outputs:
-                if not released:
-                    released = True
-                    await self.importer.release(handle, "imported")
-                yield out
-        finally:
-            if not released:
-                # Not awaited: this may run while the task is being cancelled.
-                asyncio.ensure_future(self.importer.release(handle, "cancelled"))
-
-    async def _import(self, handle: Any, prompt_len: int) -> KVImport:
+    async def _import(self, held: _HeldHandoff, prompt_len: int) -> KVImport:
+        handle = held.handle
         transport = transport_label(handle.transport)
         attributes = {Attr.HANDOFF_TRANSPORT: transport, Attr.HANDOFF_BYTES: handle.length}
         with tracer.start_as_current_span("handoff", attributes=attributes) as span:
@@ -143,13 +154,54 @@ class DecodeWorker:
                     self.handoff.record_failure(transport, failure_reason(e))
                 span.set_attribute("qwenserve.handoff.failure", failure_reason(e))
                 log.warning("handoff refused: %s", e)
-                await self.importer.release(handle, "failed")
+                await held.release("failed")
                 raise HandoffRefused(str(e)) from e
             seconds = time.perf_counter() - started
             span.set_attribute("qwenserve.handoff.seconds", seconds)
             if self.handoff is not None:
                 self.handoff.record_transfer(transport, handle.length, seconds)
         return KVImport(kv=tensor, layout=self.engine.kv_layout())
+
+
+class _HeldHandoff:
+    """The handoff one decode call imports: given back exactly once, and never while the engine may still be
+    copying from it (an shm import is a view of the exporter's memory, which reuses the bytes once released)."""
+
+    def __init__(self, importer: Any, engine: Any) -> None:
+        self.importer = importer
+        self.engine = engine
+        self.handle: Any = None
+        self.request_id = ""
+        self.done = False
+
+    async def release(self, reason: str) -> None:
+        if self.handle is None or self.done:
+            return
+        self.done = True
+        await self.importer.release(self.handle, reason)
+
+    def release_when_engine_lets_go(self) -> None:
+        """Release in the background once the engine no longer holds the request (it copies imports on its own
+        thread, between the abort being asked and being done); not awaited, as this may run while cancelled."""
+        if self.handle is None or self.done:
+            return
+        self.done = True
+        task = asyncio.ensure_future(self._release_after_engine())
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
+    async def _release_after_engine(self) -> None:
+        give_up = time.monotonic() + ENGINE_LET_GO_S
+        while self.engine.holds(self.request_id) and time.monotonic() < give_up:
+            await asyncio.sleep(0.005)
+        await self.importer.release(self.handle, "cancelled")
+
+
+async def _release_after_first(outputs: AsyncIterator[Any], held: _HeldHandoff) -> AsyncIterator[Any]:
+    """The engine has copied the import into its own blocks by the time the first output exists."""
+    async for out in outputs:
+        await held.release("imported")
+        yield out
 
 
 class _Timing:
@@ -188,9 +240,17 @@ class _Timing:
 
 
 async def _coalesced(
-    outputs: AsyncIterator[Any], cached_from_prefill: int, interval_s: float = 0.0
+    outputs: AsyncIterator[Any],
+    cached_from_prefill: int,
+    interval_s: float = 0.0,
+    engine_moved: Callable[[], bool] | None = None,
+    heartbeat_s: float = HEARTBEAT_S,
 ) -> AsyncIterator[decode_pb2.DecodeResponse]:
     """Drain the engine into a buffer; each message carries everything produced since the last one.
+
+    While no token comes (a long prompt prefilled here, a queue, preemption), an empty message goes out
+    every `heartbeat_s` in which `engine_moved()` says the engine made progress: the router fails a stream over
+    when it hears nothing for its stall timeout, and a long prompt is no stall. A stuck engine sends none.
 
     With `interval_s` > 0, messages after the first are sent at most that often: a Python gRPC stream
     costs the same per message whatever it carries, so fewer, fuller messages raise the tokens a router
@@ -214,7 +274,13 @@ async def _coalesced(
     task = asyncio.create_task(pump())
     try:
         while True:
-            await ready.wait()
+            try:
+                async with asyncio.timeout(heartbeat_s if engine_moved is not None else None):
+                    await ready.wait()
+            except TimeoutError:
+                if engine_moved is not None and engine_moved():
+                    yield decode_pb2.DecodeResponse()
+                continue
             ready.clear()
             batch, pending[:] = list(pending), []
             if batch:
