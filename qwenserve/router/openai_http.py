@@ -13,8 +13,9 @@ carries the running usage; then `data: [DONE]`.
 
 Every message from the router becomes a chunk at once, even when its tokens decode to no visible
 text yet (an empty delta, with the running usage when asked for): the client sees each token
-arrive. A stream's headers wait for the router's first message, so a request that every worker
-refuses (more tokens than a KV pool holds, say) still gets its HTTP 400, as without streaming.
+arrive. A stream's headers wait for the router's first message, so a request that fails before
+its first token gets a plain HTTP error, as without streaming (a 400 when a worker refuses it as
+larger than its KV cache, a 503 when no worker can take it).
 
 A choice's `finish_reason` is only ever an OpenAI one (`stop`, `length`). A failure after the
 stream started cannot change the HTTP status, so the stream ends with an error event, `data:
@@ -36,7 +37,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import re
 import ssl
 import time
 import uuid
@@ -61,6 +61,7 @@ from qwenserve.router.front_errors import (
 from qwenserve.router.generation import PreparedRequest, Router
 from qwenserve.router.grpc_front import outcome_for
 from qwenserve.router.openai_request import ParsedRequest, parse_chat, parse_completion, parse_json_body
+from qwenserve.router.request_ids import valid_request_id
 from qwenserve.telemetry.metrics import StreamTimer, metrics_page
 from qwenserve.telemetry.tracing import Attr, get_tracer, server_span
 from qwenserve.tenancy.tenants import Tenant
@@ -73,7 +74,6 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
 # How often a request checks whether its client is still connected (between writes).
 DISCONNECT_POLL_S = 0.2
-REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: "$" would let a trailing newline in
 ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 # Terminal error codes of a generation (ErrorDetail.code) that mean "try again", for the HTTP status.
 RETRYABLE_CODES = {"unavailable", "no_decode_worker", "resource_exhausted", "deadline_exceeded"}
@@ -448,7 +448,7 @@ def _request_id(request: web.Request, prefix: str) -> str:
     """The client's X-Request-Id when it is a safe token (it travels as gRPC metadata and into
     logs), else a new id. Reusing one in flight is fine: the stages know each run by a unique id."""
     given = request.headers.get("X-Request-Id", "")
-    return given if REQUEST_ID.fullmatch(given) else f"{prefix}-{uuid.uuid4().hex[:24]}"
+    return given if valid_request_id(given) else f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 async def _watch_disconnect(request: web.Request, generations: _Generations) -> None:
