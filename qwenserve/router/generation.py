@@ -83,9 +83,12 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     # Default deadline of a tokenizer call (the client's deadline wins when it is sooner).
     rpc_timeout_s: float = 30.0
-    # Default deadline of a prefill call: a long prompt on a CPU may legitimately take minutes.
+    # Default deadline of a prefill call, plus an allowance per prompt token: a long prompt on a CPU may
+    # legitimately take minutes (10 tokens/s is far below any engine's prefill rate).
     prefill_timeout_s: float = 300.0
-    # A decode stream that sends nothing for this long (its first token included) is failed over.
+    prefill_timeout_per_token_s: float = 0.1
+    # A decode stream that sends nothing for this long is failed over; a worker busy on the request's long
+    # prompt sends empty heartbeats meanwhile (decode_worker.HEARTBEAT_S).
     stall_timeout_s: float = 30.0
     # Keepalive pings on every channel: a worker that does not answer one within the timeout is cut off.
     keepalive_s: float = 10.0
@@ -459,7 +462,7 @@ class Router:
                     self.prefill_pool.mark_dead(worker)
                 else:
                     stub = prefill_pb2_grpc.PrefillStub(self._channel(worker.address))
-                    timeout = _remaining(self._cutoff(prep), self.config.prefill_timeout_s)
+                    timeout = _remaining(self._cutoff(prep), self._prefill_timeout(tokens))
                     return await stub.Prefill(request, timeout=timeout)
             except grpc.aio.AioRpcError as e:
                 code = e.code()
@@ -599,6 +602,11 @@ class Router:
             with trace.use_span(span, end_on_exit=False):
                 return stub.Decode(request, timeout=timeout)
         return stub.Decode(request, timeout=timeout)
+
+    def _prefill_timeout(self, prompt_tokens: int) -> float:
+        """A prefill call's deadline grows with its prompt: an 8k-token prompt of a 0.6B model takes minutes on
+        a busy CPU, and a dead or stopped worker is noticed sooner anyway, by keepalive."""
+        return self.config.prefill_timeout_s + self.config.prefill_timeout_per_token_s * prompt_tokens
 
     def _cutoff(self, prep: PreparedRequest) -> float | None:
         """When the request must end (time.monotonic()): its own deadline or the drain deadline, if sooner."""
