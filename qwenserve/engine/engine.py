@@ -116,8 +116,9 @@ class LLMEngine:
         self._active: dict[str, Sequence] = {}  # request id -> sequence, until its terminal output
         self._pending = 0  # submitted, not yet seen by the loop
         self._finished = 0
-        # Steps the loop has begun: a reader that sees it move knows the engine is making progress.
+        # Steps the loop has begun, and when the one running now began: what says the engine is making progress.
         self.steps_completed = 0
+        self._step_started: float | None = None
         self._closed = False
         self._failure: str | None = None  # why the compute loop died; None while it runs
         self._failure_callbacks: list[Callable[[str], None]] = []
@@ -255,6 +256,12 @@ class LLMEngine:
                 return
         callback(self._failure)
 
+    def step_running_s(self) -> float | None:
+        """How long the step in progress has run (None between steps): on a busy CPU one step of a long prompt
+        may take tens of seconds, which is slow, not stuck."""
+        started = self._step_started
+        return None if started is None else time.monotonic() - started
+
     def holds(self, request_id: str) -> bool:
         """Whether the request is queued or running (its terminal output not yet produced)."""
         with self._lock:
@@ -376,7 +383,9 @@ class LLMEngine:
                     if not self._drain_commands(block=not self.scheduler.has_work()):
                         break
                     if self.scheduler.has_work():
+                        self._step_started = time.monotonic()
                         self._step()
+                        self._step_started = None
                     if not self.scheduler.has_work() and self._pending == 0:
                         self._idle.set()
         except BaseException as exc:  # the loop cannot go on: fail every caller now rather than hang them

@@ -28,6 +28,8 @@ tracer = get_tracer("qwenserve.decode")
 # How often a stream with nothing to send tells the router it is alive: well inside the router's stall
 # timeout (--stall-timeout-s, 30 s by default), so a long prompt prefilled here is not taken for a hang.
 HEARTBEAT_S = 5.0
+# A step that has run this long is taken for a hang: heartbeats stop and the router fails the stream over.
+STUCK_STEP_S = 600.0
 # How long a cancelled import's release waits for the engine to let go of the request (an abort waits at
 # most one step) before it releases anyway.
 ENGINE_LET_GO_S = 30.0
@@ -86,12 +88,14 @@ class DecodeWorker:
             span.end()
 
     def _engine_moved(self) -> Callable[[], bool]:
-        """A probe: whether the engine finished a step since the probe's last call."""
-        seen = [getattr(self.engine, "steps_completed", 0)]
+        """A probe: whether the engine began a step since the probe's last call, or is in one that has not yet
+        run for STUCK_STEP_S (a slow step is progress; one that never ends is a hang)."""
+        seen = [self.engine.steps_completed]
 
         def moved() -> bool:
-            now = getattr(self.engine, "steps_completed", 0)
-            moved, seen[0] = now != seen[0], now
+            now, running = self.engine.steps_completed, self.engine.step_running_s()
+            moved = now != seen[0] or (running is not None and running < STUCK_STEP_S)
+            seen[0] = now
             return moved
 
         return moved

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from qwenserve.engine.outputs import RequestOutput, Usage
 from qwenserve.v1 import common_pb2, decode_pb2
-from qwenserve.worker.decode_worker import _coalesced
+from qwenserve.worker.decode_worker import STUCK_STEP_S, DecodeWorker, _coalesced
 
 
 async def _slow_outputs(delay_s: float) -> AsyncIterator[RequestOutput]:
@@ -30,3 +30,26 @@ def test_a_stream_waiting_for_its_first_token_sends_empty_heartbeats_while_the_e
 def test_a_stuck_engine_sends_no_heartbeat() -> None:
     messages = asyncio.run(_collect(lambda: False))
     assert len(messages) == 1 and list(messages[0].token_ids) == [7]
+
+
+class _EngineClock:
+    """The two facts the probe reads from an engine: steps begun, and how long the current one has run."""
+
+    def __init__(self) -> None:
+        self.steps_completed = 0
+        self.running: float | None = None
+
+    def step_running_s(self) -> float | None:
+        return self.running
+
+
+def test_a_long_step_counts_as_progress_until_it_looks_stuck() -> None:
+    engine = _EngineClock()
+    moved = DecodeWorker(engine, importer=None)._engine_moved()
+    assert not moved()  # idle between probes: nothing to vouch for
+    engine.steps_completed += 1
+    assert moved()  # a new step began
+    engine.running = 45.0  # one step of a long prompt on a busy CPU
+    assert moved()
+    engine.running = STUCK_STEP_S + 1
+    assert not moved()
