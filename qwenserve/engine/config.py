@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 
 import torch
 
+from qwenserve.engine.errors import MaxModelLenError
 
-def _env(name: str, default: object) -> object:
+#: A max_model_len derived from the model is at most this many tokens (Qwen3's 40960 positions give 32768).
+DERIVED_MAX_MODEL_LEN_CAP = 32768
+
+
+def _env(name: str, default: object, annotation: object = "") -> object:
     raw = os.environ.get(f"QWENSERVE_{name.upper()}")
     if raw is None:
         return default
     if isinstance(default, bool):
         return raw.lower() in ("1", "true", "yes")
-    if isinstance(default, int):
+    # A field whose default is None says its type only in its annotation ("int | None").
+    if isinstance(default, int) or str(annotation).startswith("int"):
         return int(raw)
-    if isinstance(default, float):
+    if isinstance(default, float) or str(annotation).startswith("float"):
         return float(raw)
     return raw
 
@@ -27,7 +34,9 @@ class EngineConfig:
 
     device: str | None = None  # "cpu", "cuda", "cuda:1"; default cuda when available
     dtype: str | None = None  # "float32", "bfloat16", "float16"; default fp32 on CPU, bf16 on CUDA
-    max_model_len: int | None = None  # default: the model's max_position_embeddings (capped at 32768)
+    # Longest request (prompt + output tokens). Default: the model's max_position_embeddings (at most 32768),
+    # lowered to what the KV cache holds; an explicit value that does not fit stops the engine (resolve_max_model_len).
+    max_model_len: int | None = None
     # Block size in tokens. Default 16 for the torch backend (finer prefix sharing) and 256 where
     # flash-attn's paged kernels run (their minimum page size).
     block_size: int | None = None
@@ -55,7 +64,7 @@ class EngineConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> EngineConfig:
         """Defaults, overridden by `QWENSERVE_<FIELD>` environment variables, overridden by `overrides`."""
-        values = {f.name: _env(f.name, f.default) for f in fields(cls)}
+        values = {f.name: _env(f.name, f.default, f.type) for f in fields(cls)}
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
@@ -80,3 +89,51 @@ class EngineConfig:
             except KeyError:
                 raise ValueError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16") from None
         return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+
+
+@dataclass(frozen=True, slots=True)
+class KVCapacity:
+    """What the paged KV cache holds."""
+
+    num_blocks: int
+    block_size: int  # tokens per block
+    bytes_per_block: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the whole cache holds: the most one request can have."""
+        return self.num_blocks * self.block_size
+
+    def gib_for(self, tokens: int) -> float:
+        """KV memory (GiB, rounded up to 0.01) whose blocks hold one request of `tokens` tokens."""
+        return math.ceil(math.ceil(tokens / self.block_size) * self.bytes_per_block / 2**30 * 100) / 100
+
+
+def derived_max_model_len(max_positions: int) -> int:
+    """max_model_len when none is given: the model's positions, at most DERIVED_MAX_MODEL_LEN_CAP."""
+    return min(max_positions, DERIVED_MAX_MODEL_LEN_CAP)
+
+
+def resolve_max_model_len(requested: int | None, max_positions: int, kv: KVCapacity) -> int:
+    """The longest request (prompt + output tokens) the engine serves: one such request must fit in the KV cache,
+    or a request the engine accepted could never be scheduled.
+
+    An explicit `requested` beyond the model's positions or the cache raises MaxModelLenError (a setting the user
+    chose is never changed behind their back, as vLLM refuses it). A derived one (derived_max_model_len) is lowered
+    to what the cache holds; the caller says so with a warning.
+    """
+    if requested is None:
+        return min(derived_max_model_len(max_positions), kv.tokens)
+    if requested < 2:
+        raise MaxModelLenError(f"max_model_len {requested} leaves no room for a prompt and an output token; use 2 or more")
+    if requested > max_positions:
+        raise MaxModelLenError(
+            f"max_model_len {requested} is more than the model's {max_positions} positions "
+            f"(max_position_embeddings in its config.json); lower --max-model-len to at most {max_positions}"
+        )
+    if requested > kv.tokens:
+        raise MaxModelLenError(
+            f"max_model_len {requested} does not fit in the KV cache, which holds {kv.tokens} tokens; "
+            f"raise --kv-cache-gb to at least {kv.gib_for(requested):.2f} or lower --max-model-len to at most {kv.tokens}"
+        )
+    return requested

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import queue
 import threading
@@ -30,7 +29,7 @@ import torch
 from qwenserve import cpu_kernels
 from qwenserve.engine.attention import default_block_size, select_backend
 from qwenserve.engine.block_pool import BlockPool
-from qwenserve.engine.config import EngineConfig
+from qwenserve.engine.config import EngineConfig, KVCapacity, derived_max_model_len, resolve_max_model_len
 from qwenserve.engine.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
@@ -40,7 +39,6 @@ from qwenserve.engine.errors import (
     InvalidTokenError,
     KVLayoutMismatchError,
     RequestError,
-    RequestTooLargeError,
 )
 from qwenserve.engine.host_memory import keep_freed_memory
 from qwenserve.engine.kv_layout import KVExportSink, KVImport, KVLayout, check_compatible
@@ -71,8 +69,16 @@ class LLMEngine:
         if device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
             keep_freed_memory()
-        self.max_model_len = min(config.max_model_len or min(model_cfg.max_position_embeddings, 32768),
-                                 model_cfg.max_position_embeddings)
+        block_size = config.block_size or default_block_size(device, dtype)
+        bytes_per_block = (
+            model_cfg.num_layers * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim
+            * torch.empty((), dtype=dtype).element_size()
+        )
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30 // bytes_per_block))
+        # Checked before the weights load: a max_model_len that cannot fit stops the start in a second, not a minute.
+        self.max_model_len = self._fit_max_model_len(
+            model_cfg.max_position_embeddings, KVCapacity(num_blocks, block_size, bytes_per_block)
+        )
         self.eos_token_ids: list[int] = list(model_cfg.eos_token_ids)
         with torch.device(device):
             model = model_class(model_cfg)(model_cfg, dtype, self.max_model_len)
@@ -81,12 +87,6 @@ class LLMEngine:
         if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available():
             # The panel layout the CPU product runs fastest on (2x the row-major kernel at prefill sizes).
             pack_linear_weights(model)  # a progress step: it says how many it packed
-        block_size = config.block_size or default_block_size(device, dtype)
-        bytes_per_block = (
-            model_cfg.num_layers * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim
-            * torch.empty((), dtype=dtype).element_size()
-        )
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30 // bytes_per_block))
         backend = select_backend(config.attention_backend, device, dtype, block_size)
         self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype)
         self.pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
@@ -136,6 +136,19 @@ class LLMEngine:
         )
         self._thread = threading.Thread(target=self._loop, name="qwenserve-engine", daemon=True)
         self._thread.start()
+
+    def _fit_max_model_len(self, max_positions: int, kv: KVCapacity) -> int:
+        """This engine's max_model_len: one request of that length fits in its KV cache (resolve_max_model_len
+        raises MaxModelLenError for an explicit one that does not); a derived one that had to shrink is logged."""
+        limit = resolve_max_model_len(self.config.max_model_len, max_positions, kv)
+        derived = derived_max_model_len(max_positions)
+        if self.config.max_model_len is None and limit < derived:
+            log.warning(
+                "max_model_len lowered from %d to %d: the KV cache holds %d tokens; --kv-cache-gb %.2f or more "
+                "serves %d (or set --max-model-len to choose)",
+                derived, limit, kv.tokens, kv.gib_for(derived), derived,
+            )
+        return limit
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -320,14 +333,9 @@ class LLMEngine:
                 f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds max_model_len ({self.max_model_len}); "
                 "shorten the prompt or lower max_tokens"
             )
+        # No KV check: max_model_len fits in the cache (checked at start), so a request within it can always run.
         if len(resume_token_ids) >= max_tokens:
             raise RequestError(f"{len(resume_token_ids)} resume tokens already reach max_tokens ({max_tokens})")
-        blocks = math.ceil((prompt_len + max_tokens) / self.pool.block_size)
-        if blocks > self.pool.num_blocks:
-            raise RequestTooLargeError(
-                f"request needs up to {blocks} KV blocks but the pool has {self.pool.num_blocks}; "
-                "lower max_tokens or give the engine more KV memory"
-            )
         if kv_import is not None:
             self._check_import(kv_import, len(tokens))
         return Sequence(

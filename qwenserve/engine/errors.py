@@ -16,6 +16,11 @@ class CheckpointError(EngineError):
         self.tensor = tensor
 
 
+class MaxModelLenError(EngineError, ValueError):
+    """An explicit max_model_len is more than the model's positions or than one request can have of the KV cache:
+    the engine does not start (a derived one is lowered instead)."""
+
+
 class RequestError(EngineError, ValueError):
     """A request was rejected before it ran."""
 
