@@ -1,75 +1,74 @@
-"""Engine settings: one dataclass, defaults that suit the device, `QWENSERVE_*` environment fallbacks."""
+"""Engine settings: one dataclass, defaults that suit the device.
+
+The fields declared with `option` are the engine stages' flags (`--kv-cache-gb`, `--max-model-len`, ...), each
+with its `QWENSERVE_<FLAG>` environment fallback (`qwenserve.flags`, the one rule); torch is imported only where
+a method needs it, so the stages' flags can be read without it.
+"""
 
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, fields
-
-import torch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from qwenserve.engine.errors import MaxModelLenError
+from qwenserve.flags import option
+
+if TYPE_CHECKING:
+    import torch
+
+# The names vLLM accepts for --dtype, mapped to ours; "auto" (None) is the device's default.
+DTYPES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+          "half": "float16"}
 
 #: A max_model_len derived from the model is at most this many tokens (Qwen3's 40960 positions give 32768).
 DERIVED_MAX_MODEL_LEN_CAP = 32768
-
-
-def _env(name: str, default: object, annotation: object = "") -> object:
-    raw = os.environ.get(f"QWENSERVE_{name.upper()}")
-    if raw is None:
-        return default
-    if isinstance(default, bool):
-        return raw.lower() in ("1", "true", "yes")
-    # A field whose default is None says its type only in its annotation ("int | None").
-    if isinstance(default, int) or str(annotation).startswith("int"):
-        return int(raw)
-    if isinstance(default, float) or str(annotation).startswith("float"):
-        return float(raw)
-    return raw
 
 
 @dataclass(slots=True)
 class EngineConfig:
     """How the engine runs a model. `None` means "derive from the model and the device"."""
 
-    device: str | None = None  # "cpu", "cuda", "cuda:1"; default cuda when available
-    dtype: str | None = None  # "float32", "bfloat16", "float16"; default fp32 on CPU, bf16 on CUDA
+    device: str | None = option(None, help="cpu or cuda[:N] (default: cuda when available)")
+    dtype: str | None = option(None, choices=tuple(DTYPES),
+                               help="weights and activations (default auto: float32 on CPU, bfloat16 on CUDA)")
     # Longest request (prompt + output tokens). Default: the model's max_position_embeddings (at most 32768),
     # lowered to what the KV cache holds; an explicit value that does not fit stops the engine (resolve_max_model_len).
-    max_model_len: int | None = None
+    max_model_len: int | None = option(
+        None, help="longest request, prompt + output tokens (default: the model's, lowered to what the KV cache "
+                   "holds; one the KV cache cannot hold stops the start)")
     # Block size in tokens. Default 16 for the torch backend (finer prefix sharing) and 256 where
     # flash-attn's paged kernels run (their minimum page size).
-    block_size: int | None = None
+    block_size: int | None = option(None, help="tokens per KV cache block (default: 16; 256 with flash-attn)")
     num_kv_blocks: int | None = None  # default: kv_cache_memory_gb worth of blocks
-    kv_cache_memory_gb: float = 4.0
+    kv_cache_memory_gb: float = option(4.0, flag="--kv-cache-gb", help="memory for the paged KV cache, in GB")
     # Per-step token budget (prefill chunks + decodes); default: 512 on CPU, 2048 on CUDA (token_budget()).
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256  # running sequences at once
-    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = option(None,
+                                                help="per-step token budget (default: 512 on CPU, 2048 on CUDA)")
+    max_num_seqs: int = option(256, help="running sequences at once")
+    enable_prefix_caching: bool = option(True, help="share the KV cache of common prompt prefixes")
     # "short_first" protects the TTFT of short prompts in a burst (see scheduler.py); "fcfs" is plain order.
-    admission_policy: str = "short_first"
+    admission_policy: str = option("short_first", choices=("short_first", "fcfs"),
+                                   help="which waiting request is admitted first")
     # A waiting request older than this is admitted before any shorter one (no starvation).
     max_queue_delay_s: float = 2.0
     # short_first: while more prompt tokens wait than a step with decodes could take, up to this many
     # steps in a row run prefill alone (a burst clears without every step carrying the decodes).
-    burst_prefill_steps: int = 2
+    burst_prefill_steps: int = option(
+        2, help="short_first: prefill-only steps in a row allowed while prompts queue up (0: never)")
     # ... and only while those steps together are expected to last no longer than this.
     burst_max_stall_s: float = 0.25
     # Fraction of the pool kept free when admitting, so running requests can grow without preemption.
     admission_watermark: float = 0.01
-    attention_backend: str = "auto"  # "auto", "torch", "flash_attn"
-    num_threads: int | None = None  # torch intra-op threads on CPU; default: all cores
-    seed: int = 0  # for unseeded sampling
-
-    @classmethod
-    def from_env(cls, **overrides: object) -> EngineConfig:
-        """Defaults, overridden by `QWENSERVE_<FIELD>` environment variables, overridden by `overrides`."""
-        values = {f.name: _env(f.name, f.default, f.type) for f in fields(cls)}
-        values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+    attention_backend: str = option("auto", choices=("auto", "torch", "flash_attn"),
+                                    help="attention kernels (auto: flash-attn's where CUDA and flash-attn are)")
+    num_threads: int | None = option(None, flag="--threads", help="torch threads on CPU (default: all cores)")
+    seed: int = option(0, help="the sampling seed of requests that give none")
 
     def torch_device(self) -> torch.device:
         """The device to run on."""
+        import torch
+
         if self.device:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -83,9 +82,12 @@ class EngineConfig:
 
     def torch_dtype(self) -> torch.dtype:
         """The serving dtype: fp32 on CPU (bf16 matmuls are far slower there), bf16 on CUDA."""
-        if self.dtype:
+        import torch
+
+        name = DTYPES.get(self.dtype, self.dtype) if self.dtype else None
+        if name:
             try:
-                return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+                return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
             except KeyError:
                 raise ValueError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16") from None
         return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32

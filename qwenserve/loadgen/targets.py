@@ -284,7 +284,7 @@ class HttpTarget:
 
 class EngineTarget:
     """The engine in this process (no network, no router): what the scheduler alone does.
-    Settings come from EngineConfig.from_env plus `overrides` (e.g. enable_prefix_caching=False)."""
+    Settings come from the engine flags' QWENSERVE_* variables plus `overrides` (e.g. enable_prefix_caching=False)."""
 
     def __init__(self, model: Path, **overrides: object) -> None:
         self.name = f"engine:{model}"
@@ -295,8 +295,9 @@ class EngineTarget:
     async def start(self) -> None:
         from qwenserve.engine.config import EngineConfig
         from qwenserve.engine.engine import LLMEngine
+        from qwenserve.flags import config_from_env
 
-        config = EngineConfig.from_env(**self.overrides)
+        config = config_from_env(EngineConfig, **self.overrides)
         self.engine = await asyncio.to_thread(LLMEngine.from_pretrained, self.model, config)
 
     async def close(self) -> None:
