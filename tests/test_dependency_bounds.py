@@ -17,7 +17,7 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "qwenserve" / "v1"
 # Released in lockstep with grpcio; each release needs the grpcio and protobuf of its own generation.
-GRPC_FAMILY = ("grpcio", "grpcio-health-checking", "grpcio-reflection")
+GRPC_FAMILY = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "grpcio-status")
 
 
 def _protobuf_gencode_version(path: Path) -> Version:

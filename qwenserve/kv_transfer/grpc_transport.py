@@ -14,6 +14,7 @@ import grpc
 
 from qwenserve.kv_transfer.errors import KVChecksumMismatch, KVHandoffGone, KVTransportUnavailable
 from qwenserve.kv_transfer.exporter import KVExporter
+from qwenserve.rpc_errors import abort, error_detail
 from qwenserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 MiB = 1 << 20
@@ -45,7 +46,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 for offset in range(0, len(view), chunk):
                     yield kv_transfer_pb2.KVChunk(offset=offset, data=bytes(view[offset : offset + chunk]))
         except KVHandoffGone as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            await abort(context, grpc.StatusCode.NOT_FOUND, error_detail("kv_handoff_gone", str(e)))
 
     async def Release(  # noqa: N802 (the RPC's name)
         self, request: kv_transfer_pb2.ReleaseRequest, context: grpc.aio.ServicerContext

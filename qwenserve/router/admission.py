@@ -123,7 +123,7 @@ class Gatekeeper:
         except RateLimitExceeded as e:
             if self.metrics is not None:
                 self.metrics.record_ratelimit(False, e.limited_by[0] if e.limited_by else "none")
-            raise RateLimited(str(e), rate_limit_headers(e), e.limited_by) from e
+            raise RateLimited(str(e), rate_limit_headers(e), e.limited_by, e.retry_after_s) from e
         except RateLimiterUnavailable as e:
             raise LimiterUnavailable(f"the rate limiter is unavailable, try again shortly: {e}") from e
         if self.metrics is not None:

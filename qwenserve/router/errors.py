@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import grpc
 
+from qwenserve.rpc_errors import RETRYABLE_CODES, error_detail
+from qwenserve.v1 import common_pb2
+
 
 class RouterError(Exception):
     """Base: carries the gRPC code, an HTTP status, a stable error code and the field at fault."""
@@ -11,11 +14,17 @@ class RouterError(Exception):
     grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     http_status: int = 500
     code: str = "internal_error"
+    retry_after_s: float | None = None  # how long the caller should wait before retrying, when known
 
     def __init__(self, message: str, field: str = "") -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+
+    def detail(self) -> common_pb2.ErrorDetail:
+        """The ErrorDetail a gRPC status carries for this error."""
+        retryable = self.grpc_code in RETRYABLE_CODES
+        return error_detail(self.code, self.message, field=self.field, retryable=retryable)
 
 
 class InvalidRequest(RouterError):

@@ -25,10 +25,14 @@ class RateLimited(RouterError):
     http_status = 429
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, headers: dict[str, str], limited_by: tuple[str, ...]) -> None:
+    def __init__(
+        self, message: str, headers: dict[str, str], limited_by: tuple[str, ...],
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.headers = headers
         self.limited_by = limited_by
+        self.retry_after_s = retry_after_s
 
 
 class LimiterUnavailable(RouterError):

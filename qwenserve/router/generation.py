@@ -33,6 +33,7 @@ from qwenserve.router.errors import ContextLengthExceeded, InvalidRequest, Servi
 from qwenserve.router.request_ids import REQUEST_ID_RULE, internal_id, new_request_id, valid_request_id
 from qwenserve.router.stop_strings import StopStringMatcher
 from qwenserve.router.workers import NoWorkerAvailable, WorkerPool
+from qwenserve.rpc_errors import detail_of
 from qwenserve.telemetry.metrics import RouterMetrics, router_metrics
 from qwenserve.telemetry.tracing import Attr, client_interceptors, get_tracer
 from qwenserve.v1 import (
@@ -469,7 +470,7 @@ class Router:
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._expired(prep):
                     raise _RequestFailed(common_pb2.FINISH_REASON_ABORT, self._cutoff_detail(prep)) from e
                 if code in CLIENT_MISTAKES:
-                    raise _RequestFailed(common_pb2.FINISH_REASON_ERROR, _refusal(code, e.details())) from e
+                    raise _RequestFailed(common_pb2.FINISH_REASON_ERROR, _refusal(e)) from e
                 failed = code != grpc.StatusCode.RESOURCE_EXHAUSTED  # an overloaded worker did nothing wrong
                 if code in WORKER_GONE:
                     self.prefill_pool.mark_dead(worker)
@@ -552,7 +553,7 @@ class Router:
                     tried.pop()
                     continue
                 if code in CLIENT_MISTAKES:
-                    yield [], [], common_pb2.FINISH_REASON_ERROR, _refusal(code, e.details())
+                    yield [], [], common_pb2.FINISH_REASON_ERROR, _refusal(e)
                     return
                 fault, failed = f"{code.name}: {e.details()}", code != grpc.StatusCode.RESOURCE_EXHAUSTED
                 if code in WORKER_GONE:
@@ -717,10 +718,15 @@ def _wire_sampling(msg: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
     return out
 
 
-def _refusal(code: grpc.StatusCode, details: str | None) -> common_pb2.ErrorDetail:
-    """A stage's refusal of the request itself; OUT_OF_RANGE: it does not fit (context or KV cache)."""
+def _refusal(error: grpc.aio.AioRpcError) -> common_pb2.ErrorDetail:
+    """A stage's refusal of the request itself, in the stage's words (the ErrorDetail of its status); named
+    from the status code when it sent none (OUT_OF_RANGE: it does not fit the context or KV cache)."""
+    detail = detail_of(error)
+    if detail is not None:
+        return detail
+    code = error.code()
     name = "context_length_exceeded" if code == grpc.StatusCode.OUT_OF_RANGE else code.name.lower()
-    return _error(name, details or "the request was refused")
+    return _error(name, error.details() or "the request was refused")
 
 
 def _error(code: str, message: str, retryable: bool = False) -> common_pb2.ErrorDetail:

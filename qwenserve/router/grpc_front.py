@@ -4,8 +4,9 @@
         async for msg in generate(self.router, self.gatekeeper, request, context):
             yield msg
 
-Errors before the stream starts end the call with the error's gRPC status (rate-limit values as
-trailing metadata); once streaming, the router's terminal message carries any error.
+Errors before the stream starts end the call with the error's gRPC status, its ErrorDetail in the
+status details (`qwenserve.rpc_errors`) and rate-limit values as trailing metadata; once streaming, the
+router's terminal message carries any error.
 
 The client's `request_id` must be 1 to 128 characters of `A-Z a-z 0-9 . _ : -`
 (INVALID_ARGUMENT otherwise); an unusable `x-request-id` metadata value is ignored. Answers echo the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import NoReturn
 
 import grpc
 from opentelemetry import trace
@@ -26,6 +28,7 @@ from qwenserve.router.admission import Gatekeeper, api_key_from_grpc_metadata, g
 from qwenserve.router.errors import RouterError
 from qwenserve.router.generation import Router
 from qwenserve.router.request_ids import new_request_id, valid_request_id
+from qwenserve.rpc_errors import abort
 from qwenserve.telemetry.logs import bind_request_id
 from qwenserve.telemetry.tracing import REQUEST_ID_METADATA_KEY, Attr, get_tracer
 from qwenserve.v1 import common_pb2, router_pb2
@@ -47,6 +50,13 @@ _OUTCOMES = {
 def outcome_for(error: RouterError) -> str:
     """The `outcome` label of a request refused with `error` ("rejected", "invalid", "timeout", "error")."""
     return _OUTCOMES.get(error.grpc_code, "error")
+
+
+async def refuse(context: grpc.aio.ServicerContext, error: RouterError) -> NoReturn:
+    """End the call with `error`: its status code and message, its ErrorDetail (and RetryInfo when it says
+    when to retry) as the google.rpc.Status details, and its rate-limit headers as trailing metadata."""
+    await abort(context, error.grpc_code, error.detail(), retry_after_s=error.retry_after_s,
+                metadata=grpc_error_metadata(error))
 
 
 def request_id_for(
@@ -104,8 +114,7 @@ async def _generate(
         if gatekeeper.metrics is not None:
             gatekeeper.metrics.record_finished(outcome_for(e), "none")
         span.set_attribute("qwenserve.outcome", outcome_for(e))
-        context.set_trailing_metadata(grpc_error_metadata(e))
-        await context.abort(e.grpc_code, e.message)
+        await refuse(context, e)
     await context.send_initial_metadata(ticket.grpc_metadata())
     usage = common_pb2.Usage(prompt_tokens=len(prep.prompt_ids), total_tokens=len(prep.prompt_ids))
     metrics = gatekeeper.metrics

@@ -117,13 +117,15 @@ class DecodeWorker:
         )
         bad = next((i for i in resume if i >= self.engine.model_config.vocab_size), None)
         if bad is not None:
-            raise BadRequest(f"resume token id {bad} is outside the vocabulary")
+            raise BadRequest(f"resume token id {bad} is outside the vocabulary", "resume_token_ids")
         kv_import, handle = None, None
         cached = 0
         if start == "prefilled":
             first = request.prefilled.first_token_id
             if first >= self.engine.model_config.vocab_size:
-                raise BadRequest(f"prefilled.first_token_id {first} is outside the vocabulary")
+                raise BadRequest(
+                    f"prefilled.first_token_id {first} is outside the vocabulary", "prefilled.first_token_id"
+                )
             handle = held.handle = request.prefilled.kv_handle
             held.request_id = request_id
             kv_import = await self._import(held, len(prompt))

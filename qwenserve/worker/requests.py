@@ -36,10 +36,10 @@ def checked_request(
     """
     ids = list(prompt_ids)
     if not ids:
-        raise BadRequest("prompt_token_ids is empty")
+        raise BadRequest("prompt_token_ids is empty", "prompt_token_ids")
     bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
-        raise BadRequest(f"token id {bad} is outside the vocabulary of {vocab_size}")
+        raise BadRequest(f"token id {bad} is outside the vocabulary of {vocab_size}", "prompt_token_ids")
     room = max_model_len - len(ids)
     if room < 1:
         raise ContextTooLong(f"the prompt has {len(ids)} tokens; the context is {max_model_len}")
@@ -49,10 +49,11 @@ def checked_request(
     try:
         params = sampling_from_proto(sampling, default_max_tokens=fits)
     except InvalidSamplingParams as e:
-        raise BadRequest(f"sampling.{e}") from e
+        raise BadRequest(f"sampling.{e}", f"sampling.{e.field}") from e
     bad = next((i for i in params.stop_token_ids if i >= vocab_size), None)
     if bad is not None:
-        raise BadRequest(f"sampling.stop_token_ids: token id {bad} is outside the vocabulary of {vocab_size}")
+        raise BadRequest(f"sampling.stop_token_ids: token id {bad} is outside the vocabulary of {vocab_size}",
+                         "sampling.stop_token_ids")
     if params.max_tokens is not None and params.max_tokens > room:
         raise ContextTooLong(
             f"max_tokens {params.max_tokens} + prompt {len(ids)} exceeds the context of {max_model_len}"

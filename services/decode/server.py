@@ -18,6 +18,7 @@ from qwenserve.engine.engine import LLMEngine
 from qwenserve.flags import add_flag
 from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
 from qwenserve.kv_transfer.importer import ImporterConfig
+from qwenserve.rpc_errors import abort
 from qwenserve.telemetry.metrics import handoff_metrics
 from qwenserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from qwenserve.worker.decode_worker import DecodeWorker
@@ -63,8 +64,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             async for msg in self.worker.decode(request):
                 yield msg
         except Exception as e:
-            code, message = grpc_status(e)
-            await context.abort(code, message)
+            await abort(context, *grpc_status(e))
 
 
 def parse_config(argv: list[str]) -> DecodeServiceConfig:

@@ -18,6 +18,7 @@ from qwenserve.flags import add_flag
 from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
 from qwenserve.kv_transfer.exporter import ExporterConfig, KVExporter, MiB
 from qwenserve.kv_transfer.grpc_transport import add_kv_transfer_service
+from qwenserve.rpc_errors import abort
 from qwenserve.telemetry.metrics import handoff_metrics
 from qwenserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
 from qwenserve.worker.errors import grpc_status
@@ -67,9 +68,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             return await self.worker.prefill(request)
         except Exception as e:
-            code, message = grpc_status(e)
-            await context.abort(code, message)
-        raise AssertionError("unreachable: context.abort raises")
+            await abort(context, *grpc_status(e))
 
 
 def parse_config(argv: list[str]) -> PrefillServiceConfig:

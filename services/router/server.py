@@ -95,7 +95,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             self.gatekeeper.authenticate(api_key_from_grpc_metadata(context.invocation_metadata()))
         except RouterError as e:
-            await context.abort(e.grpc_code, e.message)
+            await grpc_front.refuse(context, e)
 
     async def ListModels(  # noqa: N802 - gRPC method name
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

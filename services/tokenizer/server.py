@@ -24,6 +24,7 @@ import grpc
 from opentelemetry.trace import StatusCode
 
 from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
+from qwenserve.rpc_errors import abort, error_detail
 from qwenserve.telemetry.metrics import tokenizer_metrics
 from qwenserve.telemetry.startup import add_telemetry_flags
 from qwenserve.telemetry.tracing import get_tracer
@@ -135,7 +136,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             try:
                 self.tokenizer.check_ids(request.ids, f"message[{index}].ids")
             except InvalidInput as err:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, invalid_input_detail(err))
             text = detokenizer.push(request.ids)
             if request.flush:
                 text += detokenizer.flush()
@@ -186,10 +187,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             except (InvalidInput, ChatTemplateError) as err:
                 code = "INVALID_ARGUMENT"
                 span.set_status(StatusCode.ERROR, str(err))
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, invalid_input_detail(err))
             finally:
                 self.metrics.record_rpc(rpc, code, time.perf_counter() - started, texts=texts, tokens=tokens)
-        raise AssertionError("unreachable: context.abort raises")
+        raise AssertionError("unreachable: abort raises")
 
     def _check_batch(self, size: int, field: str) -> None:
         if size == 0:
@@ -255,6 +256,13 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return self.tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=chat.add_generation_prompt, **kwargs
         )
+
+
+def invalid_input_detail(err: InvalidInput | ChatTemplateError) -> common_pb2.ErrorDetail:
+    """A caller's mistake as an ErrorDetail: `invalid_argument` naming the field, or `chat_template_error`."""
+    if isinstance(err, InvalidInput):
+        return error_detail("invalid_argument", str(err), field=err.field)
+    return error_detail("chat_template_error", str(err))
 
 
 # ---- command line --------------------------------------------------------------------------

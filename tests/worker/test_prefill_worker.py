@@ -107,5 +107,7 @@ async def test_a_request_the_engine_fails_is_an_internal_error_not_an_empty_answ
 
 def test_each_kind_of_failure_has_one_status() -> None:
     assert grpc_status(EngineDeadError("loop failed"))[0] == grpc.StatusCode.UNAVAILABLE
-    code, message = grpc_status(KeyError("surprise"))
-    assert code == grpc.StatusCode.INTERNAL and "KeyError" in message
+    code, detail = grpc_status(KeyError("surprise"))
+    assert code == grpc.StatusCode.INTERNAL and "KeyError" in detail.message and detail.code == "internal_error"
+    code, detail = grpc_status(Overloaded("no room for the KV handoff"))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and (detail.code, detail.retryable) == ("overloaded", True)
