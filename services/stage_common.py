@@ -9,15 +9,23 @@ from typing import Any
 
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
+from qwenserve.engine.errors import MaxModelLenError
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.flags import add_flag
 from qwenserve.telemetry.engine_steps import EngineStepObserver
 from qwenserve.telemetry.metrics import engine_metrics, handoff_metrics
 from qwenserve.telemetry.startup import add_telemetry_flags
+from qwenserve.v1 import common_pb2
+
+#: Failures of an engine stage's start that are the configuration's: one line and exit 1, not a traceback.
+ENGINE_STARTUP_ERRORS: tuple[type[Exception], ...] = (MaxModelLenError,)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
+    add_flag(parser, "--max-model-len", type=int, default=None,
+             help="longest request, prompt + output tokens (default: the model's, lowered to what the KV cache "
+                  "holds; one the KV cache cannot hold stops the start)")
     add_flag(parser, "--max-num-batched-tokens", type=int, default=None,
              help="per-step token budget (default: 512 on CPU, 2048 on CUDA)")
     add_flag(parser, "--max-num-seqs", type=int, default=256, help="running sequences at once")
@@ -32,11 +40,18 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        device=args.device, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_gb,
+        device=args.device, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         admission_policy=args.admission_policy, burst_prefill_steps=args.burst_prefill_steps,
         num_threads=args.threads,
         enable_prefix_caching=args.enable_prefix_caching,
+    )
+
+
+def engine_info(engine: LLMEngine) -> common_pb2.EngineInfo:
+    """What a stage's GetInfo answers: the engine's limits, from which the router learns its own."""
+    return common_pb2.EngineInfo(
+        max_model_len=engine.max_model_len, kv_cache_tokens=engine.pool.num_blocks * engine.pool.block_size
     )
 
 

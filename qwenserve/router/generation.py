@@ -2,7 +2,9 @@
 
 `Router.prepare()` turns a GenerateRequest into token ids and validated sampling (the rate limiter
 needs the exact prompt length before any work starts); `Router.run()` streams GenerateResponses and
-always ends with exactly one message that carries a finish reason and usage.
+always ends with exactly one message that carries a finish reason and usage. The context limit prepare()
+enforces is the smallest max_model_len the engine workers report (`Router.start()` asks them), so a
+request no worker could hold is refused (context_length_exceeded) before any worker is called.
 
 Every wait on a worker is bounded, so a request without a deadline of its own still ends: a worker's
 connection must be ready within `connect_timeout_s`; tokenizer and prefill calls have default
@@ -76,6 +78,9 @@ class RouterConfig:
     prefill_addresses: list[str]
     decode_addresses: list[str]
     model_name: str = "qwen"
+    # The longest request accepted, prompt + output tokens. start() lowers it to the smallest max_model_len the
+    # engine workers report (GetInfo), as does a worker that reports later: what a worker would have to refuse
+    # is refused here, before any work.
     max_model_len: int = 4096
     # Prompts shorter than this are prefilled on the decode worker itself (no handoff).
     local_prefill_threshold: int = 0
@@ -94,6 +99,8 @@ class RouterConfig:
     # Keepalive pings on every channel: a worker that does not answer one within the timeout is cut off.
     keepalive_s: float = 10.0
     keepalive_timeout_s: float = 10.0
+    # How long start() waits for the other workers' limits once a decode worker has reported its own.
+    worker_info_wait_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -155,6 +162,9 @@ class Router:
         self._background: set[asyncio.Task[None]] = set()  # handoff releases still on their way
         self._closing = asyncio.Event()  # set by close(): delayed releases go out at once
         self._watches: set[_StreamWatch] = set()  # decode streams in flight, told when a drain starts
+        self.worker_limits: dict[str, int] = {}  # engine worker address -> the max_model_len it reported
+        self._limit_asks: set[asyncio.Task[None]] = set()  # GetInfo calls to workers that have not answered yet
+        self._started = False
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -227,13 +237,72 @@ class Router:
         return self._channel(address)
 
     async def start(self) -> None:
-        """Learn the vocabulary size from the tokenizer service (waits for it to come up)."""
+        """Learn the vocabulary size from the tokenizer service (waits for it to come up) and the context limit
+        from the engine workers (_learn_max_model_len)."""
         stub = tokenizer_pb2_grpc.TokenizerStub(self._channel(self.config.tokenizer_address))
         info = await stub.GetInfo(tokenizer_pb2.GetInfoRequest(), wait_for_ready=True, timeout=60)
         self.vocab_size = info.vocab_size
+        await self._learn_max_model_len()
+        self._started = True
+
+    async def _learn_max_model_len(self) -> None:
+        """Lower config.max_model_len to the smallest limit the engine workers report.
+
+        Waits for a decode worker (nothing is served without one), then up to worker_info_wait_s for the others;
+        a worker still silent is asked on in the background and lowers the limit when it answers.
+        """
+        c = self.config
+        decode = [self._ask("decode", address) for address in c.decode_addresses]
+        prefill = [self._ask("prefill", address) for address in c.prefill_addresses]
+        waiting = set(decode)
+        while waiting and not any(address in self.worker_limits for address in c.decode_addresses):
+            _, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        silent = [task for task in decode + prefill if not task.done()]
+        if silent:
+            await asyncio.wait(silent, timeout=c.worker_info_wait_s)
+        missing = [a for a in c.decode_addresses + c.prefill_addresses if a not in self.worker_limits]
+        log.info("router: max_model_len %d (workers report %s)%s", c.max_model_len, self.worker_limits,
+                 f"; not reported yet: {missing}" if missing else "")
+
+    def _ask(self, stage: str, address: str) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(self._ask_limit(stage, address))
+        self._limit_asks.add(task)
+        task.add_done_callback(self._limit_asks.discard)
+        return task
+
+    async def _ask_limit(self, stage: str, address: str) -> None:
+        """Ask one engine worker for its limits until it answers (waiting for it to come up)."""
+        channel = self._channel(address)
+        stub = prefill_pb2_grpc.PrefillStub(channel) if stage == "prefill" else decode_pb2_grpc.DecodeStub(channel)
+        while True:
+            try:
+                info = await stub.GetInfo(common_pb2.EngineInfoRequest(), wait_for_ready=True,
+                                          timeout=self.config.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # not one of our engine stages: it sets no limit
+                    log.warning("%s worker %s does not report its limits (GetInfo: UNIMPLEMENTED)", stage, address)
+                    return
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # wait_for_ready has waited already
+                    await asyncio.sleep(1.0)
+                continue
+            self._note_limit(stage, address, info.max_model_len)
+            return
+
+    def _note_limit(self, stage: str, address: str, limit: int) -> None:
+        if not limit:
+            return
+        self.worker_limits[address] = limit
+        if limit < self.config.max_model_len:
+            if self._started:
+                log.warning("%s worker %s serves at most %d tokens: max_model_len lowered from %d to %d",
+                            stage, address, limit, self.config.max_model_len, limit)
+            self.config.max_model_len = limit
 
     async def close(self) -> None:
         self._closing.set()
+        for task in list(self._limit_asks):
+            task.cancel()
+        await asyncio.gather(*self._limit_asks, return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
         for channel in self._channels.values():
             await channel.close()
@@ -261,10 +330,12 @@ class Router:
         prompt_ids = await self._prompt_ids(req, deadline)
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", "input")
-        room = self.config.max_model_len - len(prompt_ids)
+        limit = self.config.max_model_len
+        room = limit - len(prompt_ids)
         if room < 1:
             raise ContextLengthExceeded(
-                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.config.max_model_len}",
+                f"the prompt has {len(prompt_ids)} tokens; this server's context is {limit} tokens, prompt and "
+                f"output together, so a prompt may have at most {limit - 1}",
                 "input",
             )
         try:
@@ -274,7 +345,7 @@ class Router:
         if sampling.max_tokens is not None and sampling.max_tokens > room:
             raise ContextLengthExceeded(
                 f"max_tokens {sampling.max_tokens} + prompt {len(prompt_ids)} tokens exceeds the context of "
-                f"{self.config.max_model_len}",
+                f"{limit} tokens; lower max_tokens to at most {room}",
                 "sampling.max_tokens",
             )
         bad_stop = next((t for t in sampling.stop_token_ids if t >= self.vocab_size), None)

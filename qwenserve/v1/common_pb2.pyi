@@ -189,3 +189,15 @@ class KVHandle(_message.Message):
     attributes: _containers.ScalarMap[str, str]
     control_endpoint: str
     def __init__(self, handoff_id: _Optional[str] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., location: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., attributes: _Optional[_Mapping[str, str]] = ..., control_endpoint: _Optional[str] = ...) -> None: ...
+
+class EngineInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("max_model_len", "kv_cache_tokens")
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_model_len: int
+    kv_cache_tokens: int
+    def __init__(self, max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ...) -> None: ...

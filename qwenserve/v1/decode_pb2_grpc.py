@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from qwenserve.v1 import common_pb2 as qwenserve_dot_v1_dot_common__pb2
 from qwenserve.v1 import decode_pb2 as qwenserve_dot_v1_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -39,6 +40,11 @@ class DecodeStub:
                 request_serializer=qwenserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=qwenserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/qwenserve.v1.Decode/GetInfo',
+                request_serializer=qwenserve_dot_v1_dot_common__pb2.EngineInfoRequest.SerializeToString,
+                response_deserializer=qwenserve_dot_v1_dot_common__pb2.EngineInfo.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -51,6 +57,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfo(self, request, context):
+        """The worker's limits (max_model_len); answers as soon as the port is open, before warm-up ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +71,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=qwenserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=qwenserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=qwenserve_dot_v1_dot_common__pb2.EngineInfoRequest.FromString,
+                    response_serializer=qwenserve_dot_v1_dot_common__pb2.EngineInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +105,33 @@ class Decode:
             '/qwenserve.v1.Decode/Decode',
             qwenserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             qwenserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qwenserve.v1.Decode/GetInfo',
+            qwenserve_dot_v1_dot_common__pb2.EngineInfoRequest.SerializeToString,
+            qwenserve_dot_v1_dot_common__pb2.EngineInfo.FromString,
             options,
             channel_credentials,
             insecure,

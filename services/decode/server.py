@@ -25,10 +25,12 @@ from qwenserve.worker.decode_worker import DecodeWorker
 from qwenserve.worker.errors import grpc_status
 from qwenserve.worker.handoff_telemetry import TracedKVImporter
 from qwenserve_services.stage_common import (
+    ENGINE_STARTUP_ERRORS,
     add_engine_flags,
     add_metrics_flag,
     engine_config,
     engine_failure,
+    engine_info,
     observe_engine_steps,
     publish_engine_metrics,
     resolve_model,
@@ -65,6 +67,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 yield msg
         except Exception as e:
             await abort(context, *grpc_status(e))
+
+    async def GetInfo(  # noqa: N802 - gRPC method name
+        self, request: common_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.EngineInfo:
+        return engine_info(self.worker.engine)
 
 
 def parse_config(argv: list[str]) -> DecodeServiceConfig:
@@ -118,4 +125,5 @@ async def run(config: DecodeServiceConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve decode`."""
-    return run_stage("decode", parse_config(sys.argv[1:] if argv is None else argv), run)
+    return run_stage("decode", parse_config(sys.argv[1:] if argv is None else argv), run,
+                     startup_errors=ENGINE_STARTUP_ERRORS)

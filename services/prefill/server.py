@@ -24,10 +24,12 @@ from qwenserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_g
 from qwenserve.worker.errors import grpc_status
 from qwenserve.worker.prefill_worker import PrefillWorker
 from qwenserve_services.stage_common import (
+    ENGINE_STARTUP_ERRORS,
     add_engine_flags,
     add_metrics_flag,
     engine_config,
     engine_failure,
+    engine_info,
     observe_engine_steps,
     publish_engine_metrics,
     resolve_model,
@@ -69,6 +71,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             return await self.worker.prefill(request)
         except Exception as e:
             await abort(context, *grpc_status(e))
+
+    async def GetInfo(  # noqa: N802 - gRPC method name
+        self, request: common_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.EngineInfo:
+        return engine_info(self.worker.engine)
 
 
 def parse_config(argv: list[str]) -> PrefillServiceConfig:
@@ -126,4 +133,5 @@ async def run(config: PrefillServiceConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve prefill`."""
-    return run_stage("prefill", parse_config(sys.argv[1:] if argv is None else argv), run)
+    return run_stage("prefill", parse_config(sys.argv[1:] if argv is None else argv), run,
+                     startup_errors=ENGINE_STARTUP_ERRORS)

@@ -128,6 +128,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         rows = await asyncio.gather(*(
             probe_stage(stage, address, self.router.channel(address), metrics) for stage, address, metrics in stages
         ))
+        me.max_model_len = self.router.config.max_model_len
+        for row in rows:
+            row.max_model_len = self.router.worker_limits.get(row.address, 0)
         return router_pb2.GetStatusResponse(stages=[me, *rows])
 
 
