@@ -2,9 +2,10 @@
 
 The cluster serves a tiny checkpoint built to answer only special tokens, which
 `skip_special_tokens` leaves out of the text: every token decodes to nothing, the case in which
-chunks used to be withheld until the end. Its KV caches hold 512 tokens while its context is
-1,024, so a request can ask for more than a worker can hold: a 400 `context_length_exceeded`
-when max_tokens says so, the most that fits when max_tokens is left out.
+chunks used to be withheld until the end. Its KV caches hold 512 tokens while the model has 1,024
+positions, so the engines serve a max_model_len of 512 and the router learns it: a request that asks
+for more is a 400 `context_length_exceeded` when max_tokens says so, the most that fits when
+max_tokens is left out.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def test_legacy_completions_stream_empty_text_chunks_too(client: openai.OpenAI, 
 
 
 def test_a_request_without_max_tokens_gets_what_the_kv_cache_holds(client: openai.OpenAI, model: str) -> None:
-    # The router's default budget (the context: 1,024 - prompt) would need 64 blocks of a 32-block cache.
+    # The model's positions (1,024) would need 64 blocks of a 32-block cache; the context is what it holds.
     reply = client.chat.completions.create(model=model, messages=PROMPT, temperature=0)
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.prompt_tokens + reply.usage.completion_tokens == KV_POOL_TOKENS
@@ -103,7 +104,7 @@ def test_a_request_without_max_tokens_gets_what_the_kv_cache_holds(client: opena
 def test_max_tokens_beyond_the_kv_cache_is_400_context_length_exceeded_naming_the_limit(
         client: openai.OpenAI, model: str, stream: bool) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
-        # Within the context (1,024), beyond the cache (512); a stream too is refused with a status.
+        # Within the model's positions (1,024), beyond the cache (512); a stream too is refused with a status.
         client.chat.completions.create(model=model, messages=PROMPT, max_tokens=600, stream=stream)
     assert refused.value.code == "context_length_exceeded"
     assert f"{KV_POOL_TOKENS} tokens" in refused.value.message and "max_tokens" in refused.value.message
