@@ -6,8 +6,10 @@ so importing the CLI stays cheap (no torch import just to print help).
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
+from collections.abc import Iterable
 
 # subcommand -> (module:function, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -58,14 +60,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "serve":
+        if rest and rest[0] in ("-h", "--help"):
+            print(_serve_usage())
+            return 0
         if not rest or rest[0] not in STAGES:
-            print(f"usage: qwen-serve serve {{{','.join(STAGES)}}} [options]", file=sys.stderr)
+            given = f"unknown stage {rest[0]!r}{_did_you_mean(rest[0], STAGES)}; " if rest else ""
+            print(f"qwen-serve serve: {given}give one of {', '.join(STAGES)}", file=sys.stderr)
             return 2
         return _call(STAGES[rest[0]], rest[1:])
     if command not in COMMANDS:
-        print(f"qwen-serve: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"qwen-serve: unknown command {command!r}{_did_you_mean(command, [*COMMANDS, 'serve'])}; "
+              "`qwen-serve --help` lists them", file=sys.stderr)
         return 2
     return _call(COMMANDS[command][0], rest)
+
+
+def _serve_usage() -> str:
+    lines = [f"usage: qwen-serve serve {{{','.join(STAGES)}}} [MODEL] [options]", "",
+             "Run one stage (the container entrypoint); `qwen-serve serve STAGE --help` shows its options.",
+             "Every flag also reads QWENSERVE_<FLAG> from the environment (--kv-cache-gb: QWENSERVE_KV_CACHE_GB)."]
+    return "\n".join(lines)
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 if __name__ == "__main__":

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import grpc
 
+from qwenserve.flags import StrictParser
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
 def main(argv: list[str]) -> int:
     """Print the streamed text as it arrives, then the finish reason and usage on stderr."""
-    parser = argparse.ArgumentParser(prog="qwen-serve generate", description=__doc__)
+    parser = StrictParser(prog="qwen-serve generate", description=__doc__)
     parser.add_argument("prompt")
     parser.add_argument("--router", default=os.environ.get("QWENSERVE_ROUTER", "127.0.0.1:50050"))
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")

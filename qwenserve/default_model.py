@@ -9,7 +9,6 @@ CLI: `qwen-serve model init [--dir DIR]` writes it, `qwen-serve model path` prin
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -22,6 +21,7 @@ from typing import Any
 
 from qwenserve import progress
 from qwenserve.cache import cache_root
+from qwenserve.flags import StrictParser
 from qwenserve.tokenizer import builtin
 
 DEFAULT_MODEL_NAME = "qwen3-tiny-random-v1"
@@ -255,7 +255,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """`qwen-serve model init [--dir DIR]` and `qwen-serve model path`."""
-    parser = argparse.ArgumentParser(prog="qwen-serve model", description="the built-in default checkpoint")
+    parser = StrictParser(prog="qwen-serve model", description="the built-in default checkpoint")
     sub = parser.add_subparsers(dest="action", required=True)
     init = sub.add_parser("init", help="write the default checkpoint (once) and print its folder")
     init.add_argument(

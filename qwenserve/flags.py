@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import os
 import sys
 import types
@@ -65,18 +66,20 @@ class Option:
         return self.flag or "--" + field_name.replace("_", "-")
 
 
-def option(default: Any = MISSING, *, help: str = "", flag: str | None = None, aliases: Sequence[str] = (),
-           choices: Sequence[str] | None = None, env: bool = True, secret: bool = False, positional: bool = False,
+def option(default: Any = MISSING, *, default_factory: Callable[[], Any] | Any = MISSING, help: str = "",
+           flag: str | None = None, aliases: Sequence[str] = (), choices: Sequence[str] | None = None,
+           env: bool = True, secret: bool = False, positional: bool = False,
            type: Callable[[str], Any] | None = None) -> Any:
     """A dataclass field that is also a command-line flag with an environment fallback."""
     spec = Option(help, flag, tuple(aliases), tuple(choices) if choices is not None else None, env, secret,
                   positional, type)
-    return field(default=default, metadata={_OPTION: spec})
+    return field(default=default, default_factory=default_factory, metadata={_OPTION: spec})
 
 
-def nested(cls: type) -> Any:
-    """A dataclass field holding another options dataclass, whose flags belong to the same parser."""
-    return field(default_factory=cls, metadata={_NESTED: cls})
+def nested(cls: type, **defaults: Any) -> Any:
+    """A dataclass field holding another options dataclass, whose flags belong to the same parser; `defaults`
+    replace some of `cls`'s own (a stage's engine gets less KV memory than the engine's default)."""
+    return field(default_factory=functools.partial(cls, **defaults), metadata={_NESTED: (cls, defaults)})
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,8 @@ def option_specs(cls: type, defaults: Mapping[str, Any] | None = None) -> Iterat
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if _NESTED in f.metadata:
-            yield from option_specs(f.metadata[_NESTED], defaults)
+            inner, inner_defaults = f.metadata[_NESTED]
+            yield from option_specs(inner, {**inner_defaults, **(defaults or {})})
             continue
         spec: Option | None = f.metadata.get(_OPTION)
         if spec is None:
@@ -173,7 +177,7 @@ class StrictParser(argparse.ArgumentParser):
             return f"unexpected argument {extras[0]!r}"
         flag = flags[0].split("=", 1)[0]
         known = sorted(set(self.known_flags()))
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
         hint = f" (did you mean {close[0]}?)" if close else f" (`{self.prog} --help` lists the flags)"
         return f"unknown flag {flag}{hint}"
 
@@ -245,10 +249,10 @@ class _Fallback:
         return str(self.value)
 
 
-def _metavar(spec: FlagSpec) -> str | None:
+def _metavar(spec: FlagSpec) -> str:
     if spec.option.choices:
         return "{" + ",".join(spec.option.choices) + "}"
-    return None
+    return spec.flag.lstrip("-").replace("-", "_").upper()
 
 
 def _fail(parser: argparse.ArgumentParser | argparse._ArgumentGroup, message: str) -> NoReturn:
@@ -281,7 +285,9 @@ def config_from_args(cls: type, args: argparse.Namespace, **values: Any) -> Any:
         if f.name in values:
             kwargs[f.name] = values[f.name]
         elif _NESTED in f.metadata:
-            kwargs[f.name] = config_from_args(f.metadata[_NESTED], args)
+            inner, inner_defaults = f.metadata[_NESTED]
+            kwargs[f.name] = config_from_args(inner, args, **{k: v for k, v in inner_defaults.items()
+                                                             if not hasattr(args, k)})
         elif _OPTION in f.metadata and hasattr(args, f.name):
             kwargs[f.name] = _positional_or_flag(f, args)
     return cls(**kwargs)
@@ -313,7 +319,8 @@ def _build(cls: type, values: Mapping[str, Any]) -> Any:
     kwargs = {}
     for f in dataclasses.fields(cls):
         if _NESTED in f.metadata:
-            kwargs[f.name] = _build(f.metadata[_NESTED], values)
+            inner, inner_defaults = f.metadata[_NESTED]
+            kwargs[f.name] = _build(inner, {**inner_defaults, **values})
         elif f.name in values:
             kwargs[f.name] = values[f.name]
     return cls(**kwargs)
@@ -335,6 +342,8 @@ def argv_for(cls: type, values: Mapping[str, Any]) -> tuple[list[str], dict[str,
                 argv += [spec.flag] if value else []
             elif value is not None:
                 argv.append(spec.flag if value else "--no-" + spec.flag[2:])
+        elif isinstance(value, (list, tuple)):
+            argv += [spec.flag, ",".join(str(v) for v in value)]
         elif value is not None:
             argv += [spec.flag, str(value)]
     return argv, env
@@ -347,8 +356,10 @@ def address_list(value: str) -> list[str]:
 
 def print_config(component: str, config: object) -> None:
     """Print a component's configuration once at start-up; secret options show as `***`."""
+    from qwenserve.telemetry.logs import console  # here: importing the flags stays cheap
+
     body = " ".join(f"{k}={v}" for k, v in _printable(config).items())
-    print(f"{component} config: {body}", file=sys.stderr, flush=True)
+    console("%s config: %s", component, body, stderr=True)
 
 
 def _printable(config: object) -> dict[str, Any]:

@@ -11,23 +11,36 @@ launcher itself is killed (PR_SET_PDEATHSIG), so no orphans are left behind.
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import ctypes
+import importlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from qwenserve import progress
-from qwenserve.kv_transfer.shm import reap_orphaned_segments
+from qwenserve.flags import (
+    FlagError,
+    FlagSpec,
+    StrictParser,
+    add_options,
+    argv_for,
+    config_from_args,
+    option,
+    option_specs,
+)
+from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
 
 PR_SET_PDEATHSIG = 1
 
@@ -64,18 +77,93 @@ def _child_setup(nice: int) -> Callable[[], None]:
 
 @dataclass
 class Child:
-    """One stage process."""
+    """One stage process; its output goes through the launcher, which keeps its last line."""
 
     name: str
     address: str
     argv: list[str]
     metrics_port: int = 0
     process: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)  # this child's own variables (secrets: not in argv)
+    last_line: str = ""
+    relay: threading.Thread | None = None
+
+    def died(self) -> str | None:
+        """None while running (or not started); else how it ended, with its last line of output."""
+        if self.process is None or self.process.poll() is None:
+            return None
+        if self.relay is not None:
+            self.relay.join(2.0)  # the line it printed as it died may still be in the pipe
+        code = self.process.returncode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return f"{self.name} {how}" + (f": {self.last_line}" if self.last_line else " (no output)")
+
+
+def _relay(child: Child, source: IO[bytes], sink: IO[bytes]) -> None:
+    """Copy a child's output to `sink` line by line, remembering its last non-empty line."""
+    for raw in iter(source.readline, b""):
+        sink.write(raw)
+        sink.flush()
+        line = raw.decode("utf-8", "replace").strip()
+        if line:
+            child.last_line = line
+    source.close()
+
+
+# Stage flags `qwen-serve up` sets itself (addresses and ports it chooses, the model it serves).
+LAUNCHER_SET = frozenset({"host", "port", "model", "metrics_port", "http_port", "tokenizer", "prefill", "decode",
+                          "tokenizer_metrics", "prefill_metrics", "decode_metrics", "kv_transfer"})
+
+
+def stage_configs() -> dict[str, type]:
+    """Each stage's configuration class (their flags are the stages' flags)."""
+    from qwenserve_services.decode.config import DecodeServiceConfig
+    from qwenserve_services.prefill.config import PrefillServiceConfig
+    from qwenserve_services.router.config import RouterServiceConfig
+    from qwenserve_services.tokenizer.config import TokenizerServiceConfig
+
+    return {"tokenizer": TokenizerServiceConfig, "prefill": PrefillServiceConfig, "decode": DecodeServiceConfig,
+            "router": RouterServiceConfig}
+
+
+def stage_parsers(prog: str | None = None) -> dict[str, StrictParser]:
+    """Each stage's real, strict parser."""
+    from qwenserve_services.decode.config import build_parser as decode
+    from qwenserve_services.prefill.config import build_parser as prefill
+    from qwenserve_services.router.config import build_parser as router
+    from qwenserve_services.tokenizer.config import build_parser as tokenizer
+
+    return {"tokenizer": tokenizer(prog), "prefill": prefill(prog), "decode": decode(prog), "router": router(prog)}
+
+
+def route_args(argv: Sequence[str], stages: Sequence[str]) -> dict[str, list[str]]:
+    """Split `argv` (flags and their values) among `stages`: each flag goes to every one of them that defines it.
+    A flag none of them defines is a ValueError naming it."""
+    parsers = {stage: parser for stage, parser in stage_parsers().items() if stage in stages}
+    routed: dict[str, list[str]] = {stage: [] for stage in stages}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        flag = token.split("=", 1)[0]
+        owners = [stage for stage, parser in parsers.items() if flag in parser._option_string_actions]
+        if not flag.startswith("--") or not owners:
+            raise ValueError(f"{token}: none of {', '.join(stages)} defines this flag")
+        action = parsers[owners[0]]._option_string_actions[flag]
+        group = list(argv[i:i + 2]) if action.nargs != 0 and "=" not in token else [token]
+        for stage in owners:
+            routed[stage] += group
+        i += len(group)
+    return routed
 
 
 @dataclass
 class LocalCluster:
-    """The processes of one `qwen-serve up`; usable from tests as a context manager."""
+    """The processes of one `qwen-serve up`; usable from tests as a context manager.
+
+    `stage_values` are stage options by field name (`{"served_model_name": "x", "engine"...}` as parsed), given to
+    every stage that has them; `extra_worker_args` go to whichever of prefill and decode define each flag, and
+    `extra_router_args` to the router.
+    """
 
     model: Path
     prefill: int = 1
@@ -92,77 +180,104 @@ class LocalCluster:
     # decode steps and the router's token relay (0 turns this off).
     prefill_nice: int = 10
     children: list[Child] = field(default_factory=list)
+    stage_values: dict[str, Any] = field(default_factory=dict)
 
-    def _stage(self, stage: str, port: int, extra: list[str]) -> Child:
-        argv = [sys.executable, "-m", "qwenserve.cli", "serve", stage, "--host", self.host, "--port", str(port)]
-        argv += ["--model", str(self.model), *extra]
+    def _stage(self, stage: str, port: int, values: dict[str, Any], extra: Sequence[str] = ()) -> Child:
         name = stage if stage in ("tokenizer", "router") else f"{stage}-{sum(c.name.startswith(stage) for c in self.children)}"
         metrics_port = free_port(self.host)
-        argv += ["--metrics-port", str(metrics_port)]
-        return Child(name, f"{self.host}:{port}", argv, metrics_port)
+        own = {"host": self.host, "port": port, "model": str(self.model), "metrics_port": metrics_port}
+        argv, env = argv_for(stage_configs()[stage], {**self.stage_values, **values, **own})
+        argv = [sys.executable, "-m", "qwenserve.cli", "serve", stage, *argv, *extra]
+        return Child(name, f"{self.host}:{port}", argv, metrics_port, env=env)
 
     def plan(self) -> list[Child]:
         """Decide ports and command lines (no processes yet)."""
         self.children = []
-        self.children.append(self._stage("tokenizer", free_port(self.host), []))
-        worker_args = ["--kv-transfer", self.kv_transfer, *self.extra_worker_args]
+        self.children.append(self._stage("tokenizer", free_port(self.host), {}))
+        workers = route_args(self.extra_worker_args, ("prefill", "decode"))
         for _ in range(self.prefill):
-            self.children.append(self._stage("prefill", free_port(self.host), worker_args))
+            self.children.append(self._stage("prefill", free_port(self.host), {"kv_transfer": self.kv_transfer},
+                                             workers["prefill"]))
         for _ in range(self.decode):
-            self.children.append(self._stage("decode", free_port(self.host), worker_args))
+            self.children.append(self._stage("decode", free_port(self.host), {}, workers["decode"]))
         self.router_port = self.router_port or free_port(self.host)
         self.http_port = self.http_port or free_port(self.host)
-        keys_given = "--api-keys-file" in self.extra_router_args or any(
-            k in {**os.environ, **self.env} for k in ("QWENSERVE_API_KEYS_FILE", "QWENSERVE_API_KEYS")
-        )
-        def metrics_of(prefix: str) -> str:
-            return ",".join(f"{self.host}:{c.metrics_port}" for c in self.children if c.name.startswith(prefix))
+        keys_given = bool({"--api-keys-file", "--api-key"} & {a.split("=")[0] for a in self.extra_router_args}) or any(
+            k in {**os.environ, **self.env, **self.stage_env()}
+            for k in ("QWENSERVE_API_KEYS_FILE", "QWENSERVE_API_KEYS", "QWENSERVE_API_KEY")
+        ) or bool(self.stage_values.get("api_keys_file") or self.stage_values.get("no_auth"))
 
-        router_args = [
-            *([] if keys_given or "--no-auth" in self.extra_router_args else ["--no-auth"]),
-            "--http-port", str(self.http_port),
-            "--tokenizer", self.children[0].address,
-            "--prefill", ",".join(c.address for c in self.children if c.name.startswith("prefill")),
-            "--decode", ",".join(c.address for c in self.children if c.name.startswith("decode")),
-            "--tokenizer-metrics", metrics_of("tokenizer"),
-            "--prefill-metrics", metrics_of("prefill"),
-            "--decode-metrics", metrics_of("decode"),
-            *self.extra_router_args,
-        ]
-        self.children.append(self._stage("router", self.router_port, router_args))
+        def workers_of(prefix: str, what: Callable[[Child], str]) -> list[str]:
+            return [what(c) for c in self.children if c.name.startswith(prefix)]
+
+        router = {
+            "http_port": self.http_port,
+            "tokenizer": self.children[0].address,
+            "prefill": workers_of("prefill", lambda c: c.address),
+            "decode": workers_of("decode", lambda c: c.address),
+            "tokenizer_metrics": f"{self.host}:{self.children[0].metrics_port}",
+            "prefill_metrics": workers_of("prefill", lambda c: f"{self.host}:{c.metrics_port}"),
+            "decode_metrics": workers_of("decode", lambda c: f"{self.host}:{c.metrics_port}"),
+        }
+        if not keys_given and "--no-auth" not in self.extra_router_args:
+            router["no_auth"] = True  # locally, no keys means no auth (a pod without keys refuses to start)
+        self.children.append(self._stage("router", self.router_port, router, self.extra_router_args))
         return self.children
+
+    def stage_env(self) -> dict[str, str]:
+        """The variables that carry secret stage options (the router's --api-key)."""
+        return argv_for(stage_configs()["router"], self.stage_values)[1]
 
     def start(self, timeout_s: float = 180.0) -> None:
         """Start every child and wait until all are healthy; raises RuntimeError otherwise."""
         if not self.children:
             self.plan()
         env = {**os.environ, **self.env}
+        sink = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
         for child in self.children:
-            out = None
+            out: IO[bytes] | None = sink
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 out = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - lives as long as the child
             # Children's own output never mixes with the launcher's stdout (which carries the ready line).
             # Progress as named lines, never bars: the children share the launcher's terminal or write files.
             child.process = subprocess.Popen(
-                child.argv, env={**env, **progress.child_env(child.name, env)}, stdout=out or sys.stderr,
-                stderr=subprocess.STDOUT if out else None,
+                child.argv, env={**env, **child.env, **progress.child_env(child.name, env)},
+                stdout=subprocess.PIPE if out is not None else sys.stderr, stderr=subprocess.STDOUT,
                 preexec_fn=_child_setup(self.prefill_nice if child.name.startswith("prefill") else 0),
             )
+            if out is not None and child.process.stdout is not None:
+                child.relay = threading.Thread(target=_relay, args=(child, child.process.stdout, out),
+                                               name=f"relay-{child.name}", daemon=True)
+                child.relay.start()
         try:
             self.wait_healthy(timeout_s)
         except BaseException:
             self.stop()
             raise
 
+    def dead_child(self) -> str | None:
+        """How the first child that has stopped ended (with its last line), or None while all run."""
+        return next((how for how in (c.died() for c in self.children) if how is not None), None)
+
     def wait_healthy(self, timeout_s: float) -> None:
+        """Wait until every child's gRPC health says SERVING; RuntimeError as soon as any child dies (naming it and
+        its last line) or once `timeout_s` has passed."""
         deadline = time.monotonic() + timeout_s
         names = ", ".join(child.name for child in self.children)
         # A bar only where the children's own lines do not share the terminal with it.
         with progress.step(f"starting {names}", total=len(self.children), unit="serving",
                            allow_bar=self.log_dir is not None) as step:
             for child in self.children:
-                wait_serving(child.address, deadline, child.process, f"{child.name} at {child.address}")
+                with grpc.insecure_channel(child.address) as channel:
+                    stub = health_pb2_grpc.HealthStub(channel)
+                    while not _serving(stub):
+                        if (how := self.dead_child()) is not None:
+                            raise RuntimeError(how)
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"{child.name} at {child.address} did not become healthy within "
+                                               f"{timeout_s:g} s")
+                        time.sleep(0.2)
                 step.advance()
         # The router's HTTP front opens during its warm-up, before health says SERVING.
         if self.http_port and not _port_open(self.host, self.http_port):
@@ -193,7 +308,11 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 child.process.kill()
                 child.process.wait()
+            if child.relay is not None:
+                child.relay.join(2.0)
         # A child killed with SIGKILL cannot clean up its shared memory; its supervisor does.
+        from qwenserve.kv_transfer.shm import reap_orphaned_segments
+
         reap_orphaned_segments(min_age_s=0)
 
     def __enter__(self) -> LocalCluster:
@@ -204,34 +323,61 @@ class LocalCluster:
         self.stop()
 
 
+@dataclass(frozen=True)
+class UpConfig:
+    """`qwen-serve up`'s own options; every other flag it accepts is a stage's, passed to the stages that have it."""
+
+    model: str | None = option(None, positional=True,
+                               help="Hugging Face checkpoint folder to serve (default: the built-in small Qwen3)")
+    prefill: int = option(1, help="prefill processes (0: decode workers prefill themselves)")
+    decode: int = option(1, help="decode processes")
+    host: str = option("127.0.0.1", help="address every stage binds")
+    port: int = option(8000, aliases=("--http-port",), help="the router's OpenAI-compatible HTTP port")
+    grpc_port: int = option(50050, help="the router's gRPC port")
+    kv_transfer: str = option("shm", choices=("shm", "network"), help="how prefill hands KV to decode")
+    log_dir: str | None = option(None, help="write each child's log to a file here")
+    prefill_nice: int = option(
+        10, help="lower prefill processes' CPU priority by this much, so that on shared cores their long prompt "
+                 "steps yield to decode steps and the router's relay (0: equal priority)")
+
+
+def up_parser() -> tuple[StrictParser, dict[str, list[FlagSpec]]]:
+    """`qwen-serve up`'s parser: its own options, then every stage flag it passes on (by stage)."""
+    parser = StrictParser(prog="qwen-serve up", description=__doc__.splitlines()[0],
+                          epilog="Every flag also reads QWENSERVE_<FLAG> from the environment.")
+    add_options(parser, UpConfig)
+    routed: dict[str, list[FlagSpec]] = {}
+    for stage, cls in stage_configs().items():
+        group = parser.add_argument_group(f"{stage} flags", "passed to every stage that has them")
+        add_options(group, cls, suppress=True, skip=lambda spec: spec.dest in LAUNCHER_SET)
+        routed[stage] = [spec for spec in option_specs(cls) if spec.dest not in LAUNCHER_SET]
+    return parser, routed
+
+
 def main(argv: list[str]) -> int:
     """`qwen-serve up`: run the whole stack until Ctrl-C."""
-    parser = argparse.ArgumentParser(prog="qwen-serve up", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=os.environ.get("QWENSERVE_MODEL"),
-                        help="Hugging Face checkpoint folder (default: the built-in small Qwen3)")
-    parser.add_argument("--prefill", type=int, default=1, help="prefill processes")
-    parser.add_argument("--decode", type=int, default=1, help="decode processes")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50050, help="router gRPC port")
-    parser.add_argument("--http-port", type=int, default=8000, help="router OpenAI HTTP port")
-    parser.add_argument("--kv-transfer", choices=["shm", "network"], default="shm")
-    parser.add_argument("--log-dir", type=Path, default=None, help="write each child's log to a file here")
-    parser.add_argument("--prefill-nice", type=int, default=10,
-                        help="lower prefill processes' CPU priority by this much, so that on shared cores their "
-                             "long prompt steps yield to decode steps and the router's relay (0: equal priority)")
-    args, router_extra = parser.parse_known_args(argv)
-    if args.prefill < 0 or args.decode < 1:
+    parser, routed = up_parser()
+    args = parser.parse_args(argv)
+    try:
+        up: UpConfig = config_from_args(UpConfig, args)
+    except FlagError as e:
+        parser.error(str(e))
+    if up.prefill < 0 or up.decode < 1:
         parser.error("need --decode >= 1 and --prefill >= 0")
-    if args.model is None:
-        from qwenserve.default_model import ensure_default_model
-
-        args.model = ensure_default_model()
-    cluster = LocalCluster(
-        model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
-        router_port=args.port, http_port=args.http_port, kv_transfer=args.kv_transfer,
-        extra_router_args=router_extra, log_dir=args.log_dir, prefill_nice=args.prefill_nice,
-    )
-    cluster.plan()
+    given = vars(args)
+    stage_values = {spec.dest: given[spec.dest] for specs in routed.values() for spec in specs if spec.dest in given}
+    try:
+        model = _checked_model(up.model)
+        cluster = LocalCluster(
+            model=Path(model), prefill=up.prefill, decode=up.decode, host=up.host, router_port=up.grpc_port,
+            http_port=up.port, kv_transfer=up.kv_transfer, log_dir=Path(up.log_dir) if up.log_dir else None,
+            prefill_nice=up.prefill_nice, stage_values=stage_values,
+        )
+        cluster.plan()
+        _check_plan(cluster, up)
+    except StartupError as e:
+        print(f"qwen-serve up: cannot start: {one_line(e)}", file=sys.stderr)
+        return 1
     stop = {"signal": 0}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -242,28 +388,73 @@ def main(argv: list[str]) -> int:
     try:
         cluster.start()
     except RuntimeError as e:
-        print(f"qwen-serve up: {e}", file=sys.stderr)
+        print(f"qwen-serve up: {e}; stopped the others", file=sys.stderr)
         return 1
     print(
         f"qwen-serve ready: router grpc={cluster.host}:{cluster.router_port} "
-        f"http=http://{cluster.host}:{cluster.http_port}/v1 model={args.model} "
-        f"prefill={args.prefill} decode={args.decode}",
+        f"http=http://{cluster.host}:{cluster.http_port}/v1 model={model} "
+        f"prefill={up.prefill} decode={up.decode}",
         flush=True,
     )
     for line in cluster.addresses():
         print(line, flush=True)
     code = 0
     while not stop["signal"]:
-        dead = [c for c in cluster.children if c.process is not None and c.process.poll() is not None]
-        if dead:
-            print(f"qwen-serve up: {dead[0].name} exited with code {dead[0].process.returncode}; stopping",
-                  file=sys.stderr)
+        if (how := cluster.dead_child()) is not None:
+            print(f"qwen-serve up: {how}; stopping the others", file=sys.stderr, flush=True)
             code = 1
             break
         time.sleep(0.2)
     cluster.stop()
     print("qwen-serve stopped", flush=True)
     return code
+
+
+def _checked_model(model: str | None) -> str:
+    """The checkpoint folder to serve, checked; the built-in one is made (once) when none is given."""
+    if model is None:
+        from qwenserve.default_model import ensure_default_model
+
+        return str(ensure_default_model())
+    check_model_folder(model, "MODEL", needs_tokenizer=True)
+    return model
+
+
+def _check_plan(cluster: LocalCluster, up: UpConfig) -> None:
+    """Before starting anything: every child's command line parses with its stage's strict parser (a refusal
+    exits here, in one line), and the stages' start-up checks pass (ports, key and TLS files)."""
+    check_port_free(up.host, up.grpc_port, "--grpc-port")
+    check_port_free(up.host, up.port, "--port")
+    checked: set[str] = set()
+    for child in cluster.children:
+        stage = child.argv[child.argv.index("serve") + 1]
+        module = importlib.import_module(f"qwenserve_services.{stage}.config")
+        with _environment(child.env):  # the secrets it reads from its environment
+            config = module.parse_config(child.argv[child.argv.index("serve") + 2:], prog="qwen-serve up")
+            if stage not in checked:
+                module.check(config)
+                checked.add(stage)
+
+
+@contextlib.contextmanager
+def _environment(extra: dict[str, str]) -> Iterator[None]:
+    """os.environ with `extra` set, for the block."""
+    saved = dict(os.environ)
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _serving(stub: health_pb2_grpc.HealthStub) -> bool:
+    """One health check: True when the server says SERVING."""
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def wait_serving(
@@ -274,15 +465,9 @@ def wait_serving(
     what = what or address
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while True:
+        while not _serving(stub):
             if process is not None and process.poll() is not None:
                 raise RuntimeError(f"{what} exited with code {process.returncode}")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what} did not become healthy before the deadline")
             time.sleep(0.2)

@@ -17,7 +17,6 @@ worker) and the command that prints the table:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -30,6 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from qwenserve.flags import StrictParser
 from qwenserve.v1 import router_pb2, router_pb2_grpc
 
 # The engine gauges a status row reads; their names are the same contract the autoscaler relies on.
@@ -116,7 +116,7 @@ async def fetch_status(router: str, timeout_s: float, api_key: str | None = None
 
 def main(argv: list[str]) -> int:
     """Entry point of `qwen-serve status`: 0 when every process is SERVING, 1 otherwise, 2 if unreachable."""
-    parser = argparse.ArgumentParser(prog="qwen-serve status", description=__doc__.splitlines()[0])
+    parser = StrictParser(prog="qwen-serve status", description=__doc__.splitlines()[0])
     parser.add_argument("--router", default=os.environ.get("QWENSERVE_ROUTER", "127.0.0.1:50050"),
                         help="the router's gRPC address [env QWENSERVE_ROUTER]")
     parser.add_argument("--timeout-s", type=float, default=10.0)

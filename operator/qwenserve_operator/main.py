@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import kopf
 
+from qwenserve.flags import StrictParser
 from qwenserve_operator.handlers import make_registry
 from qwenserve_operator.reconciler import OperatorConfig
 
@@ -25,7 +26,7 @@ SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/names
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Command-line options with QWENSERVE_OPERATOR_* environment fallbacks."""
-    parser = argparse.ArgumentParser(prog="qwen-serve operator", description=__doc__.splitlines()[0])
+    parser = StrictParser(prog="qwen-serve operator", description=__doc__.splitlines()[0])
     env_namespaces = [n for n in os.environ.get("QWENSERVE_OPERATOR_NAMESPACES", "").split(",") if n]
     parser.add_argument("--namespace", "-n", action="append", dest="namespaces", default=None,
                         help="namespace to watch (repeatable)")

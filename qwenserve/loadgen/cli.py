@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qwenserve.flags import StrictParser
 from qwenserve.loadgen import arrivals
 from qwenserve.loadgen.progress import show_progress
 from qwenserve.loadgen.prompts import PromptFactory
@@ -178,7 +179,7 @@ def write_report(config: BenchConfig, outcomes: list[RunOutcome], open_loop: boo
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen-serve bench", description=__doc__.splitlines()[0],
+    p = StrictParser(prog="qwen-serve bench", description=__doc__.splitlines()[0],
                                 epilog="\n".join(__doc__.splitlines()[2:]), formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", default="grpc://127.0.0.1:50050",
                    help="grpc://host:port | http://host:port | engine:/model/dir | synthetic[:ttft_ms=..,itl_ms=..]")

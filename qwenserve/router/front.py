@@ -1,78 +1,75 @@
 """Wiring the router's front door into a service process: flags, the gatekeeper, the HTTP server.
 
-    add_front_flags(parser)                                   # keys, limits, Redis, TLS, body size
-    front = FrontConfig.from_args(args)
+    front: FrontConfig = nested(FrontConfig)                  # in a stage's config: keys, limits, Redis, TLS
     gatekeeper = make_gatekeeper(front, metrics)              # key store + limiter + usage meter
     http = await start_http_front(router, gatekeeper, front, model_name, host, http_port, tokenizer.token_bytes)
     ...
     await http.cleanup(); await gatekeeper.drain(); await close_gatekeeper(gatekeeper)
 
-Every flag has a `QWENSERVE_*` environment fallback with the names the limiter and key-store
-libraries read themselves (`QWENSERVE_API_KEYS_FILE`, `QWENSERVE_REDIS_URL`, ...).
+Every option is a flag with its `QWENSERVE_<FLAG>` environment fallback (`qwenserve.flags`); the key store and
+the limiter get their settings from here, not from the environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from qwenserve.flags import add_flag
+from qwenserve.flags import add_options, config_from_args, option
 from qwenserve.ratelimit import RateLimiterConfig, make_rate_limiter
 from qwenserve.ratelimit.redis_client import connect
 from qwenserve.router.admission import Gatekeeper
 from qwenserve.router.generation import Router
 from qwenserve.router.openai_http import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, build_app, serve_http
-from qwenserve.router.tls import TlsConfig, add_tls_flags, http_ssl_context
+from qwenserve.router.tls import TlsConfig, http_ssl_context
 from qwenserve.telemetry.metrics import RouterMetrics
-from qwenserve.tenancy import InProcessUsageMeter, RedisUsageMeter, load_key_store
+from qwenserve.tenancy import InProcessUsageMeter, KeyStore, RedisUsageMeter, load_key_store
 from qwenserve.tenancy.usage import UsageMeter
 
 
 @dataclass(frozen=True)
 class FrontConfig:
-    """The front door's settings (no secrets: keys live in the key file or environment)."""
+    """The front door's settings; the one secret among them (`api_key`) is never printed."""
 
-    api_keys_file: str | None
-    no_auth: bool
-    redis_url: str | None
-    ratelimit_window_s: float | None
-    ratelimit_failure_mode: str | None
-    http_max_body_bytes: int
-    tls: TlsConfig | None
-    http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    api_key: str | None = option(None, secret=True,
+                                 help="the one API key clients must send (as vLLM's --api-key), default tenant")
+    api_keys_file: str | None = option(None, help="API keys -> tenants and limits (YAML/JSON file or directory)")
+    no_auth: bool = option(False, help="accept every request as the default tenant")
+    default_requests_per_minute: int | None = option(
+        None, help="limit of tenants the keys file gives none (and of everyone under --no-auth); default none")
+    default_tokens_per_minute: int | None = option(None, help="as --default-requests-per-minute, for tokens")
+    redis_url: str | None = option(None, help="Redis for rate limits and usage shared by router replicas")
+    redis_timeout_s: float = option(0.25, help="Redis connect and reply timeout, in seconds")
+    ratelimit_window_s: float = option(60.0, help="the window of per-minute limits, in seconds")
+    ratelimit_failure_mode: str = option("open", choices=("open", "closed"),
+                                         help="when Redis is down: admit (open) or refuse (closed)")
+    http_max_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, help="larger HTTP request bodies get a 413")
+    http_body_timeout_s: float = option(DEFAULT_BODY_TIMEOUT_S,
+                                        help="an HTTP request body not fully received in this many seconds gets a 408")
+    tls_cert: str | None = option(None, help="PEM certificate chain: serve gRPC and HTTP over TLS")
+    tls_key: str | None = option(None, help="PEM private key of --tls-cert")
+    tls_client_ca: str | None = option(None, help="PEM CA bundle: require client certificates signed by it")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FrontConfig:
-        """From the flags `add_front_flags` added; raises TlsConfigError for half a TLS setup."""
-        return cls(
-            api_keys_file=args.api_keys_file or None,
-            no_auth=args.no_auth,
-            redis_url=args.redis_url or None,
-            ratelimit_window_s=args.ratelimit_window_s,
-            ratelimit_failure_mode=args.ratelimit_failure_mode,
-            http_max_body_bytes=args.http_max_body_bytes,
-            tls=TlsConfig.from_flags(args.tls_cert, args.tls_key, args.tls_client_ca),
-            http_body_timeout_s=args.http_body_timeout_s,
-        )
+        """From the flags `add_front_flags` added."""
+        config: FrontConfig = config_from_args(cls, args)
+        return config
+
+    @property
+    def tls(self) -> TlsConfig | None:
+        """The TLS files, or None for plaintext; raises TlsConfigError for half a setup or a missing file."""
+        return TlsConfig.from_flags(self.tls_cert, self.tls_key, self.tls_client_ca)
 
 
 def add_front_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags of the front door, each with its QWENSERVE_* environment fallback."""
-    add_flag(parser, "--api-keys-file", help="API keys -> tenants and limits (YAML/JSON file or directory)")
-    add_flag(parser, "--no-auth", type=bool, default=False, help="accept every request as the default tenant")
-    add_flag(parser, "--redis-url", help="Redis for rate limits and usage shared by router replicas")
-    add_flag(parser, "--ratelimit-window-s", type=float, help="the window of per-minute limits (default 60)")
-    add_flag(parser, "--ratelimit-failure-mode", choices=["open", "closed"],
-             help="when Redis is down: admit (open, default) or refuse (closed)")
-    add_flag(parser, "--http-max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-             help="larger HTTP request bodies get a 413")
-    add_flag(parser, "--http-body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-             help="an HTTP request body not fully received in this many seconds gets a 408")
-    add_tls_flags(parser)
+    """The front door's flags (FrontConfig's options) on a parser of its own; a stage's config nests them."""
+    add_options(parser, FrontConfig)
 
 
 def make_gatekeeper(config: FrontConfig, metrics: RouterMetrics | None = None) -> Gatekeeper:
@@ -80,11 +77,12 @@ def make_gatekeeper(config: FrontConfig, metrics: RouterMetrics | None = None) -
 
     Raises TenancyConfigError when no keys are configured and --no-auth is not given.
     """
-    keys = load_key_store(config.api_keys_file, no_auth=config.no_auth or None)
-    limiter_config = RateLimiterConfig.from_env(
-        redis_url=config.redis_url,
+    keys = load_front_keys(config)
+    limiter_config = RateLimiterConfig(
+        redis_url=config.redis_url or None,
         window_s=config.ratelimit_window_s,
-        failure_mode=config.ratelimit_failure_mode,
+        failure_mode=config.ratelimit_failure_mode,  # type: ignore[arg-type]
+        redis_timeout_s=config.redis_timeout_s,
     )
     meter: UsageMeter
     if limiter_config.redis_url:
@@ -92,6 +90,18 @@ def make_gatekeeper(config: FrontConfig, metrics: RouterMetrics | None = None) -
     else:
         meter = InProcessUsageMeter()
     return Gatekeeper(keys, make_rate_limiter(limiter_config), meter, metrics)
+
+
+def load_front_keys(config: FrontConfig) -> KeyStore:
+    """The key store the front door authenticates with: the keys file, `--api-key`, the keys listed in
+    QWENSERVE_API_KEYS, and the default limits. Raises TenancyConfigError naming what is wrong."""
+    env = dict(os.environ)
+    for name, value in (("QWENSERVE_DEFAULT_REQUESTS_PER_MINUTE", config.default_requests_per_minute),
+                        ("QWENSERVE_DEFAULT_TOKENS_PER_MINUTE", config.default_tokens_per_minute)):
+        env[name] = "" if value is None else str(value)
+    env.pop("QWENSERVE_API_KEYS_FILE", None)  # the flag's variable, already read into config.api_keys_file
+    return load_key_store(config.api_keys_file or None, no_auth=config.no_auth, api_key=config.api_key or None,
+                          env=env)
 
 
 async def close_gatekeeper(gatekeeper: Gatekeeper) -> None:

@@ -10,14 +10,11 @@ rather than a silent fallback to plaintext.
 
 from __future__ import annotations
 
-import argparse
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-
-from qwenserve.flags import add_flag
 
 
 class TlsConfigError(ValueError):
@@ -52,13 +49,6 @@ class TlsConfig:
     def requires_client_cert(self) -> bool:
         """True when clients must present a certificate signed by `client_ca` (mutual TLS)."""
         return self.client_ca is not None
-
-
-def add_tls_flags(parser: argparse.ArgumentParser) -> None:
-    """`--tls-cert`, `--tls-key`, `--tls-client-ca` (env QWENSERVE_TLS_CERT, ...)."""
-    add_flag(parser, "--tls-cert", help="PEM certificate chain: serve gRPC and HTTP over TLS")
-    add_flag(parser, "--tls-key", help="PEM private key of --tls-cert")
-    add_flag(parser, "--tls-client-ca", help="PEM CA bundle: require client certificates signed by it")
 
 
 def http_ssl_context(config: TlsConfig) -> ssl.SSLContext:

@@ -8,12 +8,13 @@ import json
 import os
 import sys
 
+from qwenserve.flags import StrictParser
 from qwenserve.ratelimit.redis_client import connect
 from qwenserve.tenancy.usage import USAGE_FIELDS, RedisUsageMeter, UsageMeterUnavailable
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qwen-serve usage", description="Per-tenant usage totals.")
+    parser = StrictParser(prog="qwen-serve usage", description="Per-tenant usage totals.")
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="print requests and tokens per tenant")
     show.add_argument(

@@ -160,13 +160,25 @@ def read_key_files(path: str | Path) -> list[KeyFileContents]:
         raise TenancyConfigError(f"{path}: API key file not found")
     contents = []
     for file in files:
-        text = file.read_text(encoding="utf-8")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TenancyConfigError(f"{file}: cannot read it as UTF-8 text ({exc})") from exc
         try:
             data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            raise TenancyConfigError(f"{file}: not valid {file.suffix.lstrip('.').upper()}: {exc}") from exc
+            raise TenancyConfigError(f"{file}: not valid {file.suffix.lstrip('.').upper()}: {_one_line(exc)}") from exc
         contents.append(parse_key_file(data, str(file)))
     return contents
+
+
+def _one_line(exc: Exception) -> str:
+    """A parser's error without the excerpt YAML quotes over several lines: the problem and where."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is not None and problem:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())
 
 
 class KeyStore:
@@ -253,11 +265,12 @@ def load_key_store(
     *,
     no_auth: bool | None = None,
     env: Mapping[str, str] | None = None,
+    api_key: str | None = None,
 ) -> KeyStore:
     """Build the key store from a key file/directory and the environment (see the module docstring).
 
-    Explicit arguments win over `QWENSERVE_API_KEYS_FILE` and `QWENSERVE_NO_AUTH`. Raises
-    `TenancyConfigError` with the file and field at fault.
+    Explicit arguments win over `QWENSERVE_API_KEYS_FILE` and `QWENSERVE_NO_AUTH`; `api_key` is one more key,
+    of the default tenant (vLLM's single `--api-key`). Raises `TenancyConfigError` with the file and field at fault.
     """
     env = os.environ if env is None else env
     if path is None and env.get("QWENSERVE_API_KEYS_FILE"):
@@ -279,9 +292,12 @@ def load_key_store(
     for key, tenant_id in parse_api_keys_env(env.get("QWENSERVE_API_KEYS", "")):
         tenants.setdefault(tenant_id, Tenant(tenant_id, default_limits))
         keys.append((key_digest(key), tenant_id))
+    if api_key:
+        keys.append((key_digest(api_key), default_tenant))
     if not keys and not no_auth:
         raise TenancyConfigError(
-            "no API keys configured: set QWENSERVE_API_KEYS_FILE or QWENSERVE_API_KEYS, or run with --no-auth"
+            "no API keys configured: give --api-key or --api-keys-file (or set QWENSERVE_API_KEY, "
+            "QWENSERVE_API_KEYS_FILE or QWENSERVE_API_KEYS), or run with --no-auth"
         )
     tenants.setdefault(default_tenant, Tenant(default_tenant, default_limits))
     return KeyStore(tenants.values(), keys, no_auth=no_auth, default_tenant=default_tenant)

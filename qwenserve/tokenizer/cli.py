@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from qwenserve.flags import StrictParser
 from qwenserve.tokenizer.builtin import BuiltinVocab
 from qwenserve.tokenizer.errors import TokenizerError
 from qwenserve.tokenizer.tokenizer import Tokenizer
@@ -21,7 +22,7 @@ def _load(args: argparse.Namespace) -> Tokenizer:
 
 def main(argv: list[str] | None = None) -> int:
     """`qwen-serve tokens count FILE...` prints counts per file and a total; `show FILE` prints each token."""
-    parser = argparse.ArgumentParser(prog="qwen-serve tokens", description=__doc__)
+    parser = StrictParser(prog="qwen-serve tokens", description=__doc__)
     parser.add_argument("--model", type=Path, help="checkpoint folder (default: the built-in vocabulary)")
     parser.add_argument(
         "--vocab", default="qwen3", help="built-in vocabulary: qwen3 (Qwen2/2.5/3) or qwen3_5"

@@ -1,22 +1,17 @@
 """The Decode stage: import a handoff (or prefill locally) and stream tokens.
 
-`qwen-serve serve decode --model PATH [--port N]`
+`qwen-serve serve decode [MODEL] [--port N]`; the options are DecodeServiceConfig's (`config.py`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
-from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
-from qwenserve.flags import add_flag
-from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
+from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.kv_transfer.importer import ImporterConfig
 from qwenserve.rpc_errors import abort
 from qwenserve.telemetry.metrics import handoff_metrics
@@ -24,35 +19,18 @@ from qwenserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from qwenserve.worker.decode_worker import DecodeWorker
 from qwenserve.worker.errors import grpc_status
 from qwenserve.worker.handoff_telemetry import TracedKVImporter
+from qwenserve_services.decode.config import DecodeServiceConfig, check, parse_config
 from qwenserve_services.stage_common import (
     ENGINE_STARTUP_ERRORS,
-    add_engine_flags,
-    add_metrics_flag,
-    engine_config,
     engine_failure,
     engine_info,
     observe_engine_steps,
     publish_engine_metrics,
-    resolve_model,
-    served_model_name,
     warm_up_engine,
 )
+from qwenserve_services.stage_config import argv_or_sys, start
 
 SERVICES = [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
-
-
-@dataclass(frozen=True)
-class DecodeServiceConfig:
-    host: str
-    port: int
-    model: str
-    grace_s: float
-    metrics_port: int
-    engine: EngineConfig
-    stream_interval_ms: float = 0.0
-    log_json: bool | None = None
-    log_level: str | None = None
-    served_model_name: str = ""  # the model_name label of vLLM's metrics
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -74,26 +52,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return engine_info(self.worker.engine)
 
 
-def parse_config(argv: list[str]) -> DecodeServiceConfig:
-    parser = argparse.ArgumentParser(prog="qwen-serve serve decode", description=__doc__.splitlines()[0])
-    add_flag(parser, "--host", default="127.0.0.1")
-    add_flag(parser, "--port", type=int, default=50053)
-    add_flag(parser, "--model", default=None, help="checkpoint folder (default: the built-in model)")
-    add_flag(parser, "--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
-    add_flag(parser, "--stream-interval-ms", type=float, default=0.0,
-             help="send tokens at most this often after the first (fewer, fuller messages; 0: at once)")
-    add_engine_flags(parser)
-    add_metrics_flag(parser)
-    args, _unknown = parser.parse_known_args(argv)
-    model = resolve_model(args.model)
-    return DecodeServiceConfig(
-        host=args.host, port=args.port, model=model, grace_s=args.grace_s,
-        metrics_port=args.metrics_port, engine=engine_config(args), stream_interval_ms=args.stream_interval_ms,
-        log_json=args.log_json, log_level=args.log_level, served_model_name=served_model_name(args, model),
-    )
-
-
 async def run(config: DecodeServiceConfig) -> None:
+    assert config.model is not None, "check() resolves the model"
     engine = LLMEngine.from_pretrained(config.model, config.engine)
     # The transports prefill workers hand off over; a Mooncake handle is refused, not a reason to open Mooncake.
     importer = TracedKVImporter(ImporterConfig(
@@ -125,5 +85,4 @@ async def run(config: DecodeServiceConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve decode`."""
-    return run_stage("decode", parse_config(sys.argv[1:] if argv is None else argv), run,
-                     startup_errors=ENGINE_STARTUP_ERRORS)
+    return start("decode", parse_config(argv_or_sys(argv)), check, run, startup_errors=ENGINE_STARTUP_ERRORS)

@@ -1,21 +1,17 @@
 """The Prefill stage: prompt in, first token and a KV handoff out (plus the KVTransfer service).
 
-`qwen-serve serve prefill --model PATH [--port N] [--kv-transfer shm|network]`
+`qwen-serve serve prefill [MODEL] [--port N] [--kv-transfer shm|network]`; the options are
+PrefillServiceConfig's (`config.py`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import sys
-from dataclasses import dataclass
 
 import grpc
 
-from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
-from qwenserve.flags import add_flag
-from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
+from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.kv_transfer.exporter import ExporterConfig, KVExporter, MiB
 from qwenserve.kv_transfer.grpc_transport import add_kv_transfer_service
 from qwenserve.rpc_errors import abort
@@ -23,41 +19,21 @@ from qwenserve.telemetry.metrics import handoff_metrics
 from qwenserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
 from qwenserve.worker.errors import grpc_status
 from qwenserve.worker.prefill_worker import PrefillWorker
+from qwenserve_services.prefill.config import PrefillServiceConfig, check, parse_config
 from qwenserve_services.stage_common import (
     ENGINE_STARTUP_ERRORS,
-    add_engine_flags,
-    add_metrics_flag,
-    engine_config,
     engine_failure,
     engine_info,
     observe_engine_steps,
     publish_engine_metrics,
-    resolve_model,
-    served_model_name,
     warm_up_engine,
 )
+from qwenserve_services.stage_config import argv_or_sys, start
 
 SERVICES = [
     prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
     kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name,
 ]
-
-
-@dataclass(frozen=True)
-class PrefillServiceConfig:
-    host: str
-    port: int
-    model: str
-    kv_transfer: str
-    lease_s: float
-    kv_pool_mib: int
-    kv_max_mib: int
-    grace_s: float
-    metrics_port: int
-    engine: EngineConfig
-    log_json: bool | None = None
-    log_level: str | None = None
-    served_model_name: str = ""  # the model_name label of vLLM's metrics
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -78,29 +54,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return engine_info(self.worker.engine)
 
 
-def parse_config(argv: list[str]) -> PrefillServiceConfig:
-    parser = argparse.ArgumentParser(prog="qwen-serve serve prefill", description=__doc__.splitlines()[0])
-    add_flag(parser, "--host", default="127.0.0.1")
-    add_flag(parser, "--port", type=int, default=50052)
-    add_flag(parser, "--model", default=None, help="checkpoint folder (default: the built-in model)")
-    add_flag(parser, "--kv-transfer", default="shm", choices=["shm", "network"], help="handoff transport")
-    add_flag(parser, "--lease-s", type=float, default=30.0, help="how long an unacknowledged handoff is kept")
-    add_flag(parser, "--kv-pool-mib", type=int, default=256,
-             help="handoff memory kept ready (pre-faulted); a larger handoff gets a region of its own")
-    add_flag(parser, "--kv-max-mib", type=int, default=4096, help="most memory unreleased handoffs may hold")
-    add_flag(parser, "--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
-    add_engine_flags(parser)
-    add_metrics_flag(parser)
-    args, _unknown = parser.parse_known_args(argv)
-    model = resolve_model(args.model)
-    return PrefillServiceConfig(
-        host=args.host, port=args.port, model=model, kv_transfer=args.kv_transfer,
-        lease_s=args.lease_s, kv_pool_mib=args.kv_pool_mib, kv_max_mib=args.kv_max_mib, grace_s=args.grace_s, metrics_port=args.metrics_port, engine=engine_config(args),
-        log_json=args.log_json, log_level=args.log_level, served_model_name=served_model_name(args, model),
-    )
-
-
 async def run(config: PrefillServiceConfig) -> None:
+    assert config.model is not None, "check() resolves the model"
     engine = LLMEngine.from_pretrained(config.model, config.engine)
     transport = common_pb2.KV_TRANSPORT_SHM if config.kv_transfer == "shm" else common_pb2.KV_TRANSPORT_GRPC
     server_config = GrpcServerConfig(
@@ -133,5 +88,4 @@ async def run(config: PrefillServiceConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve prefill`."""
-    return run_stage("prefill", parse_config(sys.argv[1:] if argv is None else argv), run,
-                     startup_errors=ENGINE_STARTUP_ERRORS)
+    return start("prefill", parse_config(argv_or_sys(argv)), check, run, startup_errors=ENGINE_STARTUP_ERRORS)

@@ -1,6 +1,7 @@
 """The Router stage: gRPC `Generate` (and the OpenAI HTTP front) over the disaggregated workers.
 
-`qwen-serve serve router --tokenizer H:P --prefill H:P[,H:P] --decode H:P[,H:P] [--model PATH]`
+`qwen-serve serve router [MODEL] --tokenizer H:P --prefill H:P[,H:P] --decode H:P[,H:P]`; the options are
+RouterServiceConfig's (`config.py`).
 
 `--tokenizer-metrics`, `--prefill-metrics`, `--decode-metrics` (the stages' Prometheus host:port,
 in the same order as their gRPC addresses) let `GetStatus` / `qwen-serve status` show their load.
@@ -13,64 +14,32 @@ running near the end of `--grace-s` end with finish reason ABORT rather than bei
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from prometheus_client import Gauge
 
-from qwenserve.flags import add_flag, address_list
-from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
+from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.router import grpc_front
 from qwenserve.router.admission import Gatekeeper, api_key_from_grpc_metadata
 from qwenserve.router.errors import RouterError
-from qwenserve.router.front import (
-    FrontConfig,
-    add_front_flags,
-    close_gatekeeper,
-    make_gatekeeper,
-    start_http_front,
-)
+from qwenserve.router.front import close_gatekeeper, make_gatekeeper, start_http_front
 from qwenserve.router.generation import Router, RouterConfig
 from qwenserve.router.request_ids import new_request_id
-from qwenserve.router.tls import grpc_server_credentials
+from qwenserve.router.tls import TlsConfigError, grpc_server_credentials
 from qwenserve.status import probe_stage
 from qwenserve.telemetry.logs import bind_request_id
 from qwenserve.telemetry.metrics import RouterMetrics, router_metrics
-from qwenserve.telemetry.startup import add_telemetry_flags
-from qwenserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from qwenserve.tenancy.tenants import TenancyConfigError
+from qwenserve.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from qwenserve.v1 import router_pb2, router_pb2_grpc
+from qwenserve_services.router.config import RouterServiceConfig, check, parse_config
+from qwenserve_services.stage_config import argv_or_sys, start
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-
-
-@dataclass(frozen=True)
-class RouterServiceConfig:
-    host: str
-    port: int
-    http_port: int
-    metrics_port: int
-    model: str | None
-    model_name: str
-    tokenizer: str
-    prefill: list[str]
-    decode: list[str]
-    local_prefill_threshold: int
-    grace_s: float
-    front: FrontConfig
-    connect_timeout_s: float = 5.0
-    prefill_timeout_s: float = 300.0
-    stall_timeout_s: float = 30.0
-    tokenizer_metrics: str = ""
-    prefill_metrics: list[str] = field(default_factory=list)
-    decode_metrics: list[str] = field(default_factory=list)
-    log_json: bool | None = None
-    log_level: str | None = None
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -154,54 +123,13 @@ def _load_tokenizer(model: str | None) -> tuple[Tokenizer, int, str]:
     return Tokenizer.from_dir(folder), int(config.get("max_position_embeddings", 4096)), folder.name
 
 
-def parse_config(argv: list[str]) -> RouterServiceConfig:
-    parser = argparse.ArgumentParser(prog="qwen-serve serve router", description=__doc__.splitlines()[0])
-    add_flag(parser, "--host", default="127.0.0.1")
-    add_flag(parser, "--port", type=int, default=50050, help="gRPC port")
-    add_flag(parser, "--http-port", type=int, default=0, help="OpenAI-compatible HTTP port (0: off)")
-    add_flag(parser, "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
-    add_flag(parser, "--model", default=None, help="checkpoint folder (tokenizer files and config.json)")
-    add_flag(parser, "--model-name", default="", help="name clients use (default: the folder's name)")
-    add_flag(parser, "--tokenizer", default="127.0.0.1:50051", help="tokenizer service address")
-    add_flag(parser, "--prefill", default="", help="prefill workers, comma-separated host:port")
-    add_flag(parser, "--decode", default="", help="decode workers, comma-separated host:port")
-    add_flag(parser, "--local-prefill-threshold", type=int, default=0,
-             help="prompts shorter than this many tokens are prefilled on the decode worker")
-    add_flag(parser, "--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
-    add_flag(parser, "--connect-timeout-s", type=float, default=5.0,
-             help="a worker whose connection is not ready within this many seconds is skipped")
-    add_flag(parser, "--prefill-timeout-s", type=float, default=300.0,
-             help="deadline of one prefill call when the request has none sooner")
-    add_flag(parser, "--stall-timeout-s", type=float, default=30.0,
-             help="a decode stream silent this long (first token included) fails over to another worker")
-    add_flag(parser, "--tokenizer-metrics", default="", help="the tokenizer's metrics host:port (for status)")
-    add_flag(parser, "--prefill-metrics", default="", help="prefill workers' metrics host:port, as --prefill")
-    add_flag(parser, "--decode-metrics", default="", help="decode workers' metrics host:port, as --decode")
-    add_telemetry_flags(parser)
-    add_front_flags(parser)
-    args, _unknown = parser.parse_known_args(argv)
-    decode = address_list(args.decode)
-    if not decode:
-        parser.error("at least one --decode worker is required")
-    return RouterServiceConfig(
-        host=args.host, port=args.port, http_port=args.http_port, metrics_port=args.metrics_port,
-        model=args.model, model_name=args.model_name, tokenizer=args.tokenizer,
-        prefill=address_list(args.prefill), decode=decode,
-        local_prefill_threshold=args.local_prefill_threshold, grace_s=args.grace_s,
-        front=FrontConfig.from_args(args), connect_timeout_s=args.connect_timeout_s,
-        prefill_timeout_s=args.prefill_timeout_s, stall_timeout_s=args.stall_timeout_s,
-        tokenizer_metrics=args.tokenizer_metrics, prefill_metrics=address_list(args.prefill_metrics),
-        decode_metrics=address_list(args.decode_metrics), log_json=args.log_json, log_level=args.log_level,
-    )
-
-
 async def run(config: RouterServiceConfig) -> None:
     tokenizer, max_model_len, folder_name = _load_tokenizer(config.model)
     metrics = router_metrics()
     router = Router(
         RouterConfig(
             tokenizer_address=config.tokenizer, prefill_addresses=config.prefill, decode_addresses=config.decode,
-            model_name=config.model_name or folder_name, max_model_len=max_model_len,
+            model_name=config.model_name or folder_name, max_model_len=config.max_model_len or max_model_len,
             local_prefill_threshold=config.local_prefill_threshold,
             connect_timeout_s=config.connect_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
             stall_timeout_s=config.stall_timeout_s,
@@ -241,4 +169,5 @@ async def run(config: RouterServiceConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve router`."""
-    return run_stage("router", parse_config(sys.argv[1:] if argv is None else argv), run)
+    return start("router", parse_config(argv_or_sys(argv)), check, run,
+                 startup_errors=(TenancyConfigError, TlsConfigError, TokenizerError))

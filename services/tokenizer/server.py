@@ -1,6 +1,7 @@
 """The Tokenizer stage: `qwenserve.tokenizer` on the wire (qwenserve.v1.Tokenizer).
 
-`qwen-serve serve tokenizer [--host H] [--port N] [--model PATH]`; without `--model` it serves the
+`qwen-serve serve tokenizer [MODEL] [--host H] [--port N]` (the options are TokenizerServiceConfig's, in
+`config.py`); without a model it serves the
 built-in Qwen3 vocabulary and chat template (the default model's tokenizer).
 
 Bad input (nothing to tokenize, too large, invalid UTF-8, unknown roles, ids outside the
@@ -10,23 +11,19 @@ field; the server keeps serving.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from opentelemetry.trace import StatusCode
 
-from qwenserve.grpc_server import GrpcServerConfig, run_stage, serve
+from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.rpc_errors import abort, error_detail
 from qwenserve.telemetry.metrics import tokenizer_metrics
-from qwenserve.telemetry.startup import add_telemetry_flags
 from qwenserve.telemetry.tracing import get_tracer
 from qwenserve.tokenizer import (
     BuiltinVocab,
@@ -42,9 +39,10 @@ from qwenserve.tokenizer import (
 )
 from qwenserve.tokenizer.hygiene import parse_json_object
 from qwenserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from qwenserve_services.stage_config import argv_or_sys, start
+from qwenserve_services.tokenizer.config import TokenizerServiceConfig, check, parse_config
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
-DEFAULT_PORT = 50051
 # Inputs up to this size are encoded on the event loop: a thread hop would cost more than the work.
 INLINE_BYTES = 16 << 10
 # Template variables the service sets itself; chat_template_kwargs_json may not override them.
@@ -52,24 +50,6 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_
 
 T = TypeVar("T")
 tracer = get_tracer("qwenserve.tokenizer")
-
-
-@dataclass(frozen=True)
-class TokenizerServiceConfig:
-    """Everything the tokenizer stage is configured by (flags, else QWENSERVE_* environment)."""
-
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    model: str | None = None  # checkpoint folder; None: the built-in vocabulary
-    vocab: str = "qwen3"  # built-in vocabulary when no model is given: qwen3 or qwen3_5
-    workers: int = 2  # threads encoding large inputs and batches
-    max_input_bytes: int = InputLimits.max_text_bytes
-    max_batch: int = InputLimits.max_batch
-    max_message_bytes: int = 64 << 20
-    grace_s: float = 5.0
-    metrics_port: int = 0  # Prometheus /metrics; 0: off
-    log_json: bool | None = None  # None: QWENSERVE_LOG_FORMAT decides
-    log_level: str | None = None  # None: QWENSERVE_LOG_LEVEL, else INFO
 
 
 def load_tokenizer(config: TokenizerServiceConfig) -> Tokenizer:
@@ -268,37 +248,6 @@ def invalid_input_detail(err: InvalidInput | ChatTemplateError) -> common_pb2.Er
 # ---- command line --------------------------------------------------------------------------
 
 
-def _env(name: str, default: Any) -> Any:
-    value = os.environ.get(f"QWENSERVE_{name}")
-    if value is None or value == "":
-        return default
-    return type(default)(value) if default is not None else value
-
-
-def parse_config(argv: list[str]) -> TokenizerServiceConfig:
-    """Flags, falling back to QWENSERVE_* environment variables, falling back to defaults."""
-    d = TokenizerServiceConfig()
-    p = argparse.ArgumentParser(prog="qwen-serve serve tokenizer", description=__doc__.splitlines()[0])
-    p.add_argument("--host", default=_env("HOST", d.host), help="address to bind (QWENSERVE_HOST)")
-    p.add_argument(
-        "--port", type=int, default=_env("PORT", d.port), help="0 picks a free port (QWENSERVE_PORT)"
-    )
-    p.add_argument("--model", default=_env("MODEL", d.model), help="checkpoint folder (QWENSERVE_MODEL)")
-    p.add_argument("--vocab", default=_env("VOCAB", d.vocab), help="built-in vocabulary without --model")
-    p.add_argument(
-        "--workers", type=int, default=_env("TOKENIZER_WORKERS", d.workers), help="encoding threads"
-    )
-    p.add_argument("--max-input-bytes", type=int, default=_env("MAX_INPUT_BYTES", d.max_input_bytes))
-    p.add_argument("--max-batch", type=int, default=_env("MAX_BATCH", d.max_batch))
-    p.add_argument("--max-message-bytes", type=int, default=_env("MAX_MESSAGE_BYTES", d.max_message_bytes))
-    p.add_argument("--grace-s", type=float, default=_env("GRACE_S", d.grace_s), help="drain time on SIGTERM")
-    p.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", d.metrics_port),
-                   help="Prometheus /metrics port, 0: off (QWENSERVE_METRICS_PORT)")
-    add_telemetry_flags(p)
-    args = p.parse_args(argv)
-    return TokenizerServiceConfig(**vars(args))
-
-
 async def run(config: TokenizerServiceConfig) -> None:
     """Load the tokenizer, then serve until SIGTERM / SIGINT."""
     tokenizer = load_tokenizer(config)
@@ -328,8 +277,8 @@ async def run(config: TokenizerServiceConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve tokenizer`."""
-    config = parse_config(sys.argv[1:] if argv is None else argv)
-    return run_stage("tokenizer", config, run, startup_errors=(OSError, ValueError, TokenizerError))
+    return start("tokenizer", parse_config(argv_or_sys(argv)), check, run,
+                 startup_errors=(OSError, ValueError, TokenizerError))
 
 
 if __name__ == "__main__":

@@ -234,8 +234,8 @@ def test_bad_requests_get_invalid_argument_and_the_router_stays_up(
 def test_qwen_serve_up_prints_ready_and_stops_every_child(tiny_model: Path) -> None:
     env_port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "qwenserve.cli", "up", "--model", str(tiny_model), "--port", str(env_port),
-         "--http-port", str(free_port())],
+        [sys.executable, "-m", "qwenserve.cli", "up", str(tiny_model), "--grpc-port", str(env_port),
+         "--port", str(free_port())],
         stdout=subprocess.PIPE, text=True,
         env={**__import__("os").environ, "QWENSERVE_KV_CACHE_GB": "0.05", "QWENSERVE_THREADS": "1"},
     )

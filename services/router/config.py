@@ -1,0 +1,80 @@
+"""The router stage's options: one dataclass, from which its flags and `QWENSERVE_<FLAG>` variables come."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qwenserve.flags import StrictParser, address_list, nested, option
+from qwenserve.preflight import StartupError, check_port_free
+from qwenserve.router.front import FrontConfig, load_front_keys
+from qwenserve.router.tls import TlsConfigError
+from qwenserve.tenancy.tenants import TenancyConfigError
+from qwenserve_services.stage_config import StageConfig, check_common, resolve_model, stage_parser
+
+
+@dataclass(frozen=True)
+class RouterServiceConfig(StageConfig):
+    """Everything the router stage is configured by (flags, else QWENSERVE_* environment)."""
+
+    port: int = option(50050, help="gRPC port (0: a free one, printed at start)")
+    model: str | None = option(None, positional=True,
+                               help="checkpoint folder: its tokenizer files and config.json (default: the built-in)")
+    http_port: int = option(0, help="OpenAI-compatible HTTP port (0: off)")
+    served_model_name: str = option("", aliases=("--model-name",),
+                                    help="the name clients use for the model (default: the folder's name)")
+    max_model_len: int | None = option(
+        None, help="longest request, prompt + output tokens, as the engines' --max-model-len (default: the model's)")
+    tokenizer: str = option("127.0.0.1:50051", help="tokenizer service address")
+    prefill: list[str] = option(default_factory=list, type=address_list,
+                                help="prefill workers, comma-separated host:port")
+    decode: list[str] = option(default_factory=list, type=address_list,
+                               help="decode workers, comma-separated host:port (at least one)")
+    local_prefill_threshold: int = option(
+        0, help="prompts shorter than this many tokens are prefilled on the decode worker")
+    connect_timeout_s: float = option(
+        5.0, help="a worker whose connection is not ready within this many seconds is skipped")
+    prefill_timeout_s: float = option(300.0, help="deadline of one prefill call when the request has none sooner")
+    stall_timeout_s: float = option(
+        30.0, help="a decode stream silent this long (first token included) fails over to another worker")
+    tokenizer_metrics: str = option("", help="the tokenizer's metrics host:port (for status)")
+    prefill_metrics: list[str] = option(default_factory=list, type=address_list,
+                                        help="prefill workers' metrics host:port, as --prefill")
+    decode_metrics: list[str] = option(default_factory=list, type=address_list,
+                                       help="decode workers' metrics host:port, as --decode")
+    front: FrontConfig = nested(FrontConfig)
+    model_name: str = field(default="", init=False)  # the name served: --served-model-name or the folder's
+
+    def __post_init__(self) -> None:
+        name = self.served_model_name or (Path(self.model).name if self.model else "")
+        object.__setattr__(self, "model_name", name)
+
+
+def build_parser(prog: str | None = None) -> StrictParser:
+    """`qwen-serve serve router`'s parser."""
+    return stage_parser("router", RouterServiceConfig,
+                        "The Router stage: gRPC Generate and the OpenAI HTTP front over the workers.", prog)
+
+
+def parse_config(argv: Sequence[str], prog: str | None = None) -> RouterServiceConfig:
+    """Flags, falling back to QWENSERVE_* environment variables, falling back to defaults."""
+    parser = build_parser(prog)
+    config: RouterServiceConfig = parser.parse_config(RouterServiceConfig, argv)
+    if not config.decode:
+        parser.error("at least one --decode worker is required (host:port[,host:port])")
+    return config
+
+
+def check(config: RouterServiceConfig) -> RouterServiceConfig:
+    """Before serving: the model folder, the ports, the TLS files and the API keys."""
+    check_common(config, needs_tokenizer=True)
+    if config.http_port and config.http_port != config.port:
+        check_port_free(config.host, config.http_port, "--http-port")
+    try:
+        config.front.tls  # noqa: B018 - reads and checks the files
+        load_front_keys(config.front)
+    except (TlsConfigError, TenancyConfigError) as e:
+        raise StartupError(str(e)) from None
+    return dataclasses.replace(config, model=resolve_model(config.model))

@@ -1,0 +1,123 @@
+"""What every stage's configuration shares, and the way from argv to a running stage.
+
+A stage's options are one frozen dataclass (`services/<stage>/config.py`) deriving from `StageConfig`; its
+flags, their `QWENSERVE_<FLAG>` fallbacks and the strict parser come from that dataclass (`qwenserve.flags`).
+Parsing only reads the command line (the operator's contract test parses rendered manifests with it); the
+checks of the host (the model folder, free ports, key files) run at start, each failing in one line.
+
+These modules import no torch and no gRPC servers, so `qwen-serve up` can build every stage's argv from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from qwenserve.engine.config import EngineConfig
+from qwenserve.flags import StrictParser, add_options, nested, option
+from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
+
+C = TypeVar("C", bound="StageConfig")
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """The options every stage has."""
+
+    host: str = option("127.0.0.1", help="address to bind (a pod: 0.0.0.0)")
+    port: int = option(0, help="gRPC port (0: a free one, printed at start)")
+    model: str | None = option(None, positional=True,
+                               help="Hugging Face checkpoint folder (default: the built-in small Qwen3)")
+    grace_s: float = option(10.0, help="drain time on SIGTERM, in seconds")
+    metrics_port: int = option(0, help="Prometheus /metrics, /healthz, /readyz port (0: off)")
+    # QWENSERVE_LOG_FORMAT=json (read by the logging setup) is this switch's variable: the operator sets it.
+    log_json: bool | None = option(None, env=False, help="log one JSON object per line [env QWENSERVE_LOG_FORMAT=json]")
+    log_level: str | None = option(None, help="DEBUG, INFO, WARNING, ... (default INFO)")
+
+
+@dataclass(frozen=True)
+class EngineStageConfig(StageConfig):
+    """The options prefill and decode share: the engine's, and the names vLLM users type for them."""
+
+    served_model_name: str = option(
+        "", help="the model's name in vLLM's metrics' model_name label, as the router's (default: the folder's)")
+    tensor_parallel_size: int = option(1, help="GPUs one engine spans; only 1 is supported")
+    engine: EngineConfig = nested(EngineConfig, kv_cache_memory_gb=1.0)
+
+
+def stage_parser(stage: str, config_class: type, description: str, prog: str | None = None) -> StrictParser:
+    """The strict parser of a stage, every flag derived from `config_class`."""
+    parser = StrictParser(prog=prog or f"qwen-serve serve {stage}", description=description)
+    add_options(parser, config_class)
+    return parser
+
+
+def check_common(config: StageConfig, *, needs_tokenizer: bool = False) -> None:
+    """The checks every stage makes before loading anything: its model folder and its ports."""
+    if config.model:
+        check_model_folder(config.model, needs_tokenizer=needs_tokenizer)
+    check_port_free(config.host, config.port, "--port")
+    if config.metrics_port and config.metrics_port != config.port:
+        check_port_free(config.host, config.metrics_port, "--metrics-port")
+
+
+def check_engine_options(parser: StrictParser, config: EngineStageConfig) -> None:
+    """Refuse what an engine stage cannot do here, in one line (tensor parallelism on a host without GPUs)."""
+    tp = config.tensor_parallel_size
+    if tp < 1:
+        parser.error(f"--tensor-parallel-size {tp}: give 1")
+    if tp > 1:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("tensor parallelism needs GPUs; this host has none (use --tensor-parallel-size 1)")
+        parser.error(f"--tensor-parallel-size {tp}: tensor parallelism is not supported yet; "
+                     "run more decode workers instead (--tensor-parallel-size 1)")
+
+
+def check_engine_stage(config: EngineStageConfig) -> EngineStageConfig:
+    """Before loading weights: the model folder and the ports; the built-in model is made if none is given, and
+    the served name defaults to the checkpoint folder's name."""
+    check_common(config)
+    model = resolve_model(config.model)
+    return dataclasses.replace(config, model=model, served_model_name=config.served_model_name or Path(model).name)
+
+
+def start(name: str, config: C, check: Callable[[C], C], run: Callable[[C], Awaitable[None]],
+          startup_errors: Sequence[type[Exception]] = ()) -> int:
+    """From a parsed config to the stage's exit code: `check(config)` (the host's side, returning the config
+    with what it resolved, e.g. the built-in model's folder), then `run_stage`. Start-up failures are one line
+    on stderr and exit status 1."""
+    from qwenserve.grpc_server import run_stage
+    from qwenserve.telemetry.logs import console
+
+    try:
+        config = check(config)
+    except StartupError as e:
+        console("%s: cannot start: %s", name, one_line(e), level=logging.ERROR, stderr=True)
+        return 1
+    return run_stage(name, config, run, startup_errors=(StartupError, *startup_errors))
+
+
+def resolve_model(model: str | None) -> str:
+    """The checkpoint to serve: the given folder, or the built-in default (made on first use)."""
+    if model:
+        return model
+    from qwenserve.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+def argv_or_sys(argv: Sequence[str] | None) -> list[str]:
+    """The stage's arguments: `argv`, or the process's own."""
+    return list(sys.argv[1:] if argv is None else argv)
+
+
+def field_values(config: Any) -> dict[str, Any]:
+    """A config's own fields (not nested ones), by name."""
+    return {name: getattr(config, name) for name in config.__dataclass_fields__}
