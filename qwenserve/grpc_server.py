@@ -3,8 +3,9 @@
 One function, `serve`, owns a stage's life: bind host:port (port 0 picks a free port), register
 the stage's servicers, answer gRPC health checks (NOT_SERVING until the stage's warm-up has
 finished, SERVING after, NOT_SERVING again while draining), offer reflection, print one
-`<name> listening on host:port` line, and stop gracefully on SIGTERM / SIGINT: new calls are
-refused, calls in flight get `grace_s` seconds to finish.
+`<name> listening on host:port` line on stdout, and stop gracefully on SIGTERM / SIGINT: new calls are
+refused, calls in flight get `grace_s` seconds to finish. Its lines go through `telemetry.logs.console`,
+so they are JSON records under JSON logs and the bare text otherwise.
 
 A stage that can no longer serve (its engine's compute loop died) resolves the `failure` future it
 gave `serve`: health turns NOT_SERVING on every surface at once, the server drains, and `run_stage`
@@ -25,7 +26,6 @@ import asyncio
 import gc
 import logging
 import signal
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +37,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from qwenserve.flags import print_config
+from qwenserve.preflight import one_line
+from qwenserve.telemetry.logs import console
 from qwenserve.telemetry.metrics import MetricsServer, serve_metrics
 from qwenserve.telemetry.startup import start_telemetry, stop_telemetry
 from qwenserve.telemetry.tracing import server_interceptors
@@ -134,16 +136,19 @@ class StageServer:
     async def start(self) -> int:
         """Bind and start; every service reports NOT_SERVING until `set_serving`. Returns the bound port."""
         address = f"{self.config.host}:{self.config.port}"
-        if self.config.credentials is not None:
-            self.port = self.server.add_secure_port(address, self.config.credentials)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if self.config.credentials is not None:
+                self.port = self.server.add_secure_port(address, self.config.credentials)
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # gRPC's "failed to bind"; the cause is only in its C core's own log line
+            self.port = 0
         if self.port == 0:
             raise OSError(f"{self.name}: cannot bind {address} (in use, or not a local address?)")
         await self._set_all(NOT_SERVING)
         await self.server.start()
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
-        print(f"{self.name} listening on {host}:{self.port}", flush=True)
+        console("%s listening on %s:%d", self.name, host, self.port, stage=self.name, port=self.port)
         return self.port
 
     async def set_serving(self) -> None:
@@ -201,7 +206,7 @@ async def serve(
                 config.metrics_port, config.host, config.metrics_registry,
                 live=stage.state.live, ready=stage.state.ready,
             )
-            print(f"{name} metrics on {metrics.url}/metrics", flush=True)
+            console("%s metrics on %s/metrics", name, metrics.url, stage=name)
         except OSError as e:
             # Serving without metrics beats not serving; HTTP probes against this port will say so.
             log.error("%s: cannot serve metrics on %s:%d (%s); continuing without /metrics",
@@ -212,7 +217,7 @@ async def serve(
         loop.add_signal_handler(sig, stopping.set)
     try:
         if warm_up is not None and not await _unless_stopped(warm_up(), stopping):
-            print(f"{name} stopped during warm-up", file=sys.stderr, flush=True)
+            console("%s stopped during warm-up", name, stderr=True)
             return
         _settle_garbage_collector()
         await stage.set_serving()
@@ -222,10 +227,10 @@ async def serve(
         reason = await _stopped_or_failed(stopping, failure)
         if reason is not None:
             await stage.fail()
-            print(f"{name} failed: {reason}; draining (grace {config.grace_s:g}s), then exiting",
-                  file=sys.stderr, flush=True)
+            console("%s failed: %s; draining (grace %gs), then exiting", name, reason, config.grace_s,
+                    level=logging.ERROR, stderr=True)
             raise StageFailed(reason)
-        print(f"{name} draining (grace {config.grace_s:g}s)", file=sys.stderr, flush=True)
+        console("%s draining (grace %gs)", name, config.grace_s, stderr=True)
         if on_drain is not None:
             on_drain()
     finally:
@@ -278,10 +283,12 @@ def run_stage(
     try:
         asyncio.run(run(config))
     except startup_errors as err:
-        print(f"{name}: cannot start: {err}", file=sys.stderr)
+        log.debug("%s: cannot start", name, exc_info=True)
+        console("%s: cannot start: %s", name, one_line(err), level=logging.ERROR, stderr=True)
         return 1
     except StageFailed as err:
-        print(f"{name}: exiting after an internal fault: {err}", file=sys.stderr, flush=True)
+        console("%s: exiting after an internal fault: %s", name, err, level=logging.CRITICAL,
+                stderr=True)
         return FAULT_EXIT_CODE
     finally:
         stop_telemetry()

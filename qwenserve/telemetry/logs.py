@@ -3,6 +3,12 @@
 Plain text by default, one JSON object per line with `setup_logging(json=True)`. The request id
 lives in a contextvar, so it follows a request across `await`s and into tasks created while it
 is bound, without being passed through every function.
+
+Log records go to stderr. The lines a stage writes for whoever started it (the address it listens on,
+on stdout; its configuration, "draining", "cannot start: ...", on stderr) go through `console()`: the
+bare text with plain logs, exactly as `print` wrote it, a JSON record with JSON logs. Under JSON logs a
+stage also sends warnings and uncaught exceptions through logging (`capture_warnings_and_crashes`), so
+that every line it writes is a JSON object.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json as jsonlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any, TextIO
 
@@ -33,7 +40,9 @@ _STANDARD_ATTRS = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__di
     "taskName",
     "rid_text",
     "trace_text",
+    "console_stream",
 }
+CONSOLE_LOGGER = "qwenserve.console"
 
 PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s [rid=%(rid_text)s trace=%(trace_text)s] %(message)s"
 
@@ -133,23 +142,32 @@ class PlainFormatter(logging.Formatter):
         return super().format(record)
 
 
-# The handler this module installed last, so a second setup_logging replaces rather than doubles it.
+# The handlers this module installed last, so a second setup_logging replaces rather than doubles them.
 _installed_handler: logging.Handler | None = None
+_console_handlers: list[logging.Handler] = []
+
+
+def json_logs_requested(json: bool | None = None) -> bool:
+    """`json` when given, else whether `QWENSERVE_LOG_FORMAT=json` asks for JSON lines."""
+    if json is not None:
+        return json
+    return os.environ.get("QWENSERVE_LOG_FORMAT", "plain").strip().lower() == "json"
 
 
 def setup_logging(
-    json: bool | None = None, level: str | None = None, stream: TextIO | None = None
+    json: bool | None = None, level: str | None = None, stream: TextIO | None = None,
+    console_stdout: TextIO | None = None,
 ) -> logging.Handler:
     """Configure the root logger once per process: plain text or JSON lines, with request context.
 
     `json` defaults to `QWENSERVE_LOG_FORMAT=json` (the operator sets "plain" or "json");
     `level` is a name ("DEBUG", "info", ...), defaulting to `QWENSERVE_LOG_LEVEL` or INFO.
-    `stream` defaults to stderr. Calling it again replaces the handler installed by the previous
-    call; handlers installed by others stay. Returns the installed handler.
+    `stream` defaults to stderr, `console_stdout` (where `console()` writes its stdout lines) to
+    stdout. Calling it again replaces the handlers installed by the previous call; handlers installed
+    by others stay. Returns the root logger's handler.
     """
     global _installed_handler
-    if json is None:
-        json = os.environ.get("QWENSERVE_LOG_FORMAT", "plain").strip().lower() == "json"
+    json = json_logs_requested(json)
     if level is None:
         level = os.environ.get("QWENSERVE_LOG_LEVEL", "INFO")
     numeric = logging.getLevelName(level.upper())
@@ -164,4 +182,83 @@ def setup_logging(
     root.addHandler(handler)
     root.setLevel(numeric)
     _installed_handler = handler
+
+    console_logger = logging.getLogger(CONSOLE_LOGGER)
+    for old in _console_handlers:
+        console_logger.removeHandler(old)
+    _console_handlers.clear()
+    for name, out in (("stdout", console_stdout or sys.stdout), ("stderr", stream or sys.stderr)):
+        console_handler = logging.StreamHandler(out)
+        console_handler.addFilter(RequestContextFilter())
+        console_handler.addFilter(_ConsoleStream(name))
+        console_handler.setFormatter(JsonFormatter() if json else logging.Formatter("%(message)s"))
+        console_logger.addHandler(console_handler)
+        _console_handlers.append(console_handler)
+    console_logger.setLevel(logging.DEBUG)  # shown whatever the log level: people and programs wait for them
+    console_logger.propagate = False
     return handler
+
+
+def console(
+    message: str, *args: object, level: int = logging.INFO, stderr: bool = False, **fields: object
+) -> None:
+    """One line for whoever started the process: on stdout what programs wait for ("decode listening on
+    127.0.0.1:50053"), on stderr (`stderr=True`) what a person reads ("decode draining (grace 10s)").
+    The bare text with plain logs, as `print` writes it; a JSON record (`fields` as extra keys) with JSON
+    logs. Shown whatever the log level; before `setup_logging`, printed (JSON if the environment asks)."""
+    if not _console_handlers:
+        text = message % args if args else message
+        if json_logs_requested():
+            record = logging.getLogger(CONSOLE_LOGGER).makeRecord(
+                CONSOLE_LOGGER, level, __file__, 0, message, args, None, extra=fields)
+            text = JsonFormatter().format(record)
+        print(text, file=sys.stderr if stderr else sys.stdout, flush=True)
+        return
+    extra = {**fields, "console_stream": "stderr" if stderr else "stdout"}
+    logging.getLogger(CONSOLE_LOGGER).log(level, message, *args, extra=extra)
+
+
+class _ConsoleStream(logging.Filter):
+    """Passes the console records meant for one stream ("stdout" or "stderr")."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """True when `record` is for this handler's stream."""
+        return getattr(record, "console_stream", "stdout") == self.stream
+
+
+# The exception hooks in place before capture_warnings_and_crashes installed ours.
+_previous_hooks: tuple[Any, Any] | None = None
+
+
+def capture_warnings_and_crashes(enabled: bool = True) -> None:
+    """Route what Python writes to stderr behind logging's back through it: `warnings.warn` (the
+    `py.warnings` logger) and uncaught exceptions in any thread (`qwenserve.crash`, with the traceback).
+    `enabled=False` puts back the hooks that were there before."""
+    global _previous_hooks
+    logging.captureWarnings(enabled)
+    if enabled and _previous_hooks is None:
+        _previous_hooks = (sys.excepthook, threading.excepthook)
+        sys.excepthook, threading.excepthook = _log_uncaught, _log_uncaught_in_thread
+    elif not enabled and _previous_hooks is not None:
+        sys.excepthook, threading.excepthook = _previous_hooks
+        _previous_hooks = None
+
+
+def _log_uncaught(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+    logging.getLogger("qwenserve.crash").critical(
+        "uncaught %s: %s", kind.__name__, error, exc_info=(kind, error, tb)
+    )
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("qwenserve.crash").critical(
+        "uncaught %s in thread %s: %s", args.exc_type.__name__, name, args.exc_value,
+        exc_info=(args.exc_type, args.exc_value, args.exc_traceback),  # type: ignore[arg-type]
+    )

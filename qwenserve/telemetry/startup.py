@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from qwenserve.telemetry.logs import setup_logging
+from qwenserve.telemetry.logs import capture_warnings_and_crashes, json_logs_requested, setup_logging
 from qwenserve.telemetry.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -28,8 +28,11 @@ def add_telemetry_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def start_telemetry(service: str, log_json: bool | None = None, log_level: str | None = None) -> None:
-    """Install the log handler and the tracer provider for this process."""
-    setup_logging(json=log_json, level=log_level)
+    """Install the log handlers and the tracer provider for this process. Under JSON logs warnings and
+    uncaught exceptions become log records too, so that every line the process writes is JSON."""
+    json = json_logs_requested(log_json)
+    setup_logging(json=json, level=log_level)
+    capture_warnings_and_crashes(json)
     setup_tracing(service)
 
 

@@ -6,11 +6,20 @@ import asyncio
 import io
 import json
 import logging
+import sys
+import threading
+import warnings
 
 import pytest
 
 from qwenserve.telemetry import tracing
-from qwenserve.telemetry.logs import bind_request_id, current_request_id, setup_logging
+from qwenserve.telemetry.logs import (
+    bind_request_id,
+    capture_warnings_and_crashes,
+    console,
+    current_request_id,
+    setup_logging,
+)
 from qwenserve.telemetry.tracing import Attr
 
 
@@ -122,3 +131,49 @@ async def test_request_id_reaches_logs_of_the_next_hop(jsonl, tracing_off, servi
         await services.front.GetInfo(tokenizer_pb2.GetInfoRequest())
     backend_lines = _records(jsonl, prefix="backend")
     assert [r["request_id"] for r in backend_lines] == ["req-hop"]
+
+
+def test_console_lines_are_the_bare_text_with_plain_logs(restore_root_logger):
+    out, err = io.StringIO(), io.StringIO()
+    setup_logging(json=False, level="ERROR", stream=err, console_stdout=out)
+    console("decode listening on %s:%d", "127.0.0.1", 50053, port=50053)
+    console("decode draining (grace %gs)", 10.0, stderr=True)
+    assert out.getvalue() == "decode listening on 127.0.0.1:50053\n"  # whatever the log level
+    assert err.getvalue() == "decode draining (grace 10s)\n"
+
+
+def test_console_lines_are_json_records_with_json_logs(restore_root_logger):
+    out, err = io.StringIO(), io.StringIO()
+    setup_logging(json=True, level="WARNING", stream=err, console_stdout=out)
+    console("decode listening on %s:%d", "127.0.0.1", 50053, port=50053)
+    console("decode: cannot start: %s", "port 50053 is in use", level=logging.ERROR, stderr=True)
+    (listening,) = [json.loads(line) for line in out.getvalue().splitlines()]
+    (refusal,) = [json.loads(line) for line in err.getvalue().splitlines()]
+    assert listening["message"] == "decode listening on 127.0.0.1:50053" and listening["port"] == 50053
+    assert listening["level"] == "INFO" and "console_stream" not in listening
+    assert refusal["message"] == "decode: cannot start: port 50053 is in use" and refusal["level"] == "ERROR"
+
+
+def test_json_logs_take_in_warnings_and_uncaught_exceptions(jsonl):
+    hooks = (sys.excepthook, threading.excepthook)
+    capture_warnings_and_crashes(True)
+    try:
+        warnings.warn("a deprecated knob", UserWarning, stacklevel=1)
+        try:
+            raise RuntimeError("the loop died")
+        except RuntimeError as e:
+            sys.excepthook(type(e), e, e.__traceback__)
+        worker = threading.Thread(target=lambda: 1 / 0, name="engine-loop")
+        worker.start()
+        worker.join()
+    finally:
+        capture_warnings_and_crashes(False)
+    assert (sys.excepthook, threading.excepthook) == hooks
+    records = [json.loads(line) for line in jsonl.getvalue().splitlines()]
+    warned = [r for r in records if r["logger"] == "py.warnings"]
+    crashes = [r for r in records if r["logger"] == "qwenserve.crash"]
+    assert len(warned) == 1 and "a deprecated knob" in warned[0]["message"]
+    assert [c["message"] for c in crashes] == [
+        "uncaught RuntimeError: the loop died", "uncaught ZeroDivisionError in thread engine-loop: division by zero",
+    ]
+    assert all(c["level"] == "CRITICAL" and "Traceback" in c["exception"] for c in crashes)
