@@ -11,8 +11,9 @@ from grpc_status import rpc_status
 
 from qwenserve.router.errors import ContextLengthExceeded, ServiceUnavailable
 from qwenserve.router.front_errors import RateLimited
+from qwenserve.router.generation import _refusal
 from qwenserve.router.grpc_front import refuse
-from qwenserve.rpc_errors import abort, detail_of, error_detail, retry_after_of
+from qwenserve.rpc_errors import abort, detail_of, error_detail, retry_after_of, rich_status
 from qwenserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 SAMPLING = error_detail("invalid_argument", "top_p must be in (0, 1]", field="sampling.top_p")
@@ -92,3 +93,19 @@ async def test_a_status_without_details_has_no_error_detail(stub) -> None:
     error = await _fail(stub, "none")
     assert error.code() == grpc.StatusCode.INTERNAL
     assert rpc_status.from_call(error) is None and detail_of(error) is None
+
+
+def _stage_error(code: grpc.StatusCode, detail: common_pb2.ErrorDetail | None) -> grpc.aio.AioRpcError:
+    """A stage's failed call as the router's client sees it."""
+    trailing = rich_status(code, detail).trailing_metadata if detail is not None else ()
+    message = detail.message if detail is not None else "refused"
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), message)
+
+
+def test_the_router_relays_a_stages_own_error_detail_and_names_a_bare_status_by_its_code() -> None:
+    too_long = error_detail("context_length_exceeded", "max_tokens 900 + prompt 200 exceeds 1024",
+                            field="sampling.max_tokens")
+    assert _refusal(_stage_error(grpc.StatusCode.OUT_OF_RANGE, too_long)) == too_long
+    bare = _refusal(_stage_error(grpc.StatusCode.OUT_OF_RANGE, None))
+    assert (bare.code, bare.message) == ("context_length_exceeded", "refused")
+    assert _refusal(_stage_error(grpc.StatusCode.INVALID_ARGUMENT, None)).code == "invalid_argument"
