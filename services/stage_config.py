@@ -16,13 +16,18 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from qwenserve.engine.config import EngineConfig
-from qwenserve.flags import StrictParser, add_options, nested, option
+from qwenserve.flags import StrictParser, add_options, nested, option, option_specs
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
 
 C = TypeVar("C", bound="StageConfig")
+
+#: What every stage reads from the environment besides its flags' variables: `--log-json`'s QWENSERVE_LOG_FORMAT
+#: (the operator sets it), the first-use progress mode and name, and where the built-in model is cached.
+COMMON_ENVIRONMENT = frozenset({"QWENSERVE_LOG_FORMAT", "QWENSERVE_PROGRESS", "QWENSERVE_PROGRESS_NAME",
+                                "QWENSERVE_CACHE"})
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,14 @@ class StageConfig:
     log_json: bool | None = option(None, env=False, help="log one JSON object per line [env QWENSERVE_LOG_FORMAT=json]")
     log_level: str | None = option(None, help="DEBUG, INFO, WARNING, ... (default INFO)")
 
+    #: Variables the stage reads that are no flag's (see `variables`).
+    ENVIRONMENT: ClassVar[frozenset[str]] = COMMON_ENVIRONMENT
+
+    @classmethod
+    def variables(cls) -> frozenset[str]:
+        """Every QWENSERVE_* variable this stage reads: its flags' and ENVIRONMENT."""
+        return frozenset(spec.env for spec in option_specs(cls) if spec.env) | cls.ENVIRONMENT
+
 
 @dataclass(frozen=True)
 class EngineStageConfig(StageConfig):
@@ -49,12 +62,24 @@ class EngineStageConfig(StageConfig):
     tensor_parallel_size: int = option(1, help="GPUs one engine spans; only 1 is supported")
     engine: EngineConfig = nested(EngineConfig, kv_cache_memory_gb=1.0)
 
+    ENVIRONMENT: ClassVar[frozenset[str]] = COMMON_ENVIRONMENT | {"QWENSERVE_CPU_KERNEL"}  # 0: PyTorch's own ops
+
 
 def stage_parser(stage: str, config_class: type, description: str, prog: str | None = None) -> StrictParser:
     """The strict parser of a stage, every flag derived from `config_class`."""
     parser = StrictParser(prog=prog or f"qwen-serve serve {stage}", description=description)
     add_options(parser, config_class)
     return parser
+
+
+def undefined_flags(stage: str, argv: Sequence[str], taken: Sequence[str] = ()) -> list[str]:
+    """The flags in `argv` that `qwen-serve serve STAGE` does not define, or that are in `taken` (set by whoever
+    builds the rest of the command line): what the operator refuses in a spec's extra stage arguments."""
+    import importlib
+
+    known = importlib.import_module(f"qwenserve_services.{stage}.config").build_parser()._option_string_actions
+    flags = [token.split("=", 1)[0] for token in argv if token.startswith("--")]
+    return [flag for flag in flags if flag not in known or flag in taken]
 
 
 def check_common(config: StageConfig, *, needs_tokenizer: bool = False) -> None:

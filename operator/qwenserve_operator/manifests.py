@@ -9,6 +9,10 @@ Children of a QwenDeployment `NAME`:
 
 How the router finds the workers: through the Services' DNS names, written into the ConfigMap
 (`QWENSERVE_TOKENIZER`, `QWENSERVE_PREFILL`, `QWENSERVE_DECODE`, read by the router as flags).
+
+The contract with the stages: every argument a container gets is a flag its stage defines, and every
+`QWENSERVE_*` variable one its stage reads (a flag's `QWENSERVE_<FLAG>`, or the log format);
+tests/operator/test_stage_contract.py parses the rendered manifests with the stages' own strict parsers.
 The tokenizer, prefill and decode Services are headless, so their DNS name resolves to the IP of
 every ready pod and the router can balance per worker (least load, prefix affinity) instead of
 per connection; the operator needs no Endpoints watch and the router no API access.
@@ -133,16 +137,17 @@ def _model_volume(spec: Spec) -> tuple[dict[str, Any], dict[str, Any]] | None:
 
 
 def stage_args(name: str, namespace: str, stage: str, spec: Spec) -> list[str]:
-    """The container arguments after the `qwen-serve` entrypoint."""
+    """The container arguments after the `qwen-serve` entrypoint (flags of `qwen-serve serve STAGE`)."""
     args = ["serve", stage, "--host", "0.0.0.0", "--port", str(GRPC_PORTS[stage]),
             "--metrics-port", str(METRICS_PORT)]
     mode = spec["kvTransfer"]["mode"]
     if stage == "tokenizer":
         args += ["--model", model_dir(spec)]
     elif stage == "prefill":
-        args += ["--model", model_dir(spec), "--kv-transfer", mode, "--shm-dir", SHM_DIR]
-    elif stage == "decode":
-        args += ["--model", model_dir(spec), "--kv-transfer", mode]
+        # Shared-memory segments live in /dev/shm (the node's, mounted below), where POSIX shm puts them.
+        args += ["--model", model_dir(spec), "--kv-transfer", mode, "--served-model-name", spec["model"]["name"]]
+    elif stage == "decode":  # decode imports whichever transport a handoff names
+        args += ["--model", model_dir(spec), "--served-model-name", spec["model"]["name"]]
     else:  # the router takes its worker addresses from the ConfigMap's environment
         args += ["--model", model_dir(spec), "--http-port", str(HTTP_PORT)]
         if spec.get("apiKeysSecret"):
@@ -167,7 +172,7 @@ def router_environment(name: str, namespace: str, spec: Spec) -> dict[str, str]:
         "QWENSERVE_TOKENIZER_METRICS": metrics("tokenizer"),
         "QWENSERVE_PREFILL_METRICS": metrics("prefill"),
         "QWENSERVE_DECODE_METRICS": metrics("decode"),
-        "QWENSERVE_MODEL_NAME": spec["model"]["name"],
+        "QWENSERVE_SERVED_MODEL_NAME": spec["model"]["name"],
         "QWENSERVE_RATELIMIT_FAILURE_MODE": "open" if limits["failOpen"] else "closed",
     }
     # Limits of tenants the API key Secret does not set itself (and of everyone without keys); 0: none.
@@ -210,7 +215,6 @@ def _common_env(name: str, namespace: str, stage: str, spec: Spec) -> list[dict[
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
         {"name": "QWENSERVE_LOG_FORMAT", "value": spec["telemetry"]["logFormat"]},
-        {"name": "QWENSERVE_STAGE", "value": stage},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "OTEL_SERVICE_NAME", "value": f"qwen-serve-{stage}"},
@@ -435,4 +439,20 @@ def validate_spec(spec: Spec) -> list[str]:
     ratio = spec.get("prefillDecodeRatio", {})
     if ratio.get("min", 0) > ratio.get("max", 1):
         problems.append("spec.prefillDecodeRatio: min exceeds max")
+    problems += _stage_arg_problems(spec)
+    return problems
+
+
+def _stage_arg_problems(spec: Spec) -> list[str]:
+    """Extra stage arguments that the stage would refuse (it starts only with flags it defines), or that would
+    override what the operator sets (the ports its Services and probes point at, the model it mounts)."""
+    from qwenserve_services.stage_config import undefined_flags
+
+    problems = []
+    for stage in STAGES:
+        args = (spec.get("stages", {}).get(stage) or {}).get("args") or []
+        taken = ["--host", "--port", "--metrics-port", "--model", *(["--http-port"] if stage == "router" else [])]
+        for flag in dict.fromkeys(undefined_flags(stage, args, taken)):
+            why = "is set by the operator" if flag in taken else f"is not a flag of `qwen-serve serve {stage}`"
+            problems.append(f"spec.stages.{stage}.args: {flag} {why}")
     return problems

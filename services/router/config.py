@@ -6,13 +6,20 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from qwenserve.flags import StrictParser, address_list, nested, option
 from qwenserve.preflight import StartupError, check_port_free
 from qwenserve.router.front import FrontConfig, load_front_keys
 from qwenserve.router.tls import TlsConfigError
 from qwenserve.tenancy.tenants import TenancyConfigError
-from qwenserve_services.stage_config import StageConfig, check_common, resolve_model, stage_parser
+from qwenserve_services.stage_config import (
+    COMMON_ENVIRONMENT,
+    StageConfig,
+    check_common,
+    resolve_model,
+    stage_parser,
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,9 @@ class RouterServiceConfig(StageConfig):
                                        help="decode workers' metrics host:port, as --decode")
     front: FrontConfig = nested(FrontConfig)
     model_name: str = field(default="", init=False)  # the name served: --served-model-name or the folder's
+
+    # Keys as "key:tenant,..." (secrets stay out of argv; qwenserve/tenancy/keys.py).
+    ENVIRONMENT: ClassVar[frozenset[str]] = COMMON_ENVIRONMENT | {"QWENSERVE_API_KEYS"}
 
     def __post_init__(self) -> None:
         name = self.served_model_name or (Path(self.model).name if self.model else "")

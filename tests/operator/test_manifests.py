@@ -65,9 +65,9 @@ def test_stage_arguments_follow_the_container_contract(make_spec) -> None:
         "serve", "tokenizer", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090",
         "--model", "/models/model"]
     assert manifests.stage_args("demo", "ns1", "prefill", spec)[-6:] == [
-        "--model", "/models/model", "--kv-transfer", "shm", "--shm-dir", "/dev/shm"]
+        "--model", "/models/model", "--kv-transfer", "shm", "--served-model-name", "Qwen/Qwen3-0.6B"]
     assert manifests.stage_args("demo", "ns1", "decode", spec)[-4:] == [
-        "--model", "/models/model", "--kv-transfer", "shm"]
+        "--model", "/models/model", "--served-model-name", "Qwen/Qwen3-0.6B"]
     assert manifests.stage_args("demo", "ns1", "router", spec)[:4] == ["serve", "router", "--host", "0.0.0.0"]
 
 
@@ -227,7 +227,7 @@ def test_the_router_environment_uses_names_the_router_reads(make_spec, monkeypat
     assert "QWENSERVE_DEFAULT_TOKENS_PER_MINUTE" not in env  # 0 means unlimited
     assert env["QWENSERVE_RATELIMIT_FAILURE_MODE"] == "closed"
     assert env["QWENSERVE_NO_AUTH"] == "true"  # no API key Secret in this spec
-    for flag in ("--tokenizer", "--prefill", "--decode", "--prefill-metrics", "--model-name"):
+    for flag in ("--tokenizer", "--prefill", "--decode", "--prefill-metrics", "--served-model-name"):
         assert env_name(flag) in env
     # The router starts from exactly this environment (flags from QWENSERVE_* variables).
     for key, value in env.items():

@@ -1,0 +1,104 @@
+"""The contract between the operator and the stages: every argument a rendered container gets is a flag its
+stage defines (parsed by that stage's own strict parser, with the container's environment), and every
+QWENSERVE_* variable the manifests set is one that stage reads."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import pytest
+
+from qwenserve.cli import STAGES as CLI_STAGES
+from qwenserve_operator import manifests
+from qwenserve_operator.crd import STAGES
+
+UID = "0b7d1c2e-0000-4000-8000-000000000002"
+SECRET_VALUE = "from-a-secret"  # what a secretKeyRef or fieldRef resolves to in a pod
+CONFIG_CLASSES = {"tokenizer": "TokenizerServiceConfig", "prefill": "PrefillServiceConfig",
+                  "decode": "DecodeServiceConfig", "router": "RouterServiceConfig"}
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "minimal": {},
+    "shm": {"kvTransfer": {"mode": "shm"}},
+    "network": {"kvTransfer": {"mode": "network"}},
+    "pvc": {"model": {"source": "pvc", "pvc": {"claimName": "weights", "subPath": "Qwen3-0.6B"}}},
+    "hostpath": {"model": {"source": "hostPath", "hostPath": "/srv/models/qwen"}},
+    "secrets": {"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "apiKeysSecret": {"name": "keys"},
+                "telemetry": {"otlpEndpoint": "http://otel:4317", "logFormat": "json"}},
+    "redis-and-limits": {"redis": {"url": "redis://redis:6379/0"},
+                         "rateLimits": {"requestsPerMinute": 60, "tokensPerMinute": 10_000, "failOpen": False}},
+    "stage-args": {"stages": {"router": {"args": ["--stall-timeout-s", "60", "--local-prefill-threshold", "32"]},
+                              "decode": {"args": ["--max-num-seqs", "64", "--stream-interval-ms", "20"]},
+                              "prefill": {"args": ["--kv-cache-gb", "2", "--lease-s", "10"]}}},
+}
+
+
+def _container(children: list[dict[str, Any]], stage: str) -> dict[str, Any]:
+    deployment = next(c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"] == f"demo-{stage}")
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def _environment(container: dict[str, Any], config_map: dict[str, str]) -> dict[str, str]:
+    """What the container's process sees: its env (references resolved to a stand-in) and its envFrom keys."""
+    env = {e["name"]: e.get("value", SECRET_VALUE) for e in container["env"]}
+    if container.get("envFrom"):
+        assert container["envFrom"] == [{"configMapRef": {"name": "demo-config"}}]
+        env.update({k: v for k, v in config_map.items() if k.isidentifier()})  # the kubelet skips other keys
+    return env
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_stage_parses_its_rendered_arguments_and_reads_every_variable_set(
+    make_spec, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = make_spec(**VARIANTS[variant])
+    children = manifests.children("demo", "ns1", UID, spec, {s: 1 for s in STAGES})
+    config_map = next(c for c in children if c["kind"] == "ConfigMap")["data"]
+    for stage in STAGES:
+        container = _container(children, stage)
+        args = container["args"]
+        assert args[:2] == ["serve", stage] and stage in CLI_STAGES
+        module = importlib.import_module(f"qwenserve_services.{stage}.config")
+        env = _environment(container, config_map)
+        reads = getattr(module, CONFIG_CLASSES[stage]).variables()
+        unread = sorted(name for name in env if name.startswith("QWENSERVE_") and name not in reads)
+        assert not unread, f"{stage}: the manifests set {unread}, which the stage never reads"
+        # The stage starts from exactly this environment (flags fall back to QWENSERVE_* variables).
+        for name in [n for n in os.environ if n.startswith("QWENSERVE_")]:
+            monkeypatch.delenv(name)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        config = module.parse_config(args[2:])  # strict: an unknown flag or a bad value exits
+        assert config.port == manifests.GRPC_PORTS[stage] and config.host == "0.0.0.0"
+        assert config.metrics_port == manifests.METRICS_PORT and config.model == manifests.model_dir(spec)
+        if stage == "router":
+            assert config.decode == [f"demo-decode.ns1.svc.cluster.local:{manifests.GRPC_PORTS['decode']}"]
+            assert config.model_name == spec["model"]["name"] and config.http_port == manifests.HTTP_PORT
+            assert config.front.no_auth is not bool(spec.get("apiKeysSecret"))
+        if stage in ("prefill", "decode"):
+            assert config.served_model_name == spec["model"]["name"]  # vLLM's metrics' model_name, as the router's
+        if stage == "prefill":
+            assert config.kv_transfer == spec["kvTransfer"]["mode"]
+
+
+def test_the_stages_refuse_a_flag_they_do_not_define(capsys: pytest.CaptureFixture[str]) -> None:
+    """What let --shm-dir through for months: a stage that ignored what it did not know."""
+    from qwenserve_services.prefill.config import parse_config
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--model", "/models/m", "--shm-dir", "/dev/shm"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["qwen-serve serve prefill: unknown flag --shm-dir "
+                                                            "(`qwen-serve serve prefill --help` lists the flags)"]
+
+
+def test_extra_stage_arguments_a_stage_would_refuse_are_spec_problems(make_spec) -> None:
+    spec = make_spec(stages={"router": {"args": ["--log-requests", "--stall-timeout-s", "60"]},
+                             "decode": {"args": ["--port=9999", "--max-num-seqs", "8"]}})
+    assert manifests.validate_spec(spec) == [
+        "spec.stages.decode.args: --port is set by the operator",
+        "spec.stages.router.args: --log-requests is not a flag of `qwen-serve serve router`",
+    ]
+    assert manifests.validate_spec(make_spec(**VARIANTS["stage-args"])) == []
