@@ -67,12 +67,29 @@ def main(argv: list[str] | None = None) -> int:
             given = f"unknown stage {rest[0]!r}{_did_you_mean(rest[0], STAGES)}; " if rest else ""
             print(f"qwen-serve serve: {given}give one of {', '.join(STAGES)}", file=sys.stderr)
             return 2
+        if (refused := _precheck(rest[0], rest[1:])) is not None:
+            return refused
         return _call(STAGES[rest[0]], rest[1:])
     if command not in COMMANDS:
         print(f"qwen-serve: unknown command {command!r}{_did_you_mean(command, [*COMMANDS, 'serve'])}; "
               "`qwen-serve --help` lists them", file=sys.stderr)
         return 2
     return _call(COMMANDS[command][0], rest)
+
+
+def _precheck(stage: str, argv: list[str]) -> int | None:
+    """Parse a stage's flags and check its host (model folder, ports, key files) with its light config module,
+    before the server module imports torch: a mistake is one line within a second. None: go ahead."""
+    from qwenserve.preflight import StartupError, one_line
+
+    config_module = importlib.import_module(f"qwenserve_services.{stage}.config")
+    config = config_module.parse_config(argv)  # exits with one line on a bad flag
+    try:
+        config_module.check(config)
+    except StartupError as e:
+        print(f"{stage}: cannot start: {one_line(e)}", file=sys.stderr, flush=True)
+        return 1
+    return None
 
 
 def _serve_usage() -> str:

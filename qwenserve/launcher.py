@@ -2,11 +2,17 @@
 
 Each child runs `qwen-serve serve <stage>` on a free port, with its Prometheus endpoint (/metrics,
 /healthz, /readyz) on another; the router is told every stage's metrics address for `qwen-serve
-status`. The launcher waits until every child's gRPC health check says SERVING, prints one line
-containing `ready` with the router's addresses, then one line per service with its gRPC and metrics
-addresses, and on
-Ctrl-C / SIGTERM (or when any child dies) stops them all. Children get SIGTERM from the kernel if the
-launcher itself is killed (PR_SET_PDEATHSIG), so no orphans are left behind.
+status`. A child's command line is built from its stage's configuration class (`argv_for`): the ports,
+addresses and model the launcher chose, plus every flag the user gave that the stage defines (`up`'s parser
+is its own options and every stage's flags; each goes to the stages that have it, secrets through the
+child's environment). Before starting anything the launcher parses each child's command line with the
+stage's strict parser and runs the stage's start-up checks, so a mistake is one line and nothing starts.
+
+The launcher waits until every child's gRPC health check says SERVING, prints one line containing `ready`
+with the router's addresses, then one line per service with its gRPC and metrics addresses, and on
+Ctrl-C / SIGTERM (or when any child dies: it names the child and its last line of output) stops them all.
+Children get SIGTERM from the kernel if the launcher itself is killed (PR_SET_PDEATHSIG), so no orphans
+are left behind.
 """
 
 from __future__ import annotations
