@@ -8,11 +8,14 @@ A router with API keys configured answers only callers with a key (`--api-key`, 
 The router answers `Router.GetStatus` by checking each stage worker's gRPC health and reading its
 Prometheus endpoint (when the router was given the stages' metrics addresses, as `qwen-serve up`
 and the operator do). This module holds both halves: `probe_stage` (what the router runs for each
-worker) and the command that prints the table:
+worker) and the command that prints the table. A stage given to the router as a name (a headless
+Service) has a row per pod; a pod gone from DNS whose streams are still finishing is DRAINING:
 
     STAGE      ADDRESS          STATE        RUN/WAIT  KV USE  TOK/S
     router     127.0.0.1:50050  SERVING      1/0       -      41.7
-    prefill    127.0.0.1:41234  SERVING      0/0       3.1%   182.0
+    prefill    10.0.0.7:50052   SERVING      0/0       3.1%   182.0
+    decode     10.0.0.8:50053   SERVING      2/0       9.4%   35.0
+    decode     10.0.0.9:50053   DRAINING     1/0       4.0%   12.5
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from qwenserve.flags import StrictParser
 from qwenserve.v1 import router_pb2, router_pb2_grpc
 
+# States of a process that is well: serving, or finishing its streams after the router stopped sending it any.
+HEALTHY_STATES = frozenset({"SERVING", "DRAINING"})
 # The engine gauges a status row reads; their names are the same contract the autoscaler relies on.
 RUNNING = "qwenserve_engine_running_requests"
 WAITING = "qwenserve_engine_waiting_requests"
@@ -115,7 +120,8 @@ async def fetch_status(router: str, timeout_s: float, api_key: str | None = None
 
 
 def main(argv: list[str]) -> int:
-    """Entry point of `qwen-serve status`: 0 when every process is SERVING, 1 otherwise, 2 if unreachable."""
+    """Entry point of `qwen-serve status`: 0 when every process is SERVING (or DRAINING), 1 otherwise, 2 if the
+    router is unreachable."""
     parser = StrictParser(prog="qwen-serve status", description=__doc__.splitlines()[0])
     parser.add_argument("--router", default=os.environ.get("QWENSERVE_ROUTER", "127.0.0.1:50050"),
                         help="the router's gRPC address [env QWENSERVE_ROUTER]")
@@ -137,4 +143,4 @@ def main(argv: list[str]) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print(format_table(status.stages))
-    return 0 if all(s.state == "SERVING" for s in status.stages) else 1
+    return 0 if all(s.state in HEALTHY_STATES for s in status.stages) else 1

@@ -10,6 +10,8 @@ Every wait on a worker is bounded, so a request without a deadline of its own st
 connection must be ready within `connect_timeout_s`; tokenizer and prefill calls have default
 deadlines; a decode stream silent for `stall_timeout_s` is failed over; channels send keepalive
 pings, so a worker that stopped answering (SIGSTOP, a dead host) breaks its calls within seconds.
+Each prefill and decode address that is a DNS name (a headless Service) stands for its pods: the router
+keeps a worker and a channel per pod (discovery.py), closing a removed pod's channel once its calls end.
 Only worker faults count towards a worker's circuit breaker, never a client that left or a
 stop string. A router that is draining ends the streams still running at its drain deadline with
 finish reason ABORT, and any stream that fails while it drains too: "error" means our fault.
@@ -31,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from qwenserve.protocol import sampling_from_proto
+from qwenserve.router.discovery import Change, PodDiscovery, Resolver, system_resolver
 from qwenserve.router.errors import ContextLengthExceeded, InvalidRequest, ServiceUnavailable, UnknownModel
 from qwenserve.router.request_ids import REQUEST_ID_RULE, internal_id, new_request_id, valid_request_id
 from qwenserve.router.stop_strings import StopStringMatcher
@@ -75,6 +78,7 @@ class RouterConfig:
     """Where the workers are and how the router treats requests."""
 
     tokenizer_address: str
+    # Worker entries: a pod's ip:port, or a name:port (dns:///name:port) standing for every address it resolves to.
     prefill_addresses: list[str]
     decode_addresses: list[str]
     model_name: str = "qwen"
@@ -101,6 +105,8 @@ class RouterConfig:
     keepalive_timeout_s: float = 10.0
     # How long start() waits for the other workers' limits once a decode worker has reported its own.
     worker_info_wait_s: float = 30.0
+    # How often worker names are resolved again: a new pod gets traffic, a removed one drains, this soon.
+    resolve_interval_s: float = 5.0
 
 
 @dataclass(slots=True)
@@ -150,11 +156,17 @@ class Router:
         config: RouterConfig,
         detokenizer_factory: Callable[[bool], Detokenizer],
         metrics: RouterMetrics | None = None,
+        resolver: Resolver = system_resolver,
     ) -> None:
         self.config = config
         self._detokenizer_factory = detokenizer_factory
-        self.prefill_pool = WorkerPool(config.prefill_addresses)
-        self.decode_pool = WorkerPool(config.decode_addresses)
+        self.discovery = PodDiscovery(
+            {"prefill": config.prefill_addresses, "decode": config.decode_addresses},
+            self._pods_changed, resolver, config.resolve_interval_s,
+        )
+        # Literal addresses are workers from the start; the pods of names join at start().
+        self.prefill_pool = WorkerPool(sorted(self.discovery.pods["prefill"]), on_drained=self._close_channel)
+        self.decode_pool = WorkerPool(sorted(self.discovery.pods["decode"]), on_drained=self._close_channel)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.vocab_size = 0
         self.metrics = metrics if metrics is not None else router_metrics(CollectorRegistry())
@@ -163,7 +175,9 @@ class Router:
         self._closing = asyncio.Event()  # set by close(): delayed releases go out at once
         self._watches: set[_StreamWatch] = set()  # decode streams in flight, told when a drain starts
         self.worker_limits: dict[str, int] = {}  # engine worker address -> the max_model_len it reported
-        self._limit_asks: set[asyncio.Task[None]] = set()  # GetInfo calls to workers that have not answered yet
+        self._limit_asks: dict[str, asyncio.Task[None]] = {}  # worker -> its GetInfo call, until it answers
+        self._limits_changed = asyncio.Event()  # a worker reported, stopped being asked, or joined
+        self._asking = False  # start() asks every worker for its limits, and from then on every new one
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -236,9 +250,49 @@ class Router:
         """The router's (traced) channel to a worker, e.g. for health checks."""
         return self._channel(address)
 
+    def pods(self, stage: str) -> list[str]:
+        """The worker addresses of "prefill" or "decode": those getting requests, then those draining."""
+        pool = self._pool(stage)
+        return sorted(pool.workers) + sorted(pool.draining)
+
+    def draining_pods(self) -> set[str]:
+        """Workers gone from discovery whose calls are still running."""
+        return set(self.prefill_pool.draining) | set(self.decode_pool.draining)
+
+    def _pool(self, stage: str) -> WorkerPool:
+        return self.prefill_pool if stage == "prefill" else self.decode_pool
+
+    def _pods_changed(self, stage: str, change: Change) -> None:
+        """Discovery found pods that came or went: new ones get requests (and are asked for their limits),
+        gone ones get none and drain."""
+        pool = self._pool(stage)
+        for address in change.added:
+            pool.add(address)
+            if self._asking:
+                self._ask(stage, address)
+        for address in change.removed:
+            task = self._limit_asks.pop(address, None)
+            if task is not None:
+                task.cancel()
+            self.worker_limits.pop(address, None)
+            pool.remove(address)
+        self._limits_changed.set()
+
+    def _close_channel(self, address: str) -> None:
+        """A removed worker has drained: close its channel (in the background; close() waits for it)."""
+        channel = self._channels.pop(address, None)
+        if channel is None:
+            return
+        log.info("worker %s drained: closing its channel", address)
+        task = asyncio.ensure_future(channel.close())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def start(self) -> None:
-        """Learn the vocabulary size from the tokenizer service (waits for it to come up) and the context limit
-        from the engine workers (_learn_max_model_len)."""
+        """Find the workers' pods (and keep finding them), learn the vocabulary size from the tokenizer service
+        (waits for it to come up) and the context limit from the engine workers (_learn_max_model_len)."""
+        await self.discovery.refresh()
+        self.discovery.start()
         stub = tokenizer_pb2_grpc.TokenizerStub(self._channel(self.config.tokenizer_address))
         info = await stub.GetInfo(tokenizer_pb2.GetInfoRequest(), wait_for_ready=True, timeout=60)
         self.vocab_size = info.vocab_size
@@ -252,23 +306,36 @@ class Router:
         a worker still silent is asked on in the background and lowers the limit when it answers.
         """
         c = self.config
-        decode = [self._ask("decode", address) for address in c.decode_addresses]
-        prefill = [self._ask("prefill", address) for address in c.prefill_addresses]
-        waiting = set(decode)
-        while waiting and not any(address in self.worker_limits for address in c.decode_addresses):
-            _, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        silent = [task for task in decode + prefill if not task.done()]
+        self._asking = True
+        for stage in ("decode", "prefill"):
+            for address in self._pool(stage).workers:
+                self._ask(stage, address)
+        if not self.decode_pool.workers:
+            log.warning("router: no decode worker yet (%s): waiting for one", ", ".join(c.decode_addresses))
+        while not any(address in self.worker_limits for address in self.decode_pool.workers):
+            if self.decode_pool.workers and not any(address in self._limit_asks for address in self.decode_pool.workers):
+                break  # every decode worker answered without a limit
+            self._limits_changed.clear()
+            await self._limits_changed.wait()
+        silent = list(self._limit_asks.values())
         if silent:
             await asyncio.wait(silent, timeout=c.worker_info_wait_s)
-        missing = [a for a in c.decode_addresses + c.prefill_addresses if a not in self.worker_limits]
+        missing = [a for stage in ("decode", "prefill") for a in self._pool(stage).workers if a not in self.worker_limits]
         log.info("router: max_model_len %d (workers report %s)%s", c.max_model_len, self.worker_limits,
                  f"; not reported yet: {missing}" if missing else "")
 
-    def _ask(self, stage: str, address: str) -> asyncio.Task[None]:
+    def _ask(self, stage: str, address: str) -> None:
+        if address in self._limit_asks or address in self.worker_limits:
+            return
         task = asyncio.ensure_future(self._ask_limit(stage, address))
-        self._limit_asks.add(task)
-        task.add_done_callback(self._limit_asks.discard)
-        return task
+        self._limit_asks[address] = task
+
+        def done(_: asyncio.Task[None]) -> None:
+            if self._limit_asks.get(address) is task:
+                del self._limit_asks[address]
+            self._limits_changed.set()
+
+        task.add_done_callback(done)
 
     async def _ask_limit(self, stage: str, address: str) -> None:
         """Ask one engine worker for its limits until it answers (waiting for it to come up)."""
@@ -300,9 +367,11 @@ class Router:
 
     async def close(self) -> None:
         self._closing.set()
-        for task in list(self._limit_asks):
+        await self.discovery.close()
+        asks = list(self._limit_asks.values())
+        for task in asks:
             task.cancel()
-        await asyncio.gather(*self._limit_asks, return_exceptions=True)
+        await asyncio.gather(*asks, return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
         for channel in self._channels.values():
             await channel.close()
@@ -445,7 +514,7 @@ class Router:
         self, prep: PreparedRequest, progress: _Progress
     ) -> AsyncIterator[tuple[list[int], list[common_pb2.TokenLogprob], int, common_pb2.ErrorDetail | None]]:
         """Yields (token ids, logprobs, finish reason or 0, error detail) until a finish reason."""
-        use_prefill = bool(self.config.prefill_addresses) and len(prep.prompt_ids) >= self.config.local_prefill_threshold
+        use_prefill = bool(self.prefill_pool.workers) and len(prep.prompt_ids) >= self.config.local_prefill_threshold
         self.metrics.queue_time.observe(time.monotonic() - prep.arrived)
         resp: prefill_pb2.PrefillResponse | None = None
         if use_prefill:

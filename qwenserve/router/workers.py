@@ -1,10 +1,14 @@
-"""Which worker gets a request: least outstanding work, prefix affinity, and a circuit breaker."""
+"""Which worker gets a request: least outstanding work, prefix affinity, and a circuit breaker.
+
+Workers come and go (pods found by discovery.py): a removed worker gets no new requests at once, and
+drains: once its last outstanding call has finished, `on_drained(address)` says its channel can close.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -22,6 +26,7 @@ class Worker:
     outstanding_tokens: int = 0
     consecutive_failures: int = 0
     broken_until: float = 0.0
+    draining: bool = False  # removed from the pool: finishing its calls, getting no new ones
 
     def available(self, now: float) -> bool:
         return now >= self.broken_until
@@ -41,10 +46,34 @@ class WorkerPool:
     break_seconds: float = 5.0
     affinity_tokens: int = 64
     affinity_slack: int = 2
-    workers: dict[str, Worker] = field(init=False)
+    # Called with a removed worker's address once it has no outstanding calls left.
+    on_drained: Callable[[str], None] | None = None
+    workers: dict[str, Worker] = field(init=False)  # the ones that get new requests
+    draining: dict[str, Worker] = field(init=False, default_factory=dict)  # removed, calls still running
 
     def __post_init__(self) -> None:
         self.workers = {a: Worker(a) for a in self.addresses}
+
+    def add(self, address: str) -> Worker:
+        """A new worker (or one removed and back before it drained, with its calls and failures as they are)."""
+        worker = self.workers.get(address) or self.draining.pop(address, None) or Worker(address)
+        worker.draining = False
+        self.workers[address] = worker
+        return worker
+
+    def remove(self, address: str) -> None:
+        """Send the worker no new requests; it drains (on_drained now if it is idle already)."""
+        worker = self.workers.pop(address, None)
+        if worker is None:
+            return
+        worker.draining = True
+        self.draining[address] = worker
+        self._drained_if_idle(worker)
+
+    def _drained_if_idle(self, worker: Worker) -> None:
+        if worker.draining and worker.outstanding == 0 and self.draining.pop(worker.address, None) is not None:
+            if self.on_drained is not None:
+                self.on_drained(worker.address)
 
     def choose(self, prompt_ids: Sequence[int] = (), exclude: Iterable[str] = ()) -> Worker:
         """The worker for this request; raises NoWorkerAvailable when none is left."""
@@ -75,10 +104,11 @@ class WorkerPool:
         worker.outstanding_tokens = max(0, worker.outstanding_tokens - tokens)
         if not failed:
             worker.consecutive_failures = 0
-            return
-        worker.consecutive_failures += 1
-        if worker.consecutive_failures >= self.failure_threshold:
-            worker.broken_until = time.monotonic() + self.break_seconds
+        else:
+            worker.consecutive_failures += 1
+            if worker.consecutive_failures >= self.failure_threshold:
+                worker.broken_until = time.monotonic() + self.break_seconds
+        self._drained_if_idle(worker)
 
     def mark_dead(self, worker: Worker) -> None:
         """The worker is unreachable: stop sending it work for a while."""

@@ -36,9 +36,10 @@ class RouterServiceConfig(StageConfig):
         None, help="longest request, prompt + output tokens, as the engines' --max-model-len (default: the model's)")
     tokenizer: str = option("127.0.0.1:50051", help="tokenizer service address")
     prefill: list[str] = option(default_factory=list, type=address_list,
-                                help="prefill workers, comma-separated host:port")
+                                help="prefill workers, comma-separated host:port (a name: each pod it resolves to)")
     decode: list[str] = option(default_factory=list, type=address_list,
-                               help="decode workers, comma-separated host:port (at least one)")
+                               help="decode workers, comma-separated host:port (a name: each pod it resolves to; "
+                                    "at least one)")
     local_prefill_threshold: int = option(
         0, help="prompts shorter than this many tokens are prefilled on the decode worker")
     connect_timeout_s: float = option(
@@ -46,6 +47,8 @@ class RouterServiceConfig(StageConfig):
     prefill_timeout_s: float = option(300.0, help="deadline of one prefill call when the request has none sooner")
     stall_timeout_s: float = option(
         30.0, help="a decode stream silent this long (first token included) fails over to another worker")
+    resolve_interval_s: float = option(
+        5.0, help="how often --prefill / --decode names (a headless Service) are resolved again to their pods")
     tokenizer_metrics: str = option("", help="the tokenizer's metrics host:port (for status)")
     prefill_metrics: list[str] = option(default_factory=list, type=address_list,
                                         help="prefill workers' metrics host:port, as --prefill")

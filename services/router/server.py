@@ -4,7 +4,9 @@
 RouterServiceConfig's (`config.py`).
 
 `--tokenizer-metrics`, `--prefill-metrics`, `--decode-metrics` (the stages' Prometheus host:port,
-in the same order as their gRPC addresses) let `GetStatus` / `qwen-serve status` show their load.
+in the same order as their gRPC addresses; for a name, each of its pods at that port) let `GetStatus` /
+`qwen-serve status` show their load. A name among `--prefill` / `--decode` stands for every pod it resolves
+to, re-resolved every `--resolve-interval-s` (qwenserve/router/discovery.py); status lists every pod.
 
 When API keys are configured, every RPC needs one: `ListModels` and `GetStatus` as much as
 `Generate`. `GetStatus` names every worker's address, so only callers the deployment trusts (any
@@ -25,6 +27,7 @@ from prometheus_client import Gauge
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.router import grpc_front
 from qwenserve.router.admission import Gatekeeper, api_key_from_grpc_metadata
+from qwenserve.router.discovery import metrics_address
 from qwenserve.router.errors import RouterError
 from qwenserve.router.front import close_gatekeeper, make_gatekeeper, start_http_front
 from qwenserve.router.generation import Router, RouterConfig
@@ -92,19 +95,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             tokens_per_second=self.metrics.completion_rate.per_second(),
         )
         stages = [("tokenizer", c.tokenizer, c.tokenizer_metrics)]
-        stages += [("prefill", a, _at(c.prefill_metrics, i)) for i, a in enumerate(c.prefill)]
-        stages += [("decode", a, _at(c.decode_metrics, i)) for i, a in enumerate(c.decode)]
+        # Every pod of every engine stage (a name stands for the pods it resolves to), draining ones too.
+        for stage, entries, metrics in (("prefill", c.prefill, c.prefill_metrics), ("decode", c.decode, c.decode_metrics)):
+            stages += [(stage, pod, metrics_address(pod, entries, metrics)) for pod in self.router.pods(stage)]
         rows = await asyncio.gather(*(
             probe_stage(stage, address, self.router.channel(address), metrics) for stage, address, metrics in stages
         ))
         me.max_model_len = self.router.config.max_model_len
+        draining = self.router.draining_pods()
         for row in rows:
             row.max_model_len = self.router.worker_limits.get(row.address, 0)
+            if row.address in draining:
+                row.state = "DRAINING"
         return router_pb2.GetStatusResponse(stages=[me, *rows])
-
-
-def _at(items: list[str], index: int) -> str:
-    return items[index] if index < len(items) else ""
 
 
 def _gauge_value(gauge: Gauge) -> float:
@@ -132,7 +135,7 @@ async def run(config: RouterServiceConfig) -> None:
             model_name=config.model_name or folder_name, max_model_len=config.max_model_len or max_model_len,
             local_prefill_threshold=config.local_prefill_threshold,
             connect_timeout_s=config.connect_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
-            stall_timeout_s=config.stall_timeout_s,
+            stall_timeout_s=config.stall_timeout_s, resolve_interval_s=config.resolve_interval_s,
         ),
         lambda skip: IncrementalDetokenizer(tokenizer, skip_special_tokens=skip),
         metrics,

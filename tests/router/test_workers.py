@@ -48,3 +48,47 @@ def test_success_resets_the_failure_count() -> None:
     pool.finished(a, 0, failed=False)
     pool.finished(a, 0, failed=True)
     assert pool.choose().address == "a"
+
+
+def test_an_added_worker_is_chosen_and_a_removed_one_is_not() -> None:
+    pool = WorkerPool(["a"])
+    pool.started(pool.workers["a"], 1)
+    pool.add("b")
+    assert pool.choose().address == "b"
+    pool.remove("b")
+    assert pool.choose().address == "a"
+    with pytest.raises(NoWorkerAvailable):
+        pool.choose(exclude=["a"])
+
+
+def test_a_removed_worker_drains_its_calls_before_it_is_reported_drained() -> None:
+    drained: list[str] = []
+    pool = WorkerPool(["a", "b"], on_drained=drained.append)
+    b = pool.workers["b"]
+    pool.started(b, 5)
+    pool.started(b, 5)
+    pool.remove("b")
+    assert b.draining and "b" not in pool.workers and drained == []
+    pool.finished(b, 5, failed=False)
+    assert drained == []
+    pool.finished(b, 5, failed=True)  # how its last call ended does not matter
+    assert drained == ["b"] and not pool.draining
+
+
+def test_an_idle_worker_is_drained_as_it_is_removed_and_unknown_ones_are_ignored() -> None:
+    drained: list[str] = []
+    pool = WorkerPool(["a"], on_drained=drained.append)
+    pool.remove("a")
+    pool.remove("nobody")
+    assert drained == ["a"] and not pool.workers
+
+
+def test_a_worker_back_before_it_drained_keeps_its_calls_and_is_not_reported_drained() -> None:
+    drained: list[str] = []
+    pool = WorkerPool(["a"], on_drained=drained.append)
+    a = pool.workers["a"]
+    pool.started(a, 3)
+    pool.remove("a")
+    assert pool.add("a") is a and not a.draining and a.outstanding == 1
+    pool.finished(a, 3, failed=False)
+    assert drained == [] and pool.choose().address == "a"
