@@ -80,14 +80,17 @@ def main(argv: list[str] | None = None) -> int:
 def _precheck(stage: str, argv: list[str]) -> int | None:
     """Parse a stage's flags and check its host (model folder, ports, key files) with its light config module,
     before the server module imports torch: a mistake is one line within a second. None: go ahead."""
+    import logging
+
     from qwenserve.preflight import StartupError, one_line
+    from qwenserve.telemetry.logs import console
 
     config_module = importlib.import_module(f"qwenserve_services.{stage}.config")
     config = config_module.parse_config(argv)  # exits with one line on a bad flag
     try:
         config_module.check(config)
     except StartupError as e:
-        print(f"{stage}: cannot start: {one_line(e)}", file=sys.stderr, flush=True)
+        console("%s: cannot start: %s", stage, one_line(e), level=logging.ERROR, stderr=True)
         return 1
     return None
 

@@ -191,7 +191,8 @@ class StrictParser(argparse.ArgumentParser):
                         yield from sub.known_flags()
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}\n")
+        _console_error("%s: %s", self.prog, message)
+        raise SystemExit(2)
 
 
 def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, *, default: Any = None,
@@ -259,7 +260,7 @@ def _fail(parser: argparse.ArgumentParser | argparse._ArgumentGroup, message: st
     owner = getattr(parser, "error", None)
     if owner is not None:
         owner(message)
-    print(message, file=sys.stderr)
+    _console_error("%s", message)
     raise SystemExit(2)
 
 
@@ -360,6 +361,18 @@ def print_config(component: str, config: object) -> None:
 
     body = " ".join(f"{k}={v}" for k, v in _printable(config).items())
     console("%s config: %s", component, body, stderr=True)
+
+
+def _console_error(message: str, *args: object) -> None:
+    """One error line on stderr: the bare text, or a JSON record under JSON logs."""
+    import logging
+
+    from qwenserve.telemetry.logs import console, json_logs_requested  # here: importing the flags stays cheap
+
+    if json_logs_requested():
+        console(message, *args, level=logging.ERROR, stderr=True)
+    else:  # the parse errors of a process whose logging is not set up yet: plain text, to stderr as it is now
+        print(message % args, file=sys.stderr, flush=True)
 
 
 def _printable(config: object) -> dict[str, Any]:
