@@ -42,11 +42,12 @@ class Runtime:
         return self.reconciler
 
 
-def login(settings: kopf.OperatorSettings, fixed: kopf.ConnectionInfo | None) -> kopf.ConnectionInfo | None:
-    """In-cluster service account first, then kubeconfig; `fixed` (tests) wins."""
+def login(settings: kopf.OperatorSettings, logger: kopf.Logger,
+          fixed: kopf.ConnectionInfo | None) -> kopf.ConnectionInfo | None:
+    """The `kubernetes` library's credentials (service account first, then kubeconfig); `fixed` (tests) wins."""
     if fixed is not None:
         return fixed
-    return kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+    return kopf.login_via_client(settings=settings, logger=logger)
 
 
 def make_registry(config: OperatorConfig, connection: kopf.ConnectionInfo | None = None) -> kopf.OperatorRegistry:
@@ -56,8 +57,8 @@ def make_registry(config: OperatorConfig, connection: kopf.ConnectionInfo | None
     crd = (GROUP, VERSION, PLURAL)
 
     @kopf.on.login(registry=registry)
-    def on_login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
-        runtime.connection = login(settings, connection)
+    def on_login(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> kopf.ConnectionInfo | None:
+        runtime.connection = login(settings, logger, connection)
         return runtime.connection
 
     @kopf.on.startup(registry=registry)

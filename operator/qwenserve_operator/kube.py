@@ -1,119 +1,100 @@
-"""A small async Kubernetes client for the operator's own calls (children, status, pods).
+"""The operator's own Kubernetes calls (children, status, pods) through the official `kubernetes` client.
 
-kopf watches and patches the QwenDeployments itself; the operator's reconciler needs a handful of
-plain REST calls more. It uses the same credentials kopf logged in with (`kopf.ConnectionInfo`),
-so there is one place that knows how to reach the cluster.
+kopf watches and patches the QwenDeployments itself; the reconciler needs a handful of plain calls
+more. Both use one set of credentials: the `kopf.ConnectionInfo` the operator logged in with, which
+`handlers.login` gets from the `kubernetes` library's own loaders (service account, then kubeconfig;
+the library keeps any certificate files a kubeconfig inlines and removes them at exit). The library
+is synchronous, so every call runs in a worker thread; answers stay plain JSON dicts.
 """
 
 from __future__ import annotations
 
-import base64
+import asyncio
+import json
 import os
-import ssl
-import tempfile
+from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 import kopf
+from kubernetes import client
 
-# kind -> (API prefix, plural) for every kind the operator touches.
-RESOURCES: dict[str, tuple[str, str]] = {
-    "ConfigMap": ("/api/v1", "configmaps"),
-    "Service": ("/api/v1", "services"),
-    "Pod": ("/api/v1", "pods"),
-    "Deployment": ("/apis/apps/v1", "deployments"),
-    "QwenDeployment": ("/apis/qwenserve.io/v1alpha1", "qwendeployments"),
+from qwenserve_operator.crd import GROUP, KIND, PLURAL, VERSION
+
+TIMEOUT_SECONDS = 30
+MERGE_PATCH = "application/merge-patch+json"
+
+# kind -> (typed API, the name its methods use) for every built-in kind the operator touches.
+BUILTIN: dict[str, tuple[type, str]] = {
+    "ConfigMap": (client.CoreV1Api, "config_map"),
+    "Service": (client.CoreV1Api, "service"),
+    "Pod": (client.CoreV1Api, "pod"),
+    "Deployment": (client.AppsV1Api, "deployment"),
+    "NetworkPolicy": (client.NetworkingV1Api, "network_policy"),
 }
 
 
 class KubeError(Exception):
-    """An API call failed; `status` is the HTTP status."""
+    """An API call failed; `status` is the HTTP status (0 when no answer came)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"Kubernetes API {status}: {message}")
         self.status = status
 
 
-def resource_path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
-    """The REST path of a namespaced object (or of its collection when name is None)."""
-    prefix, plural = RESOURCES[kind]
-    path = f"{prefix}/namespaces/{namespace}/{plural}"
-    if name is not None:
-        path += f"/{name}"
-    if subresource is not None:
-        path += f"/{subresource}"
-    return path
+def configuration(info: kopf.ConnectionInfo) -> client.Configuration:
+    """The client library's settings for the credentials kopf logged in with."""
+    if info.ca_data or info.certificate_data or info.private_key_data:
+        raise KubeError(0, "certificates must be given as files (ca_path, certificate_path, private_key_path)")
+    config = client.Configuration(host=info.server.rstrip("/"))
+    config.verify_ssl = not info.insecure
+    config.ssl_ca_cert = os.fsdecode(info.ca_path) if info.ca_path else None
+    config.cert_file = os.fsdecode(info.certificate_path) if info.certificate_path else None
+    config.key_file = os.fsdecode(info.private_key_path) if info.private_key_path else None
+    if info.token:
+        config.api_key["authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
+    return config
 
 
-def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
-    if info.insecure:
-        return False
-    context = ssl.create_default_context()
-    if info.ca_path:
-        context.load_verify_locations(cafile=os.fsdecode(info.ca_path))
-    elif info.ca_data:
-        data = info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data
-        context.load_verify_locations(cadata=data if "BEGIN" in data else base64.b64decode(data).decode())
-    if info.certificate_path or info.certificate_data:
-        context.load_cert_chain(*_client_cert_files(info))
-    return context
-
-
-def _client_cert_files(info: kopf.ConnectionInfo) -> tuple[str, str]:
-    # ssl wants files; kubeconfig may carry the key pair inline.
-    def as_file(path: Any, data: Any) -> str:
-        if path:
-            return os.fsdecode(path)
-        raw = data if isinstance(data, bytes) else data.encode()
-        raw = raw if b"BEGIN" in raw else base64.b64decode(raw)
-        handle = tempfile.NamedTemporaryFile(delete=False, suffix=".pem")
-        handle.write(raw)
-        handle.close()
-        return handle.name
-
-    return (as_file(info.certificate_path, info.certificate_data),
-            as_file(info.private_key_path, info.private_key_data))
+def _message(exc: client.ApiException) -> str:
+    try:
+        return str(json.loads(exc.body or "")["message"])
+    except (ValueError, KeyError, TypeError):
+        return exc.reason or "error"
 
 
 class KubeClient:
     """JSON in, JSON out; raises KubeError on any non-2xx answer."""
 
     def __init__(self, info: kopf.ConnectionInfo) -> None:
-        self.info = info
-        self._session: aiohttp.ClientSession | None = None
+        self.api = client.ApiClient(configuration(info))
         self._closed = False
 
-    def _headers(self) -> dict[str, str]:
-        headers = {"Accept": "application/json"}
-        if self.info.token:
-            headers["Authorization"] = f"{self.info.scheme or 'Bearer'} {self.info.token}"
-        return headers
+    def _method(self, verb: str, kind: str, subresource: str | None) -> tuple[Callable[..., Any], dict[str, str]]:
+        suffix = f"_{subresource}" if subresource else ""
+        if kind == KIND:
+            custom = client.CustomObjectsApi(self.api)
+            method = getattr(custom, f"{'get' if verb == 'read' else verb}_namespaced_custom_object{suffix}")
+            return method, {"group": GROUP, "version": VERSION, "plural": PLURAL}
+        api, noun = BUILTIN[kind]
+        return getattr(api(self.api), f"{verb}_namespaced_{noun}{suffix}"), {}
 
-    async def _request(self, method: str, path: str, body: Any = None,
-                       content_type: str = "application/json",
-                       params: dict[str, str] | None = None) -> dict[str, Any]:
+    async def _call(self, verb: str, kind: str, subresource: str | None = None, **arguments: Any) -> dict[str, Any]:
         if self._closed:
             raise KubeError(0, "the client is closed (the operator is stopping)")
-        if self._session is None:
-            auth = aiohttp.BasicAuth(self.info.username, self.info.password or "") if self.info.username else None
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=_ssl_context(self.info)),
-                auth=auth, timeout=aiohttp.ClientTimeout(total=30))
-        headers = self._headers()
-        if body is not None:
-            headers["Content-Type"] = content_type
-        url = self.info.server.rstrip("/") + path
-        async with self._session.request(method, url, json=body, headers=headers, params=params) as response:
-            payload = await response.json(content_type=None) if response.content_length != 0 else {}
-            if response.status >= 400:
-                message = payload.get("message") if isinstance(payload, dict) else None
-                raise KubeError(response.status, message or response.reason or "error")
-            return payload or {}
+        method, fixed = self._method(verb, kind, subresource)
+        try:
+            response = await asyncio.to_thread(method, **fixed, **arguments, _preload_content=False,
+                                               _request_timeout=TIMEOUT_SECONDS)
+        except client.ApiException as exc:
+            raise KubeError(exc.status or 0, _message(exc)) from exc
+        except ValueError as exc:  # the library's own schema refused a manifest before sending it
+            raise KubeError(422, f"{kind} refused by the client's schema: {' '.join(str(exc).split())}") from exc
+        return json.loads(response.data or b"{}")
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
         try:
-            return await self._request("GET", resource_path(kind, namespace, name))
+            return await self._call("read", kind, namespace=namespace, name=name)
         except KubeError as exc:
             if exc.status == 404:
                 return None
@@ -122,25 +103,23 @@ class KubeClient:
     async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         """Objects of a kind in a namespace carrying all of `labels`."""
         selector = ",".join(f"{key}={value}" for key, value in labels.items())
-        answer = await self._request("GET", resource_path(kind, namespace), params={"labelSelector": selector})
+        answer = await self._call("list", kind, namespace=namespace, label_selector=selector)
         # Filtered again here: cheap, and a proxy or mock that ignores the selector cannot mislead us.
         return [item for item in answer.get("items") or []
                 if labels.items() <= ((item.get("metadata") or {}).get("labels") or {}).items()]
 
     async def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Create an object from its manifest."""
-        meta = manifest["metadata"]
-        return await self._request("POST", resource_path(manifest["kind"], meta["namespace"]), manifest)
+        return await self._call("create", manifest["kind"], namespace=manifest["metadata"]["namespace"],
+                                body=manifest)
 
     async def merge_patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any],
                           subresource: str | None = None) -> dict[str, Any]:
         """An RFC 7386 merge patch (lists are replaced whole, which is what a desired state wants)."""
-        return await self._request("PATCH", resource_path(kind, namespace, name, subresource), patch,
-                                   "application/merge-patch+json")
+        return await self._call("patch", kind, subresource, namespace=namespace, name=name, body=patch,
+                                _content_type=MERGE_PATCH)
 
     async def close(self) -> None:
-        """Close the HTTP session; later calls fail instead of opening a new one."""
+        """Close the connection pool; later calls fail instead of opening a new one."""
         self._closed = True
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self.api.close()
