@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tokens": ("qwenserve.tokenizer.cli:main", "count or show the tokens of a file"),
     "model": ("qwenserve.default_model:main", "write the built-in default checkpoint"),
     "operator": ("qwenserve_operator.main:main", "run the Kubernetes operator (kopf)"),
+    "dev-cluster": ("qwenserve.devcluster.cli:main", "the operator's pods as a cluster on this machine (root)"),
     "bench": ("qwenserve.loadgen:main", "load generator and SLO report"),
     "usage": ("qwenserve.tenancy.cli:main", "per-tenant usage (requests and tokens)"),
 }

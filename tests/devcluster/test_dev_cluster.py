@@ -1,0 +1,195 @@
+"""`qwen-serve dev-cluster`: the CPU example as a cluster on this machine, pods in their own network namespaces.
+
+Needs root and `ip netns`; skipped with the reason otherwise. One run of about a minute and a half: up,
+a completion through the router pod from the host, every pod at its own IP, decode scaled to 2, and a
+teardown that leaves no namespace, link, process or shared-memory segment behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+PREFIX = "qs-"
+SUBNET_PREFIX = "10.213.0."
+
+
+def _netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and a bridge)"
+    probe = subprocess.run(["ip", "netns", "add", "qsprobe-permission"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"`ip netns add` is not permitted here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "qsprobe-permission"], capture_output=True)
+    return None
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+if (reason := _netns_unavailable()) is not None:
+    pytestmark.append(pytest.mark.skip(reason=reason))
+
+
+def _ours() -> dict[str, list[str]]:
+    """What a dev-cluster run makes, found by name: namespaces, links, /etc/netns folders."""
+    netns = [line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                         text=True).stdout.splitlines() if line.strip()]
+    links = [line.split(":")[1].strip().split("@")[0] for line in subprocess.run(
+        ["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.splitlines()]
+    etc = [p.name for p in Path("/etc/netns").iterdir()] if Path("/etc/netns").is_dir() else []
+    return {kind: [n for n in names if n.startswith(PREFIX)]
+            for kind, names in (("netns", netns), ("links", links), ("etc", etc))}
+
+
+class DevCluster:
+    """`qwen-serve dev-cluster up` as a subprocess, its stdout lines in a queue."""
+
+    def __init__(self, spec_file: Path, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str] = queue.Queue()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "qwenserve.cli", "dev-cluster", "--state-dir", str(state_dir), "up",
+             "-f", str(spec_file), "--ready-timeout", "240"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._queue.put(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        """The first line (since the last call) matching `pattern`; fails with the output on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+                continue
+            self.lines.append(line)
+            if match := re.search(pattern, line):
+                return match
+        raise AssertionError(f"no line matching {pattern!r}; output:\n" + "\n".join(self.lines[-60:]))
+
+    def api(self, path: str) -> Any:
+        state = json.loads((self.state_dir / "state.json").read_text())
+        with urllib.request.urlopen(state["api"] + path, timeout=10) as response:
+            return json.load(response)
+
+    def pods(self, stage: str) -> list[dict[str, Any]]:
+        items = self.api("/api/v1/namespaces/default/pods")["items"]
+        return [p for p in items if p["metadata"]["labels"].get("qwenserve.io/stage") == stage]
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        while not self._queue.empty():
+            self.lines.append(self._queue.get())
+        return code
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def _complete(http: str, prompt: str) -> dict[str, Any]:
+    body = json.dumps({"model": "Qwen/Qwen3-0.6B", "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{http}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.status == 200
+        return json.load(response)
+
+
+def _metric(ip: str, name: str) -> float:
+    with urllib.request.urlopen(f"http://{ip}:9090/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name)]
+    return sum(values)
+
+
+@pytest.fixture
+def spec_file(tmp_path: Path) -> Path:
+    """The CPU example with 1 pod per stage and a small KV cache (CPU and memory are scarce in CI)."""
+    body = yaml.safe_load((REPO / "examples" / "qwendeployment-cpu.yaml").read_text())
+    for stage in ("tokenizer", "prefill", "decode", "router"):
+        body["spec"]["stages"][stage]["replicas"] = 1
+    for stage in ("prefill", "decode"):
+        body["spec"]["stages"][stage]["env"] = [{"name": "QWENSERVE_KV_CACHE_GB", "value": "0.25"}]
+    path = tmp_path / "qwendeployment.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def test_cpu_example_serves_from_pods_with_their_own_ips_scales_decode_and_leaves_nothing_behind(
+        spec_file: Path, tmp_path: Path) -> None:
+    assert not any(_ours().values()), f"a dev-cluster is running or left things behind: {_ours()}"
+    shm_before = set(os.listdir("/dev/shm"))
+    cluster = DevCluster(spec_file, tmp_path / "state")
+    try:
+        ready = cluster.wait_for(r"ready http=(\S+) grpc=(\S+)", timeout=300)
+        http, grpc_address = ready.group(1), ready.group(2)
+        assert http.startswith(f"http://{SUBNET_PREFIX}") and grpc_address.startswith(SUBNET_PREFIX)
+
+        answer = _complete(http, "The capital of France is")
+        assert answer["usage"]["completion_tokens"] == 8
+
+        # Every pod has an IP of its own on the bridge and serves its own metrics there.
+        pods = {stage: cluster.pods(stage) for stage in ("tokenizer", "prefill", "decode", "router")}
+        ips = [p["status"]["podIP"] for stage_pods in pods.values() for p in stage_pods]
+        assert len(ips) == 4 and len(set(ips)) == 4 and all(ip.startswith(SUBNET_PREFIX) for ip in ips), ips
+        assert grpc_address.split(":")[0] == pods["router"][0]["status"]["podIP"]
+        for stage in ("prefill", "decode"):
+            steps = _metric(pods[stage][0]["status"]["podIP"], "qwenserve_engine_step_seconds_count")
+            assert steps > 0, f"{stage} at its own IP ran no engine step"
+
+        scaled = subprocess.run([sys.executable, "-m", "qwenserve.cli", "dev-cluster", "--state-dir",
+                                 str(tmp_path / "state"), "scale", "decode", "2"],
+                                cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert scaled.returncode == 0, scaled.stderr
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            decode = cluster.pods("decode")
+            if len(decode) == 2 and all(_ready(p) for p in decode):
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"decode did not reach 2 ready pods: {cluster.pods('decode')}")
+        decode_ips = {p["status"]["podIP"] for p in decode}
+        others = {p["status"]["podIP"] for stage in ("tokenizer", "prefill", "router") for p in pods[stage]}
+        assert len(decode_ips) == 2 and decode_ips.isdisjoint(others), (decode_ips, others)
+        assert _complete(http, "Another prompt")["usage"]["completion_tokens"] == 8
+    finally:
+        code = cluster.stop()
+    started = [int(m) for line in cluster.lines for m in re.findall(r"started pid (\d+)", line)]
+    assert len(started) >= 5, cluster.lines
+    assert code == 0, "\n".join(cluster.lines[-40:])
+    assert "dev-cluster: cleaned up" in cluster.lines
+    assert not any(_ours().values()), _ours()
+    for pid in started:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
+    new_shm = set(os.listdir("/dev/shm")) - shm_before
+    assert not [name for name in new_shm if any(f"-{pid}-" in name for pid in started)], new_shm
+    assert not (tmp_path / "state" / "node-shm").exists()
