@@ -74,15 +74,14 @@ def diff(old: Collection[str], new: Collection[str]) -> Change:
     return Change(tuple(sorted(set(new) - set(old))), tuple(sorted(set(old) - set(new))))
 
 
-def pods_of(targets: Iterable[Target], resolved: Mapping[str, Sequence[str]]) -> set[str]:
-    """Every pod address of a stage: literal entries as they are, names as the IPs `resolved` maps them to."""
-    pods: set[str] = set()
+def pods_of(targets: Iterable[Target], resolved: Mapping[str, Sequence[str]]) -> list[str]:
+    """Every pod address of a stage, in the order of its entries: literal entries as they are, names as the IPs
+    `resolved` maps them to."""
+    pods: dict[str, None] = {}  # ordered, without repeats
     for target in targets:
-        if target.literal:
-            pods.add(pod_address(target.host, target.port))
-        else:
-            pods.update(pod_address(ip, target.port) for ip in resolved.get(target.entry, ()))
-    return pods
+        ips = [target.host] if target.literal else resolved.get(target.entry, ())
+        pods.update(dict.fromkeys(pod_address(ip, target.port) for ip in ips))
+    return list(pods)
 
 
 def metrics_address(pod: str, entries: Sequence[str], metrics: Sequence[str]) -> str:
@@ -144,7 +143,7 @@ class PodDiscovery:
             change = diff(self.pods[stage], new)
             self.pods[stage] = new
             if change:
-                log.info("%s pods: %s (added %s, removed %s)", stage, sorted(new), list(change.added),
+                log.info("%s pods: %s (added %s, removed %s)", stage, new, list(change.added),
                          list(change.removed))
                 self.on_change(stage, change)
 

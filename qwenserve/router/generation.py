@@ -165,8 +165,8 @@ class Router:
             self._pods_changed, resolver, config.resolve_interval_s,
         )
         # Literal addresses are workers from the start; the pods of names join at start().
-        self.prefill_pool = WorkerPool(sorted(self.discovery.pods["prefill"]), on_drained=self._close_channel)
-        self.decode_pool = WorkerPool(sorted(self.discovery.pods["decode"]), on_drained=self._close_channel)
+        self.prefill_pool = WorkerPool(self.discovery.pods["prefill"], on_drained=self._close_channel)
+        self.decode_pool = WorkerPool(self.discovery.pods["decode"], on_drained=self._close_channel)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.vocab_size = 0
         self.metrics = metrics if metrics is not None else router_metrics(CollectorRegistry())
@@ -251,9 +251,10 @@ class Router:
         return self._channel(address)
 
     def pods(self, stage: str) -> list[str]:
-        """The worker addresses of "prefill" or "decode": those getting requests, then those draining."""
+        """The worker addresses of "prefill" or "decode" (in the order they came): those getting requests, then
+        those draining."""
         pool = self._pool(stage)
-        return sorted(pool.workers) + sorted(pool.draining)
+        return [*pool.workers, *pool.draining]
 
     def draining_pods(self) -> set[str]:
         """Workers gone from discovery whose calls are still running."""

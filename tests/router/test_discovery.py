@@ -45,7 +45,8 @@ def test_an_entry_without_host_and_port_is_refused_by_name(entry: str) -> None:
 def test_a_stage_has_its_literal_pods_and_every_address_of_its_names() -> None:
     targets = [parse_target(e) for e in ("10.0.0.9:1", "decode:2", "other:3", "[fd00::1]:4")]
     resolved = {"decode:2": ["10.0.0.1", "fd00::2"], "other:3": []}
-    assert pods_of(targets, resolved) == {"10.0.0.9:1", "10.0.0.1:2", "[fd00::2]:2", "[fd00::1]:4"}
+    assert pods_of(targets, resolved) == ["10.0.0.9:1", "10.0.0.1:2", "[fd00::2]:2", "[fd00::1]:4"]
+    assert pods_of([parse_target("10.0.0.1:2"), parse_target("decode:2")], resolved) == ["10.0.0.1:2", "[fd00::2]:2"]
 
 
 def test_a_pods_metrics_are_its_own_entry_s_or_its_ip_at_the_name_s_metrics_port() -> None:
@@ -75,7 +76,7 @@ async def test_discovery_reports_each_change_and_a_failed_name_keeps_its_pods() 
     changes: list[tuple[str, Change]] = []
     discovery = PodDiscovery({"prefill": ["10.0.0.5:1"], "decode": ["decode:2"]},
                              lambda stage, change: changes.append((stage, change)), table)
-    assert discovery.pods == {"prefill": {"10.0.0.5:1"}, "decode": set()}
+    assert discovery.pods == {"prefill": ["10.0.0.5:1"], "decode": []}
     await discovery.refresh()
     assert changes == [("decode", Change(added=("10.0.0.1:2", "10.0.0.2:2")))]
     table.records["decode"] = ["10.0.0.2", "10.0.0.3"]
@@ -83,7 +84,7 @@ async def test_discovery_reports_each_change_and_a_failed_name_keeps_its_pods() 
     assert changes[1:] == [("decode", Change(added=("10.0.0.3:2",), removed=("10.0.0.1:2",)))]
     del table.records["decode"]
     await discovery.refresh()
-    assert len(changes) == 2 and discovery.pods["decode"] == {"10.0.0.2:2", "10.0.0.3:2"}
+    assert len(changes) == 2 and discovery.pods["decode"] == ["10.0.0.2:2", "10.0.0.3:2"]
     assert table.asked == ["decode"] * 3  # literal entries are never resolved
 
 
