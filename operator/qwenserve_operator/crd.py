@@ -202,10 +202,19 @@ def spec_schema() -> Schema:
         default={},
     )
     telemetry = _obj(
-        "Traces and logs.",
+        "Traces, logs and who may read metrics.",
         {
             "otlpEndpoint": _str("OTLP endpoint for traces; tracing is off when empty."),
             "logFormat": _str("Log line format.", enum=["plain", "json"], default="plain"),
+            "monitoringNamespaceSelector": _obj(
+                "Namespaces whose pods may scrape the stages' metrics ports (the NetworkPolicies' label "
+                "selector); {} admits every namespace.",
+                {
+                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "matchExpressions": {"type": "array", "items": _free_object("A label selector requirement.")},
+                },
+                default={"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            ),
         },
         default={},
     )

@@ -5,7 +5,8 @@ Every function takes the QwenDeployment (name, namespace, uid and a spec already
 
 Children of a QwenDeployment `NAME`:
 - one Deployment and one Service per stage, both named `NAME-<stage>`;
-- a ConfigMap `NAME-config` with the router's generated configuration.
+- a ConfigMap `NAME-config` with the router's generated configuration;
+- one NetworkPolicy per stage, also `NAME-<stage>` (see `network_policy`).
 
 How the router finds the workers: through the Services' DNS names, written into the ConfigMap
 (`QWENSERVE_TOKENIZER`, `QWENSERVE_PREFILL`, `QWENSERVE_DECODE`, read by the router as flags).
@@ -50,6 +51,11 @@ MANAGER = "qwen-serve-operator"
 STAGES_WITH_MODEL = ("tokenizer", "prefill", "decode", "router")  # the router detokenizes locally
 # The headless stages: the router resolves every pod behind them through DNS.
 HEADLESS_STAGES = ("tokenizer", "prefill", "decode")
+# Who calls each worker's gRPC port: the router calls all three; decode calls prefill's KVTransfer
+# (Fetch in network mode, Release in every mode), which prefill serves on its own gRPC port.
+GRPC_CALLERS = {"tokenizer": ("router",), "prefill": ("router", "decode"), "decode": ("router",)}
+# The chart's operator pods, which scrape every stage's metrics for the autoscaler.
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "qwen-serve", "app.kubernetes.io/component": "operator"}
 
 
 def child_name(name: str, stage: str) -> str:
@@ -401,6 +407,42 @@ def service(name: str, namespace: str, uid: str, stage: str, spec: Spec) -> Mani
     return {"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": svc_spec}
 
 
+def _pods_of(name: str, *stages: str) -> list[dict[str, Any]]:
+    return [{"podSelector": {"matchLabels": selector_labels(name, stage)}} for stage in stages]
+
+
+def network_policy(name: str, namespace: str, uid: str, stage: str, spec: Spec) -> Manifest:
+    """Who may reach one stage's pods; everything else is refused once a policy selects them.
+
+    The router's gRPC and HTTP ports are public. A worker's gRPC port admits only its callers of this
+    QwenDeployment (GRPC_CALLERS), so no other pod can call Prefill, Decode or KVTransfer.Fetch past the
+    router's keys and limits. Mooncake's Transfer Engine listens on ports it picks at start, so with it
+    decode may reach any prefill port. Metrics ports admit the monitoring namespaces
+    (spec.telemetry.monitoringNamespaceSelector), the operator's pods (autoscaling) and the router
+    (`qwen-serve status`). Kubelet probes come from the node, which NetworkPolicy implementations admit.
+    """
+    def tcp(*ports: int) -> list[dict[str, Any]]:
+        return [{"protocol": "TCP", "port": port} for port in ports]
+
+    if stage == "router":
+        rules: list[dict[str, Any]] = [{"ports": tcp(GRPC_PORTS[stage], HTTP_PORT)}]  # no `from`: anyone
+    else:
+        rules = [{"from": _pods_of(name, *GRPC_CALLERS[stage]), "ports": tcp(GRPC_PORTS[stage])}]
+    if stage == "prefill" and spec["kvTransfer"]["mode"] == "mooncake":
+        rules.append({"from": _pods_of(name, "decode")})
+    scrapers = [{"namespaceSelector": spec["telemetry"]["monitoringNamespaceSelector"]},
+                {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}},
+                *_pods_of(name, "router")]
+    rules.append({"from": scrapers, "ports": tcp(METRICS_PORT)})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(name, namespace, uid, child_name(name, stage), stage),
+        "spec": {"podSelector": {"matchLabels": selector_labels(name, stage)}, "policyTypes": ["Ingress"],
+                 "ingress": rules},
+    }
+
+
 def spec_replicas(spec: Spec, stage: str, autoscaled: dict[str, int] | None = None) -> int:
     """Replicas a stage should run: the autoscaler's value (within bounds) or `replicas` from the spec."""
     stage_spec = spec["stages"][stage]
@@ -412,10 +454,11 @@ def spec_replicas(spec: Spec, stage: str, autoscaled: dict[str, int] | None = No
 
 
 def children(name: str, namespace: str, uid: str, spec: Spec, replicas: dict[str, int]) -> list[Manifest]:
-    """Every child of the QwenDeployment, ConfigMap first (the router Deployment refers to it)."""
+    """Every child of the QwenDeployment: the ConfigMap first (the router Deployment refers to it), then
+    the NetworkPolicies (so no pod runs unprotected), then each stage's Service and Deployment."""
     config = config_map(name, namespace, uid, spec)
     digest = config_hash(config)
-    out = [config]
+    out = [config, *(network_policy(name, namespace, uid, stage, spec) for stage in STAGES)]
     for stage in STAGES:
         out.append(service(name, namespace, uid, stage, spec))
         out.append(deployment(name, namespace, uid, stage, spec, replicas[stage], digest))

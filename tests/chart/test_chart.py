@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from qwenserve_operator import crd
+from qwenserve_operator import crd, manifests
 
 K8S_VERSION = "1.37.0"
 CHART = Path(__file__).resolve().parents[2] / "charts/qwen-serve"
@@ -73,6 +73,13 @@ def test_rbac_is_least_privilege(render) -> None:
     assert verbs[("qwenserve.io", "qwendeployments/status")] == {"get", "patch"}
     assert verbs[("", "events")] == {"create"}
     assert verbs[("", "pods")] == {"get", "list"}
+    assert verbs[("networking.k8s.io", "networkpolicies")] == {"get", "create", "patch"}
+    assert verbs[("apps", "deployments")] >= {"get", "create", "patch"}
+
+
+def test_the_stages_network_policies_admit_the_operator_pods_to_the_metrics_ports(render) -> None:
+    operator = next(d for d in render() if d["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert manifests.OPERATOR_POD_LABELS.items() <= operator.items()
 
 
 def test_watch_namespaces_get_a_role_each_and_the_operator_their_names(render) -> None:

@@ -27,6 +27,7 @@ SERVICES = "v1/services"
 CONFIGMAPS = "v1/configmaps"
 PODS = "v1/pods"
 EVENTS = "v1/events"
+NETWORK_POLICIES = "networking.k8s.io/v1/networkpolicies"
 
 MINIMAL_SPEC: dict[str, Any] = {"model": {"name": "Qwen/Qwen3-0.6B"}}
 
@@ -88,7 +89,8 @@ def k8s(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
                                              verbs={"get", "list", "watch", "patch", "create"},
                                              subresources={"status"})
     for key, kind in ((DEPLOYMENTS, "Deployment"), (SERVICES, "Service"), (CONFIGMAPS, "ConfigMap"),
-                      (PODS, "Pod"), (EVENTS, "Event")):
+                      (PODS, "Pod"), (EVENTS, "Event"),
+                      (NETWORK_POLICIES, "NetworkPolicy")):
         kmock.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=True,
                                                   verbs={"get", "list", "watch", "patch", "create", "delete"})
     # kopf waits until namespaces are discoverable, even when it watches one namespace.

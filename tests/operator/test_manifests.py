@@ -28,6 +28,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                 "telemetry": {"otlpEndpoint": "http://otel:4317"}, "image": {"pullSecrets": ["regcred"]}},
     "extra": {"stages": {"router": {"args": ["--log-requests"], "env": [{"name": "X", "value": "1"}]}},
               "routerService": {"type": "LoadBalancer", "annotations": {"a": "b"}}},
+    "monitoring": {"telemetry": {"monitoringNamespaceSelector": {
+        "matchExpressions": [{"key": "team", "operator": "In", "values": ["obs", "sre"]}]}}},
 }
 
 
@@ -42,7 +44,7 @@ def _by(children: list[dict[str, Any]], kind: str, stage: str) -> dict[str, Any]
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_child_is_a_valid_kubernetes_object(make_spec, variant: str) -> None:
     children = _children(make_spec(**VARIANTS[variant]))
-    assert len(children) == 1 + 2 * len(STAGES)
+    assert len(children) == 1 + 3 * len(STAGES)  # the ConfigMap; a Service, Deployment, NetworkPolicy each
     for child in children:
         kubernetes_validate.validate(child, K8S_VERSION, strict=True)
         assert child["metadata"]["ownerReferences"][0]["uid"] == UID
@@ -234,3 +236,59 @@ def test_the_router_environment_uses_names_the_router_reads(make_spec, monkeypat
         monkeypatch.setenv(key, value)
     config = parse_config(["--model", "/models/x"])
     assert config.decode == [env["QWENSERVE_DECODE"]] and config.front.no_auth
+
+
+ANYONE = "anyone"
+
+
+def _admitted(policy: dict[str, Any], port: int) -> list[Any]:
+    """The peers a NetworkPolicy admits on a TCP port (ANYONE for a rule without `from`)."""
+    peers: list[Any] = []
+    for rule in policy["spec"]["ingress"]:
+        if "ports" not in rule or {"protocol": "TCP", "port": port} in rule["ports"]:
+            peers += rule.get("from", [ANYONE])
+    return peers
+
+
+def _pods(*stages: str) -> list[dict[str, Any]]:
+    return [{"podSelector": {"matchLabels": {"qwenserve.io/deployment": "demo", "qwenserve.io/stage": stage}}}
+            for stage in stages]
+
+
+@pytest.mark.parametrize("mode", ["network", "shm"])
+def test_only_the_router_and_decode_reach_the_workers_grpc_ports_and_the_router_is_public(make_spec, mode) -> None:
+    children = _children(make_spec(kvTransfer={"mode": mode}))
+    policy = {stage: _by(children, "NetworkPolicy", stage) for stage in STAGES}
+    grpc = manifests.GRPC_PORTS
+    assert _admitted(policy["tokenizer"], grpc["tokenizer"]) == _pods("router")
+    # KVTransfer (Fetch, Release) shares prefill's port: decode calls it in every mode.
+    assert _admitted(policy["prefill"], grpc["prefill"]) == _pods("router", "decode")
+    assert _admitted(policy["decode"], grpc["decode"]) == _pods("router")
+    assert _admitted(policy["router"], grpc["router"]) == [ANYONE]
+    assert _admitted(policy["router"], manifests.HTTP_PORT) == [ANYONE]
+    for stage in STAGES:
+        assert policy[stage]["spec"]["policyTypes"] == ["Ingress"]
+        assert _admitted(policy[stage], 12345) == []  # nothing else is open
+        pod_labels = _by(children, "Deployment", stage)["spec"]["template"]["metadata"]["labels"]
+        selector = policy[stage]["spec"]["podSelector"]["matchLabels"]
+        assert selector.items() <= pod_labels.items()
+        others = [_by(children, "Deployment", s)["spec"]["template"]["metadata"]["labels"] for s in STAGES if s != stage]
+        assert not any(selector.items() <= labels.items() for labels in others)
+
+
+def test_with_mooncake_decode_reaches_every_prefill_port(make_spec) -> None:
+    prefill = manifests.network_policy("demo", "ns1", UID, "prefill", make_spec(kvTransfer={"mode": "mooncake"}))
+    assert _admitted(prefill, 12345) == _pods("decode")  # the Transfer Engine picks its ports at start
+    kubernetes_validate.validate(prefill, K8S_VERSION, strict=True)
+
+
+def test_metrics_ports_admit_the_monitoring_namespaces_the_operator_and_the_router(make_spec) -> None:
+    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": manifests.OPERATOR_POD_LABELS}}
+    default = _children(make_spec())
+    custom = _children(make_spec(**VARIANTS["monitoring"]))
+    for stage in STAGES:
+        assert _admitted(_by(default, "NetworkPolicy", stage), manifests.METRICS_PORT) == [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+            operator, *_pods("router")]
+        assert _admitted(_by(custom, "NetworkPolicy", stage), manifests.METRICS_PORT)[0] == {
+            "namespaceSelector": VARIANTS["monitoring"]["telemetry"]["monitoringNamespaceSelector"]}

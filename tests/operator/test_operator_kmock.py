@@ -10,13 +10,15 @@ DEPLOYMENTS = "apps/v1/deployments"
 SERVICES = "v1/services"
 CONFIGMAPS = "v1/configmaps"
 PODS = "v1/pods"
+NETWORK_POLICIES = "networking.k8s.io/v1/networkpolicies"
 
 STAGES = ("tokenizer", "prefill", "decode", "router")
 SPEC = {"model": {"name": "Qwen/Qwen3-0.6B"}}
 
 
 def _path(resource: str, name: str, subresource: str = "") -> str:
-    prefix = {"deployments": "/apis/apps/v1", "qwendeployments": "/apis/qwenserve.io/v1alpha1"}.get(
+    prefix = {"deployments": "/apis/apps/v1", "qwendeployments": "/apis/qwenserve.io/v1alpha1",
+              "networkpolicies": "/apis/networking.k8s.io/v1"}.get(
         resource.rsplit("/", 1)[-1], "/api/v1")
     return f"{prefix}/namespaces/{NAMESPACE}/{resource.rsplit('/', 1)[-1]}/{name}{subresource}"
 
@@ -44,7 +46,7 @@ def _posted_events(k8s) -> list[dict[str, Any]]:
 
 async def _all_children(live, eventually) -> dict[str, dict[str, Any]]:
     names = [(CONFIGMAPS, "demo-config")]
-    names += [(kind, f"demo-{stage}") for stage in STAGES for kind in (DEPLOYMENTS, SERVICES)]
+    names += [(kind, f"demo-{stage}") for stage in STAGES for kind in (DEPLOYMENTS, SERVICES, NETWORK_POLICIES)]
     await eventually(lambda: all(live(kind, name) for kind, name in names), what="every child")
     return {f"{kind}:{name}": live(kind, name) for kind, name in names}
 
@@ -111,11 +113,13 @@ async def test_children_deleted_or_edited_by_hand_are_restored(k8s, run_operator
     await _delete(k8s, DEPLOYMENTS, "demo-prefill")
     await _delete(k8s, CONFIGMAPS, "demo-config")
     await _delete(k8s, SERVICES, "demo-decode")
+    await _delete(k8s, NETWORK_POLICIES, "demo-prefill")
     await _patch(k8s, DEPLOYMENTS, "demo-router", {"spec": {"replicas": 7}})
 
     await eventually(lambda: live(DEPLOYMENTS, "demo-prefill"), what="prefill restored")
     await eventually(lambda: live(CONFIGMAPS, "demo-config"), what="config restored")
     await eventually(lambda: live(SERVICES, "demo-decode"), what="service restored")
+    await eventually(lambda: live(NETWORK_POLICIES, "demo-prefill"), what="network policy restored")
     await eventually(lambda: live(DEPLOYMENTS, "demo-router")["spec"]["replicas"] == 1,
                      what="router replicas reverted by the timer")
     assert live(DEPLOYMENTS, "demo-prefill")["metadata"]["ownerReferences"][0]["uid"] == "uid-1"

@@ -70,6 +70,10 @@ rules:
   - apiGroups: [""]
     resources: ["services", "configmaps"]
     verbs: ["get", "list", "watch", "create", "patch"]
+  # One NetworkPolicy per stage; like every child it goes with its QwenDeployment (owner references).
+  - apiGroups: ["networking.k8s.io"]
+    resources: ["networkpolicies"]
+    verbs: ["get", "create", "patch"]
   # The autoscaler reads pod IPs to scrape each pod's /metrics.
   - apiGroups: [""]
     resources: ["pods"]
