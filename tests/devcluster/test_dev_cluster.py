@@ -1,8 +1,9 @@
 """`qwen-serve dev-cluster`: the CPU example as a cluster on this machine, pods in their own network namespaces.
 
-Needs root and `ip netns`; skipped with the reason otherwise. One run of about a minute and a half: up,
-a completion through the router pod from the host, every pod at its own IP, decode scaled to 2, and a
-teardown that leaves no namespace, link, process or shared-memory segment behind.
+Needs root and `ip netns`; skipped with the reason otherwise. One run of about a minute: up, a completion
+through the router pod from the host, every pod at its own IP, decode scaled to 2, a killed decode
+container restarted in its pod, and a teardown that leaves no namespace, link, process or shared-memory
+segment behind.
 """
 
 from __future__ import annotations
@@ -72,8 +73,10 @@ class DevCluster:
         for line in self.process.stdout:
             self._queue.put(line.rstrip("\n"))
 
-    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        """The first line (since the last call) matching `pattern`; fails with the output on timeout."""
+    def wait_for(self, pattern: str, timeout: float, since_start: bool = False) -> re.Match[str]:
+        """The first line matching `pattern`, among new lines (or all, `since_start`); fails on timeout."""
+        if since_start and (match := next(filter(None, (re.search(pattern, x) for x in self.lines)), None)):
+            return match
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -181,6 +184,21 @@ def test_cpu_example_serves_from_pods_with_their_own_ips_scales_decode_and_leave
         others = {p["status"]["podIP"] for stage in ("tokenizer", "prefill", "router") for p in pods[stage]}
         assert len(decode_ips) == 2 and decode_ips.isdisjoint(others), (decode_ips, others)
         assert _complete(http, "Another prompt")["usage"]["completion_tokens"] == 8
+
+        # A killed container restarts in the same pod (same name and IP) and becomes ready again.
+        victim = max(decode, key=lambda p: p["metadata"]["name"])["metadata"]["name"]
+        pid = int(cluster.wait_for(rf"pod {victim}: started pid (\d+)", timeout=1, since_start=True).group(1))
+        os.kill(pid, signal.SIGKILL)
+        cluster.wait_for(rf"pod {victim}: restarting: exited", timeout=30)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            pod = next((p for p in cluster.pods("decode") if p["metadata"]["name"] == victim), None)
+            if pod and _ready(pod) and pod["status"]["containerStatuses"][0]["restartCount"] == 1:
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"{victim} did not come back: {cluster.pods('decode')}")
+        assert pod["status"]["podIP"] in decode_ips
     finally:
         code = cluster.stop()
     started = [int(m) for line in cluster.lines for m in re.findall(r"started pid (\d+)", line)]
