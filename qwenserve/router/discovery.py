@@ -7,8 +7,9 @@ affinity and failover choose among pods rather than gRPC's pick_first choosing o
 Literal `ip:port` entries are pods already and are never resolved.
 
 `diff()` is the decision (which pods came, which went); `PodDiscovery` is the loop that resolves and
-reports each change to a callback. A name that fails to resolve keeps the pods it had: a DNS outage
-must not empty a stage that still runs (a pod that really went is then cut off by the circuit breaker).
+reports each change to a callback. A name the DNS says does not exist (NXDOMAIN, no records: a headless
+Service with no ready pod) has no pods; a name that cannot be resolved for another reason (timeout,
+SERVFAIL) keeps the pods it had: a DNS outage must not empty a stage that still runs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 # How long one resolution may take before the name keeps its pods until the next round.
 RESOLVE_TIMEOUT_S = 10.0
 DNS_SCHEME = "dns:///"
+# getaddrinfo's answers that the name has no address at all (rather than that none could be had now).
+NO_SUCH_NAME = {socket.EAI_NONAME, *([socket.EAI_NODATA] if hasattr(socket, "EAI_NODATA") else [])}
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,15 +155,24 @@ class PodDiscovery:
         try:
             async with asyncio.timeout(RESOLVE_TIMEOUT_S):
                 ips = sorted(set(await self.resolver(target.host, target.port)))
+        except socket.gaierror as e:
+            if e.errno not in NO_SUCH_NAME:
+                return self._failed(target, e)
+            if self._resolved.get(target.entry):
+                log.warning("%s has no addresses any more (%s): its pods drain", target.entry, e)
+            ips = []
         except (OSError, TimeoutError) as e:
-            why = str(e) or type(e).__name__
-            if self._failing.get(target.entry) != why:
-                log.warning("cannot resolve %s (%s); keeping its %d pods", target.entry, why,
-                            len(self._resolved.get(target.entry, ())))
-            self._failing[target.entry] = why
-            return None
+            return self._failed(target, e)
         self._failing.pop(target.entry, None)
         return ips
+
+    def _failed(self, target: Target, error: Exception) -> None:
+        """The name keeps its pods this round; said once per kind of failure."""
+        why = str(error) or type(error).__name__
+        if self._failing.get(target.entry) != why:
+            log.warning("cannot resolve %s (%s); keeping its %d pods", target.entry, why,
+                        len(self._resolved.get(target.entry, ())))
+        self._failing[target.entry] = why
 
     def start(self) -> None:
         """Re-resolve every `interval_s` until close(); nothing to do when every entry is literal."""

@@ -58,20 +58,24 @@ def test_a_pods_metrics_are_its_own_entry_s_or_its_ip_at_the_name_s_metrics_port
 
 
 class Table:
-    """A resolver answering from a dict the test changes; a missing name fails like NXDOMAIN."""
+    """A resolver answering from a dict the test changes: a missing name is NXDOMAIN; `outage` a DNS server
+    that does not answer."""
 
     def __init__(self, records: dict[str, list[str]]) -> None:
         self.records = records
         self.asked: list[str] = []
+        self.outage = False
 
     async def __call__(self, host: str, port: int) -> list[str]:
         self.asked.append(host)
+        if self.outage:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
         if host not in self.records:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         return self.records[host]
 
 
-async def test_discovery_reports_each_change_and_a_failed_name_keeps_its_pods() -> None:
+async def test_discovery_reports_each_change_and_a_name_that_cannot_be_resolved_now_keeps_its_pods() -> None:
     table = Table({"decode": ["10.0.0.1", "10.0.0.2"]})
     changes: list[tuple[str, Change]] = []
     discovery = PodDiscovery({"prefill": ["10.0.0.5:1"], "decode": ["decode:2"]},
@@ -82,10 +86,20 @@ async def test_discovery_reports_each_change_and_a_failed_name_keeps_its_pods() 
     table.records["decode"] = ["10.0.0.2", "10.0.0.3"]
     await discovery.refresh()
     assert changes[1:] == [("decode", Change(added=("10.0.0.3:2",), removed=("10.0.0.1:2",)))]
-    del table.records["decode"]
+    table.outage = True
     await discovery.refresh()
     assert len(changes) == 2 and discovery.pods["decode"] == ["10.0.0.2:2", "10.0.0.3:2"]
     assert table.asked == ["decode"] * 3  # literal entries are never resolved
+
+
+async def test_a_name_that_no_longer_exists_has_no_pods() -> None:
+    table = Table({"decode": ["10.0.0.1"]})
+    changes: list[Change] = []
+    discovery = PodDiscovery({"decode": ["decode:2"]}, lambda _, change: changes.append(change), table)
+    await discovery.refresh()
+    del table.records["decode"]  # a headless Service without a ready pod: NXDOMAIN
+    await discovery.refresh()
+    assert changes[1:] == [Change(removed=("10.0.0.1:2",))] and discovery.pods["decode"] == []
 
 
 async def test_discovery_resolves_again_every_interval_until_closed() -> None:
