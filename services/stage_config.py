@@ -16,7 +16,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from qwenserve.engine.config import EngineConfig
 from qwenserve.flags import StrictParser, add_options, nested, option, option_specs
@@ -141,8 +141,3 @@ def resolve_model(model: str | None) -> str:
 def argv_or_sys(argv: Sequence[str] | None) -> list[str]:
     """The stage's arguments: `argv`, or the process's own."""
     return list(sys.argv[1:] if argv is None else argv)
-
-
-def field_values(config: Any) -> dict[str, Any]:
-    """A config's own fields (not nested ones), by name."""
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}
