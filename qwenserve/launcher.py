@@ -107,9 +107,14 @@ class Child:
 
 def _relay(child: Child, source: IO[bytes], sink: IO[bytes]) -> None:
     """Copy a child's output to `sink` line by line, remembering its last non-empty line."""
+    writable = True
     for raw in iter(source.readline, b""):
-        sink.write(raw)
-        sink.flush()
+        if writable:
+            try:
+                sink.write(raw)
+                sink.flush()
+            except (OSError, ValueError):  # a closed terminal or pipe: keep draining, or the child would block
+                writable = False
         line = raw.decode("utf-8", "replace").strip()
         if line:
             child.last_line = line
