@@ -198,6 +198,9 @@ class Router:
                     # A worker back from a restart is reachable again within seconds, not gRPC's 2-minute backoff.
                     ("grpc.initial_reconnect_backoff_ms", 500),
                     ("grpc.max_reconnect_backoff_ms", 5000),
+                    # Prefill and decode channels each name one pod; the tokenizer's names its Service, whose
+                    # pods then share the calls (gRPC's default, pick_first, would send every call to one).
+                    ("grpc.lb_policy_name", "round_robin"),
                 ],
                 interceptors=client_interceptors(),
             )
