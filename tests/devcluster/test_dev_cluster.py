@@ -1,8 +1,8 @@
 """`qwen-serve dev-cluster`: the CPU example as a cluster on this machine, pods in their own network namespaces.
 
-Needs root and `ip netns`; skipped with the reason otherwise. One run of about a minute: up, a completion
+Needs root and `ip netns`; skipped with the reason otherwise. One run of one to two minutes: up, a completion
 through the router pod from the host, every pod at its own IP, decode scaled to 2, a killed decode
-container restarted in its pod, and a teardown that leaves no namespace, link, process or shared-memory
+container restarted in its pod, decode scaled back to 1, and a teardown that leaves no namespace, link, process or shared-memory
 segment behind.
 """
 
@@ -186,7 +186,8 @@ def test_cpu_example_serves_from_pods_with_their_own_ips_scales_decode_and_leave
         assert _complete(http, "Another prompt")["usage"]["completion_tokens"] == 8
 
         # A killed container restarts in the same pod (same name and IP) and becomes ready again.
-        victim = max(decode, key=lambda p: p["metadata"]["name"])["metadata"]["name"]
+        first = pods["decode"][0]["metadata"]["name"]
+        victim = next(p["metadata"]["name"] for p in decode if p["metadata"]["name"] != first)  # the new one
         pid = int(cluster.wait_for(rf"pod {victim}: started pid (\d+)", timeout=1, since_start=True).group(1))
         os.kill(pid, signal.SIGKILL)
         cluster.wait_for(rf"pod {victim}: restarting: exited", timeout=30)
@@ -199,6 +200,16 @@ def test_cpu_example_serves_from_pods_with_their_own_ips_scales_decode_and_leave
         else:
             raise AssertionError(f"{victim} did not come back: {cluster.pods('decode')}")
         assert pod["status"]["podIP"] in decode_ips
+
+        # Scaling down stops the newest pod, the one killed above (preStop, SIGTERM) and removes it; the rest keep serving.
+        subprocess.run([sys.executable, "-m", "qwenserve.cli", "dev-cluster", "--state-dir", str(tmp_path / "state"),
+                        "scale", "decode", "1"], cwd=REPO, check=True, capture_output=True, timeout=60)
+        cluster.wait_for(rf"pod {victim}: stopping \(scaled to 1\)", timeout=30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(cluster.pods("decode")) != 1:
+            time.sleep(1)
+        assert [p["metadata"]["name"] for p in cluster.pods("decode")] == [first]
+        assert _complete(http, "A third prompt")["usage"]["completion_tokens"] == 8
     finally:
         code = cluster.stop()
     started = [int(m) for line in cluster.lines for m in re.findall(r"started pid (\d+)", line)]
