@@ -44,7 +44,9 @@ class RouterServiceConfig(StageConfig):
         0, help="prompts shorter than this many tokens are prefilled on the decode worker")
     connect_timeout_s: float = option(
         5.0, help="a worker whose connection is not ready within this many seconds is skipped")
-    prefill_timeout_s: float = option(300.0, help="deadline of one prefill call when the request has none sooner")
+    prefill_timeout_s: float = option(
+        300.0, help="deadline of one prefill call (plus 0.1 s a prompt token) when the request has none sooner"
+    )
     stall_timeout_s: float = option(
         30.0, help="a decode stream silent this long (first token included) fails over to another worker")
     resolve_interval_s: float = option(
