@@ -151,7 +151,9 @@ def stage_args(name: str, namespace: str, stage: str, spec: Spec) -> list[str]:
         args += ["--model", model_dir(spec)]
     elif stage == "prefill":
         # Shared-memory segments live in /dev/shm (the node's, mounted below), where POSIX shm puts them.
-        args += ["--model", model_dir(spec), "--kv-transfer", mode, "--served-model-name", spec["model"]["name"]]
+        # Handoffs name the pod's own IP (the downward API's POD_IP, expanded by the kubelet), never 0.0.0.0.
+        args += ["--model", model_dir(spec), "--kv-transfer", mode, "--served-model-name", spec["model"]["name"],
+                 "--advertise-host", "$(POD_IP)"]
     elif stage == "decode":  # decode imports whichever transport a handoff names
         args += ["--model", model_dir(spec), "--served-model-name", spec["model"]["name"]]
     else:  # the router takes its worker addresses from the ConfigMap's environment
@@ -223,6 +225,7 @@ def _common_env(name: str, namespace: str, stage: str, spec: Spec) -> list[dict[
         {"name": "QWENSERVE_LOG_FORMAT", "value": spec["telemetry"]["logFormat"]},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "OTEL_SERVICE_NAME", "value": f"qwen-serve-{stage}"},
         {"name": "OTEL_RESOURCE_ATTRIBUTES",
          "value": f"k8s.namespace.name={namespace},qwenserve.deployment={name}"},

@@ -8,6 +8,7 @@ releases the lease. See exporter.py and importer.py for the flow.
 from qwenserve.kv_transfer.checksum import compute_checksum, verify_checksum
 from qwenserve.kv_transfer.errors import (
     KVChecksumMismatch,
+    KVEndpointUnreachable,
     KVHandleInvalid,
     KVHandoffExists,
     KVHandoffGone,
@@ -33,6 +34,7 @@ __all__ = [
     "ExporterConfig",
     "ImporterConfig",
     "KVChecksumMismatch",
+    "KVEndpointUnreachable",
     "KVExporter",
     "KVHandle",
     "KVHandleInvalid",

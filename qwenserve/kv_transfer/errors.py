@@ -66,3 +66,8 @@ class KVTransportUnavailable(KVTransferError):
 
     code = "kv_transport_unavailable"
     retryable = True
+
+
+class KVEndpointUnreachable(KVTransportUnavailable):
+    """The address a handle names cannot be dialled from here: a wildcard (0.0.0.0, ::), or nothing answers there.
+    Usually the prefill worker advertises the wrong address (its --advertise-host)."""

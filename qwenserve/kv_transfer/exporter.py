@@ -20,9 +20,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qwenserve.addresses import endpoint_host, is_wildcard_host
 from qwenserve.kv_transfer.checksum import DEFAULT_ALGORITHM, compute_checksum, fused_copy, gather_copy
 from qwenserve.kv_transfer.errors import KVHandoffExists, KVHandoffGone, KVLayoutInvalid
-from qwenserve.kv_transfer.handle import MARKER_BYTES, MARKER_PAGE, KVHandle, KVTransport, handoff_marker
+from qwenserve.kv_transfer.handle import (
+    MARKER_BYTES,
+    MARKER_PAGE,
+    KVHandle,
+    KVTransport,
+    handoff_marker,
+)
 from qwenserve.kv_transfer.layout import KVLayout, LayoutLike, as_layout, layout_to_proto
 from qwenserve.kv_transfer.mooncake_transport import MooncakeEndpoint
 from qwenserve.kv_transfer.pool import BufferPool, Extent, MemoryRegion, PrivateRegion
@@ -158,6 +165,13 @@ class KVExporter:
             raise ValueError("shared-memory handoffs need use_shm=True")
         if transport in (KVTransport.KV_TRANSPORT_GRPC,) and not self.config.control_endpoint:
             raise ValueError("gRPC handoffs need control_endpoint, the address of this KVTransfer service")
+        # Every address a handle carries is dialled by another process, maybe on another host: never a wildcard.
+        if self.config.control_endpoint and is_wildcard_host(endpoint_host(self.config.control_endpoint)):
+            raise ValueError(f"control_endpoint {self.config.control_endpoint} is a wildcard address, which no "
+                             "decode worker can dial; advertise this host's address (--advertise-host)")
+        if transport == KVTransport.KV_TRANSPORT_MOONCAKE and is_wildcard_host(self.config.mooncake_host):
+            raise ValueError(f"mooncake_host {self.config.mooncake_host!r} is a wildcard address, which no decode "
+                             "worker can dial; advertise this host's address (--advertise-host)")
         self._mooncake = (
             MooncakeEndpoint(self.config.mooncake_host, self.config.mooncake_protocol)
             if transport == KVTransport.KV_TRANSPORT_MOONCAKE

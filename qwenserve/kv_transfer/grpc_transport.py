@@ -12,7 +12,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from qwenserve.kv_transfer.errors import KVChecksumMismatch, KVHandoffGone, KVTransportUnavailable
+from qwenserve.kv_transfer.errors import (
+    KVChecksumMismatch,
+    KVEndpointUnreachable,
+    KVHandoffGone,
+    KVTransportUnavailable,
+)
 from qwenserve.kv_transfer.exporter import KVExporter
 from qwenserve.rpc_errors import abort, error_detail
 from qwenserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -65,6 +70,10 @@ def add_kv_transfer_service(server: grpc.aio.Server, exporter: KVExporter) -> KV
 def _as_transfer_error(error: grpc.aio.AioRpcError, handoff_id: str, endpoint: str) -> Exception:
     if error.code() == grpc.StatusCode.NOT_FOUND:
         return KVHandoffGone(f"exporter at {endpoint} no longer has handoff {handoff_id}: {error.details()}")
+    if error.code() == grpc.StatusCode.UNAVAILABLE:
+        return KVEndpointUnreachable(
+            f"cannot reach the exporter at {endpoint} for handoff {handoff_id} ({error.details()}); is that "
+            "address one this worker can dial (prefill's --advertise-host)?")
     return KVTransportUnavailable(
         f"KVTransfer at {endpoint} failed for handoff {handoff_id}: {error.code().name} {error.details()}"
     )

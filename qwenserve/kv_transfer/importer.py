@@ -24,6 +24,7 @@ from typing import TypeVar
 import grpc
 import torch
 
+from qwenserve.addresses import endpoint_host, is_wildcard_host
 from qwenserve.kv_transfer.checksum import (
     FUSED,
     KVSUM,
@@ -36,6 +37,7 @@ from qwenserve.kv_transfer.checksum import (
     verify_checksum,
 )
 from qwenserve.kv_transfer.errors import (
+    KVEndpointUnreachable,
     KVHandleInvalid,
     KVHandoffGone,
     KVLayoutInvalid,
@@ -201,6 +203,10 @@ class KVImporter:
                               ("control_endpoint", handle.control_endpoint)):
             if address and not ENDPOINT.fullmatch(address):
                 raise KVHandleInvalid(f"handoff {handle.handoff_id[:64]!r}: {what} {address[:64]!r} is not host:port")
+            if address and is_wildcard_host(endpoint_host(address)):
+                raise KVEndpointUnreachable(
+                    f"{describe(handle)}: its {what} {address} is a wildcard address, which names no host to dial; "
+                    "the prefill worker must advertise an address decode workers reach (--advertise-host)")
 
     @staticmethod
     def _check_layout(handle: KVHandle, expected: KVLayout) -> KVLayout:

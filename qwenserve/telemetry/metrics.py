@@ -73,7 +73,7 @@ RATELIMIT_DECISIONS = frozenset({"allowed", "rejected"})
 RATELIMIT_LIMITS = frozenset({"none", "requests", "tokens", "request_size"})
 TRANSPORTS = frozenset({"shm", "grpc", "mooncake", "nixl", "local"})
 HANDOFF_FAILURE_REASONS = frozenset(
-    {"timeout", "checksum", "connection", "lease_expired", "cancelled", "no_space", "protocol"}
+    {"timeout", "checksum", "connection", "unreachable", "lease_expired", "cancelled", "no_space", "protocol"}
 )
 TOKENIZER_RPCS = frozenset({"Tokenize", "TokenizeBatch", "CountTokens", "Detokenize", "GetInfo"})
 GRPC_CODES = frozenset({

@@ -12,7 +12,7 @@ from opentelemetry import trace
 
 from qwenserve.engine.errors import KVLayoutMismatchError
 from qwenserve.engine.kv_layout import KVImport
-from qwenserve.kv_transfer.errors import KVLayoutMismatch, KVTransferError
+from qwenserve.kv_transfer.errors import KVEndpointUnreachable, KVLayoutMismatch, KVTransferError
 from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto
 from qwenserve.telemetry.engine_steps import EngineStepObserver
 from qwenserve.telemetry.metrics import HandoffMetrics
@@ -159,7 +159,9 @@ class DecodeWorker:
                 if self.handoff is not None:
                     self.handoff.record_failure(transport, failure_reason(e))
                 span.set_attribute("qwenserve.handoff.failure", failure_reason(e))
-                log.warning("handoff refused: %s", e)
+                # An address that cannot be dialled is a deployment mistake that would recompute every prompt.
+                log.log(logging.ERROR if isinstance(e, KVEndpointUnreachable) else logging.WARNING,
+                        "handoff refused: %s", e)
                 await held.release("failed")
                 raise HandoffRefused(str(e)) from e
             seconds = time.perf_counter() - started

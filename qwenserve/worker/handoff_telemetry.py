@@ -12,6 +12,7 @@ import grpc
 from qwenserve.engine.errors import KVLayoutMismatchError
 from qwenserve.kv_transfer.errors import (
     KVChecksumMismatch,
+    KVEndpointUnreachable,
     KVHandleInvalid,
     KVHandoffGone,
     KVLayoutMismatch,
@@ -41,6 +42,8 @@ def failure_reason(error: BaseException) -> str:
         return "checksum"
     if isinstance(error, KVHandoffGone):
         return "lease_expired"
+    if isinstance(error, KVEndpointUnreachable):
+        return "unreachable"
     if isinstance(error, KVTransportUnavailable):
         return "connection"
     if isinstance(error, (KVLayoutMismatch, KVLayoutMismatchError, KVHandleInvalid)):

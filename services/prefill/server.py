@@ -10,6 +10,7 @@ import asyncio
 
 import grpc
 
+from qwenserve.addresses import endpoint_of
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.kv_transfer.exporter import ExporterConfig, KVExporter, MiB
@@ -61,10 +62,10 @@ async def run(config: PrefillServiceConfig) -> None:
     server_config = GrpcServerConfig(
         host=config.host, port=config.port, grace_s=config.grace_s, metrics_port=config.metrics_port
     )
-    # The control endpoint must be the address decode workers reach us on.
+    # Every address in a handle is one decode workers dial: the advertised one, never the bind address.
     exporter = KVExporter(ExporterConfig(
         transport=transport, use_shm=config.kv_transfer == "shm",
-        control_endpoint=f"{config.host}:{config.port}",
+        control_endpoint=endpoint_of(config.advertise_host, config.port),
         pool_bytes=config.kv_pool_mib * MiB, max_bytes=config.kv_max_mib * MiB,
     )).start()
     steps = observe_engine_steps(engine)

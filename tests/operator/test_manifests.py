@@ -66,11 +66,23 @@ def test_stage_arguments_follow_the_container_contract(make_spec) -> None:
     assert manifests.stage_args("demo", "ns1", "tokenizer", spec) == [
         "serve", "tokenizer", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090",
         "--model", "/models/model"]
-    assert manifests.stage_args("demo", "ns1", "prefill", spec)[-6:] == [
-        "--model", "/models/model", "--kv-transfer", "shm", "--served-model-name", "Qwen/Qwen3-0.6B"]
+    assert manifests.stage_args("demo", "ns1", "prefill", spec)[-8:] == [
+        "--model", "/models/model", "--kv-transfer", "shm", "--served-model-name", "Qwen/Qwen3-0.6B",
+        "--advertise-host", "$(POD_IP)"]
     assert manifests.stage_args("demo", "ns1", "decode", spec)[-4:] == [
         "--model", "/models/model", "--served-model-name", "Qwen/Qwen3-0.6B"]
     assert manifests.stage_args("demo", "ns1", "router", spec)[:4] == ["serve", "router", "--host", "0.0.0.0"]
+
+
+@pytest.mark.parametrize("mode", ["network", "shm"])
+def test_prefill_advertises_its_pod_ip_from_the_downward_api_never_its_bind_address(make_spec, mode: str) -> None:
+    container = _by(_children(make_spec(kvTransfer={"mode": mode})), "Deployment", "prefill")[
+        "spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    args = container["args"]
+    assert args[args.index("--host") + 1] == "0.0.0.0"  # binds every address...
+    assert args[args.index("--advertise-host") + 1] == "$(POD_IP)"  # ...and hands out the pod's own
 
 
 def test_router_is_configured_with_the_service_dns_names(make_spec) -> None:

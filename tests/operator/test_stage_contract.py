@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from typing import Any
 
 import pytest
@@ -15,7 +16,8 @@ from qwenserve_operator import manifests
 from qwenserve_operator.crd import STAGES
 
 UID = "0b7d1c2e-0000-4000-8000-000000000002"
-SECRET_VALUE = "from-a-secret"  # what a secretKeyRef or fieldRef resolves to in a pod
+SECRET_VALUE = "from-a-secret"  # what a secretKeyRef or another fieldRef resolves to in a pod
+POD_IP = "10.244.1.7"  # what status.podIP resolves to
 CONFIG_CLASSES = {"tokenizer": "TokenizerServiceConfig", "prefill": "PrefillServiceConfig",
                   "decode": "DecodeServiceConfig", "router": "RouterServiceConfig"}
 
@@ -42,11 +44,21 @@ def _container(children: list[dict[str, Any]], stage: str) -> dict[str, Any]:
 
 def _environment(container: dict[str, Any], config_map: dict[str, str]) -> dict[str, str]:
     """What the container's process sees: its env (references resolved to a stand-in) and its envFrom keys."""
-    env = {e["name"]: e.get("value", SECRET_VALUE) for e in container["env"]}
+    def value(var: dict[str, Any]) -> str:
+        if var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            return POD_IP
+        return str(var.get("value", SECRET_VALUE))
+
+    env = {e["name"]: value(e) for e in container["env"]}
     if container.get("envFrom"):
         assert container["envFrom"] == [{"configMapRef": {"name": "demo-config"}}]
         env.update({k: v for k, v in config_map.items() if k.isidentifier()})  # the kubelet skips other keys
     return env
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion of an argument (an unknown variable stays as written)."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -70,7 +82,10 @@ def test_every_stage_parses_its_rendered_arguments_and_reads_every_variable_set(
             monkeypatch.delenv(name)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        config = module.parse_config(args[2:])  # strict: an unknown flag or a bad value exits
+        # The kubelet expands $(VAR) in args from the container's environment.
+        argv = [_expand(a, env) for a in args[2:]]
+        assert not [a for a in argv if "$(" in a], f"{stage}: an argument names a variable the container lacks"
+        config = module.parse_config(argv)  # strict: an unknown flag or a bad value exits
         assert config.port == manifests.GRPC_PORTS[stage] and config.host == "0.0.0.0"
         assert config.metrics_port == manifests.METRICS_PORT and config.model == manifests.model_dir(spec)
         if stage == "router":
@@ -81,6 +96,7 @@ def test_every_stage_parses_its_rendered_arguments_and_reads_every_variable_set(
             assert config.served_model_name == spec["model"]["name"]  # vLLM's metrics' model_name, as the router's
         if stage == "prefill":
             assert config.kv_transfer == spec["kvTransfer"]["mode"]
+            assert config.advertise_host == POD_IP  # handoffs name the pod, never the 0.0.0.0 it binds
 
 
 def test_the_stages_refuse_a_flag_they_do_not_define(capsys: pytest.CaptureFixture[str]) -> None:
