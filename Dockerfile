@@ -31,12 +31,13 @@ COPY proto/ proto/
 COPY qwenserve/ qwenserve/
 COPY services/ services/
 COPY operator/ operator/
-RUN pip install ".[gpu]" --no-build-isolation
+# The mooncake extra: `kvTransfer.mode: mooncake` (Mooncake Transfer Engine; libibverbs1 even over TCP).
+RUN pip install ".[gpu,mooncake]" --no-build-isolation
 
 FROM ${CUDA_RUNTIME_IMAGE} AS cuda
 ENV DEBIAN_FRONTEND=noninteractive PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp \
     PATH=/opt/venv/bin:$PATH
-RUN apt-get update && apt-get install -y --no-install-recommends python3 \
+RUN apt-get update && apt-get install -y --no-install-recommends python3 libibverbs1 \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 qwen && useradd --system --uid 10001 --gid qwen --home-dir /tmp qwen \
     && mkdir -p /models && chown qwen:qwen /models
@@ -58,7 +59,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 # A C compiler: qwenserve.cpu_kernels builds its fp32 kernels at first use for the CPU the pod lands on
 # (-march=native, so they cannot be built here); without one the portable, slower paths run.
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+# libibverbs1: Mooncake Transfer Engine (kvTransfer.mode: mooncake) loads it even over TCP.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libibverbs1 \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 # What the package build needs, and nothing else (.dockerignore keeps tests, charts and caches out).
@@ -67,7 +69,7 @@ COPY proto/ proto/
 COPY qwenserve/ qwenserve/
 COPY services/ services/
 COPY operator/ operator/
-RUN pip install . && rm -rf /src
+RUN pip install ".[mooncake]" && rm -rf /src
 # A fixed non-root UID: the operator's pod securityContext (runAsUser 10001) matches it.
 RUN groupadd --system --gid 10001 qwen && useradd --system --uid 10001 --gid qwen --home-dir /tmp qwen \
     && mkdir -p /models && chown qwen:qwen /models

@@ -24,6 +24,9 @@ from qwenserve.preflight import StartupError, check_model_folder, check_port_fre
 
 C = TypeVar("C", bound="StageConfig")
 
+#: How prefill hands KV to decode: shared memory on one host, a gRPC byte stream, or Mooncake Transfer Engine.
+KV_TRANSFER_MODES = ("shm", "network", "mooncake")
+
 #: What every stage reads from the environment besides its flags' variables: `--log-json`'s QWENSERVE_LOG_FORMAT
 #: (the operator sets it), the first-use progress mode and name, and where the built-in model is cached.
 COMMON_ENVIRONMENT = frozenset({"QWENSERVE_LOG_FORMAT", "QWENSERVE_PROGRESS", "QWENSERVE_PROGRESS_NAME",
@@ -103,6 +106,17 @@ def check_engine_options(parser: StrictParser, config: EngineStageConfig) -> Non
             parser.error("tensor parallelism needs GPUs; this host has none (use --tensor-parallel-size 1)")
         parser.error(f"--tensor-parallel-size {tp}: tensor parallelism is not supported yet; "
                      "run more decode workers instead (--tensor-parallel-size 1)")
+
+
+def check_kv_transfer(mode: str | None) -> None:
+    """Mooncake is an optional package: without it a stage that would hand off over it does not start."""
+    if mode != "mooncake":
+        return
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except ImportError as e:
+        raise StartupError(f"--kv-transfer mooncake needs Mooncake Transfer Engine, which is not importable ({e}); "
+                           "install the mooncake extra (mooncake-transfer-engine-non-cuda) or choose network") from None
 
 
 def check_engine_stage(config: EngineStageConfig) -> EngineStageConfig:

@@ -24,6 +24,8 @@ SINGULAR = "qwendeployment"
 SHORT_NAMES = ["qwd", "qwendep"]
 
 STAGES: tuple[str, ...] = ("tokenizer", "prefill", "decode", "router")
+# The stages' --kv-transfer choices (qwenserve_services.stage_config.KV_TRANSFER_MODES; a test keeps them equal).
+KV_TRANSFER_MODES: tuple[str, ...] = ("shm", "network", "mooncake")
 # Only the engine stages carry an autoscaler: tokenizer and router are cheap and stateless.
 AUTOSCALED_STAGES: tuple[str, ...] = ("prefill", "decode")
 
@@ -157,8 +159,9 @@ def spec_schema() -> Schema:
         {
             "mode": _str(
                 "shm: same node, through the node's /dev/shm (prefill and decode co-located); "
-                "network: across nodes over the transport.",
-                enum=["shm", "network"],
+                "network: across nodes, a gRPC byte stream; mooncake: across nodes, Mooncake Transfer Engine "
+                "(TCP, or RDMA where the nodes have it; the image needs the mooncake extra).",
+                enum=list(KV_TRANSFER_MODES),
                 default="network",
             ),
         },

@@ -18,6 +18,9 @@ The tokenizer, prefill and decode Services are headless, so their DNS name resol
 every ready pod and the router can balance per worker (least load, prefix affinity) instead of
 per connection; the operator needs no Endpoints watch and the router no API access.
 
+KV transfer `network` and `mooncake` (Mooncake Transfer Engine) work across nodes: each stage spreads over
+nodes, and prefill (and decode's Transfer Engine, with Mooncake) advertises its pod IP, never 0.0.0.0.
+
 KV transfer `shm`: prefill and decode exchange KV blocks through POSIX shared memory, which only
 works between pods on one node that see the same /dev/shm. Separate pods cannot share an
 emptyDir, and a new hostPath directory would be created root-owned (unwritable for our non-root
@@ -154,8 +157,10 @@ def stage_args(name: str, namespace: str, stage: str, spec: Spec) -> list[str]:
         # Handoffs name the pod's own IP (the downward API's POD_IP, expanded by the kubelet), never 0.0.0.0.
         args += ["--model", model_dir(spec), "--kv-transfer", mode, "--served-model-name", spec["model"]["name"],
                  "--advertise-host", "$(POD_IP)"]
-    elif stage == "decode":  # decode imports whichever transport a handoff names
-        args += ["--model", model_dir(spec), "--served-model-name", spec["model"]["name"]]
+    elif stage == "decode":  # decode fetches over the deployment's transport alone
+        args += ["--model", model_dir(spec), "--kv-transfer", mode, "--served-model-name", spec["model"]["name"]]
+        if mode == "mooncake":  # its Transfer Engine, too, announces the pod's own address
+            args += ["--advertise-host", "$(POD_IP)"]
     else:  # the router takes its worker addresses from the ConfigMap's environment
         args += ["--model", model_dir(spec), "--http-port", str(HTTP_PORT)]
         if spec.get("apiKeysSecret"):

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from qwenserve.addresses import advertise_host, is_wildcard_host
 from qwenserve.flags import StrictParser, option
 from qwenserve_services.stage_config import (
+    KV_TRANSFER_MODES,
     EngineStageConfig,
     check_engine_options,
     check_engine_stage,
+    check_kv_transfer,
     stage_parser,
 )
 
@@ -21,6 +25,13 @@ class DecodeServiceConfig(EngineStageConfig):
     port: int = option(50053, help="gRPC port (0: a free one, printed at start)")
     stream_interval_ms: float = option(
         0.0, help="send tokens at most this often after the first (fewer, fuller messages; 0: at once)")
+    kv_transfer: str | None = option(
+        None, choices=KV_TRANSFER_MODES,
+        help="the transport prefill workers hand off over; decode fetches over it alone (default: shm or network; "
+             "mooncake only when named, as it starts a Transfer Engine)")
+    advertise_host: str = option(
+        "", help="address of this worker's Mooncake Transfer Engine (mooncake only; default: --host, or this host's "
+                 "primary address when --host is a wildcard; a pod: its pod IP)")
 
 
 def build_parser(prog: str | None = None) -> StrictParser:
@@ -34,7 +45,16 @@ def parse_config(argv: Sequence[str], prog: str | None = None) -> DecodeServiceC
     parser = build_parser(prog)
     config: DecodeServiceConfig = parser.parse_config(DecodeServiceConfig, argv)
     check_engine_options(parser, config)
+    if config.advertise_host and is_wildcard_host(config.advertise_host):
+        parser.error(f"--advertise-host {config.advertise_host} is a wildcard address, which prefill workers cannot "
+                     "dial; give this host's address")
     return config
 
 
-check = check_engine_stage
+def check(config: DecodeServiceConfig) -> DecodeServiceConfig:
+    """The engine stage's checks; with Mooncake, the address its Transfer Engine announces."""
+    config = check_engine_stage(config)
+    check_kv_transfer(config.kv_transfer)
+    if config.kv_transfer != "mooncake":
+        return config
+    return dataclasses.replace(config, advertise_host=advertise_host(config.host, config.advertise_host))

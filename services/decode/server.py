@@ -52,12 +52,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return engine_info(self.worker.engine)
 
 
+#: What decode fetches over, by --kv-transfer (None: whatever prefill's default and network modes hand out).
+IMPORT_TRANSPORTS: dict[str | None, frozenset[int]] = {
+    None: frozenset({common_pb2.KV_TRANSPORT_SHM, common_pb2.KV_TRANSPORT_GRPC}),
+    "shm": frozenset({common_pb2.KV_TRANSPORT_SHM}),
+    "network": frozenset({common_pb2.KV_TRANSPORT_GRPC}),
+    "mooncake": frozenset({common_pb2.KV_TRANSPORT_MOONCAKE}),
+}
+
+
 async def run(config: DecodeServiceConfig) -> None:
     assert config.model is not None, "check() resolves the model"
     engine = LLMEngine.from_pretrained(config.model, config.engine)
-    # The transports prefill workers hand off over; a Mooncake handle is refused, not a reason to open Mooncake.
+    # The transports prefill workers hand off over; a Mooncake handle is refused unless the deployment chose
+    # Mooncake, not a reason to start a Transfer Engine.
     importer = TracedKVImporter(ImporterConfig(
-        transports=frozenset({common_pb2.KV_TRANSPORT_SHM, common_pb2.KV_TRANSPORT_GRPC})
+        transports=IMPORT_TRANSPORTS[config.kv_transfer], mooncake_host=config.advertise_host or "127.0.0.1",
     ))
     steps = observe_engine_steps(engine)
     worker = DecodeWorker(

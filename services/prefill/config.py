@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qwenserve.addresses import is_wildcard_host
+from qwenserve.addresses import advertise_host, is_wildcard_host
 from qwenserve.flags import StrictParser, option
-from qwenserve.preflight import StartupError
 from qwenserve_services.stage_config import (
+    KV_TRANSFER_MODES,
     EngineStageConfig,
     check_engine_options,
     check_engine_stage,
+    check_kv_transfer,
     stage_parser,
 )
 
@@ -23,7 +23,8 @@ class PrefillServiceConfig(EngineStageConfig):
     """Everything the prefill stage is configured by (flags, else QWENSERVE_* environment)."""
 
     port: int = option(50052, help="gRPC port of Prefill and KVTransfer (0: a free one, printed at start)")
-    kv_transfer: str = option("shm", choices=("shm", "network"), help="handoff transport")
+    kv_transfer: str = option("shm", choices=KV_TRANSFER_MODES,
+                              help="handoff transport (mooncake: Mooncake Transfer Engine, an optional package)")
     advertise_host: str = option(
         "", help="address decode workers dial for this worker's handoffs (default: --host, or this host's primary "
                  "address when --host is a wildcard; a pod: its pod IP)")
@@ -53,31 +54,5 @@ def parse_config(argv: Sequence[str], prog: str | None = None) -> PrefillService
 def check(config: PrefillServiceConfig) -> PrefillServiceConfig:
     """The engine stage's checks, then the address handoffs advertise (--advertise-host, resolved here)."""
     config = check_engine_stage(config)
+    check_kv_transfer(config.kv_transfer)
     return dataclasses.replace(config, advertise_host=advertise_host(config.host, config.advertise_host))
-
-
-def advertise_host(host: str, advertise: str = "") -> str:
-    """The address put in every handoff: `advertise`, else `host` unless it is a wildcard, else the address of
-    this host's default route. Raises StartupError when none is known."""
-    if advertise:
-        return advertise
-    if not is_wildcard_host(host):
-        return host
-    primary = primary_address(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    if primary is None:
-        raise StartupError(f"--host {host} is a wildcard address and this host has no default route to take its "
-                           "address from; set --advertise-host (QWENSERVE_ADVERTISE_HOST) to the address decode "
-                           "workers reach this worker on (a pod: its status.podIP)")
-    return primary
-
-
-def primary_address(family: int = socket.AF_INET) -> str | None:
-    """The local address of the default route (a UDP socket's connect sends nothing), or None without one."""
-    probe = ("192.0.2.1", 9) if family == socket.AF_INET else ("2001:db8::1", 9)  # documentation addresses
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(probe)
-            address: str = s.getsockname()[0]
-    except OSError:
-        return None
-    return None if is_wildcard_host(address) else address

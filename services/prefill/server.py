@@ -55,17 +55,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return engine_info(self.worker.engine)
 
 
+TRANSPORTS = {"shm": common_pb2.KV_TRANSPORT_SHM, "network": common_pb2.KV_TRANSPORT_GRPC,
+              "mooncake": common_pb2.KV_TRANSPORT_MOONCAKE}
+
+
 async def run(config: PrefillServiceConfig) -> None:
     assert config.model is not None, "check() resolves the model"
     engine = LLMEngine.from_pretrained(config.model, config.engine)
-    transport = common_pb2.KV_TRANSPORT_SHM if config.kv_transfer == "shm" else common_pb2.KV_TRANSPORT_GRPC
+    transport = TRANSPORTS[config.kv_transfer]
     server_config = GrpcServerConfig(
         host=config.host, port=config.port, grace_s=config.grace_s, metrics_port=config.metrics_port
     )
     # Every address in a handle is one decode workers dial: the advertised one, never the bind address.
     exporter = KVExporter(ExporterConfig(
         transport=transport, use_shm=config.kv_transfer == "shm",
-        control_endpoint=endpoint_of(config.advertise_host, config.port),
+        control_endpoint=endpoint_of(config.advertise_host, config.port), mooncake_host=config.advertise_host,
         pool_bytes=config.kv_pool_mib * MiB, max_bytes=config.kv_max_mib * MiB,
     )).start()
     steps = observe_engine_steps(engine)

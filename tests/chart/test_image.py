@@ -66,7 +66,7 @@ def test_cpu_torch_comes_from_the_cpu_index_before_the_project() -> None:
     instructions = _stages()["cpu"]
     runs = [rest for word, rest in instructions if word == "RUN"]
     torch_run = next(i for i, r in enumerate(runs) if "download.pytorch.org/whl/cpu" in r)
-    project_run = next(i for i, r in enumerate(runs) if re.search(r"pip install \.", r))
+    project_run = next(i for i, r in enumerate(runs) if re.search(r"pip install \"?\.", r))
     assert torch_run < project_run
     assert 'ARG TORCH_VERSION=2.13.0' in (ROOT / "Dockerfile").read_text()
 
@@ -83,4 +83,14 @@ def test_cpu_is_the_default_target_and_cuda_builds_flash_attn() -> None:
     stages = list(_stages())
     assert stages[-1] == "cpu"  # docker build without --target builds the last stage
     cuda_build = " ".join(rest for _, rest in _stages()["cuda-build"])
-    assert ".[gpu]" in cuda_build  # the gpu extra is flash-attn
+    assert re.search(r"\.\[gpu[],]", cuda_build)  # the gpu extra is flash-attn
+
+
+@pytest.mark.parametrize(("build", "final"), [("cpu", "cpu"), ("cuda-build", "cuda")])
+def test_images_can_hand_off_over_mooncake(build: str, final: str) -> None:
+    """kvTransfer.mode: mooncake needs the mooncake extra installed and libibverbs in the final image."""
+    installs = " ".join(rest for word, rest in _stages()[build] if word == "RUN")
+    extras = re.search(r'pip install "\.\[([^\]]*)\]"', installs)
+    assert extras and "mooncake" in extras.group(1).split(",")
+    assert "mooncake" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any("libibverbs1" in rest for word, rest in _stages()[final] if word == "RUN")

@@ -36,7 +36,7 @@ def test_a_prefill_bound_to_a_wildcard_hands_off_over_the_network_at_its_adverti
 ) -> None:
     prefill, decode = wildcard_cluster.child("prefill-0"), wildcard_cluster.child("decode-0")
     assert prefill.argv[prefill.argv.index("--advertise-host") + 1] == "127.0.0.1"
-    assert "--advertise-host" not in decode.argv  # a prefill flag only
+    assert "--kv-transfer" not in decode.argv  # decode's default: shm or network handoffs
 
     async def generate() -> list[router_pb2.GenerateResponse]:
         channel, stub = router_stub(wildcard_cluster)
@@ -88,3 +88,24 @@ def test_a_handle_whose_location_cannot_be_dialled_is_a_logged_error_and_counted
     log = (wildcard_cluster.log_dir / "decode-0.log").read_text()
     errors = [line for line in log.splitlines() if "ERROR" in line and "handoff refused" in line and dead in line]
     assert errors, log[-2000:]
+
+
+def test_prefill_and_decode_hand_off_over_mooncake_when_both_are_told_to(tiny_model: Path, tmp_path: Path) -> None:
+    pytest.importorskip("mooncake.engine", reason="the mooncake extra is not installed")
+    args = ["--kv-transfer", "mooncake", "--host", "0.0.0.0", "--advertise-host", "127.0.0.1"]
+    with make_cluster(tiny_model, tmp_path, kv_transfer="mooncake", extra_worker_args=args) as cluster:
+        decode = cluster.child("decode-0")
+        assert decode.argv[decode.argv.index("--kv-transfer") + 1] == "mooncake"
+
+        async def generate() -> list[router_pb2.GenerateResponse]:
+            channel, stub = router_stub(cluster)
+            async with channel:
+                request = router_pb2.GenerateRequest()
+                request.prompt_token_ids.ids.extend(range(500, 540))
+                request.sampling.max_tokens, request.sampling.ignore_eos = 3, True
+                return [m async for m in stub.Generate(request)]
+
+        messages = asyncio.run(generate())
+        assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and not messages[-1].HasField("error")
+        assert _samples(decode.metrics_port, "qwenserve_handoff_bytes_total").get('transport="mooncake"', 0) > 0
+        assert not _samples(decode.metrics_port, "qwenserve_handoff_failures_total")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from qwenserve import addresses
 from qwenserve.addresses import endpoint_host, endpoint_of, is_wildcard_host
 from qwenserve.kv_transfer import ExporterConfig, KVExporter, KVTransport
 from qwenserve.preflight import StartupError
@@ -26,17 +27,17 @@ def test_endpoints_bracket_ipv6_and_give_their_host_back() -> None:
 def test_the_advertised_host_is_the_flag_else_a_dialable_bind_address_else_the_primary_address(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert prefill_config.advertise_host("0.0.0.0", "10.9.8.7") == "10.9.8.7"
-    assert prefill_config.advertise_host("127.0.0.1") == "127.0.0.1"
-    monkeypatch.setattr(prefill_config, "primary_address", lambda family: "10.1.1.1")
-    assert prefill_config.advertise_host("0.0.0.0") == "10.1.1.1"
-    monkeypatch.setattr(prefill_config, "primary_address", lambda family: None)  # no default route (a bare netns)
+    assert addresses.advertise_host("0.0.0.0", "10.9.8.7") == "10.9.8.7"
+    assert addresses.advertise_host("127.0.0.1") == "127.0.0.1"
+    monkeypatch.setattr(addresses, "primary_address", lambda family: "10.1.1.1")
+    assert addresses.advertise_host("0.0.0.0") == "10.1.1.1"
+    monkeypatch.setattr(addresses, "primary_address", lambda family: None)  # no default route (a bare netns)
     with pytest.raises(StartupError, match="set --advertise-host"):
-        prefill_config.advertise_host("0.0.0.0")
+        addresses.advertise_host("0.0.0.0")
 
 
 def test_the_primary_address_is_never_a_wildcard() -> None:
-    address = prefill_config.primary_address()
+    address = addresses.primary_address()
     assert address is None or not is_wildcard_host(address)
 
 

@@ -16,6 +16,7 @@ UID = "0b7d1c2e-0000-4000-8000-000000000001"
 VARIANTS: dict[str, dict[str, Any]] = {
     "minimal": {},
     "shm": {"kvTransfer": {"mode": "shm"}},
+    "mooncake": {"kvTransfer": {"mode": "mooncake"}},
     "pvc": {"model": {"source": "pvc", "pvc": {"claimName": "weights", "subPath": "Qwen3-0.6B"}}},
     "hostpath": {"model": {"source": "hostPath", "hostPath": "/srv/models/qwen"}},
     "gpu": {"stages": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 1}},
@@ -69,8 +70,8 @@ def test_stage_arguments_follow_the_container_contract(make_spec) -> None:
     assert manifests.stage_args("demo", "ns1", "prefill", spec)[-8:] == [
         "--model", "/models/model", "--kv-transfer", "shm", "--served-model-name", "Qwen/Qwen3-0.6B",
         "--advertise-host", "$(POD_IP)"]
-    assert manifests.stage_args("demo", "ns1", "decode", spec)[-4:] == [
-        "--model", "/models/model", "--served-model-name", "Qwen/Qwen3-0.6B"]
+    assert manifests.stage_args("demo", "ns1", "decode", spec)[-6:] == [
+        "--model", "/models/model", "--kv-transfer", "shm", "--served-model-name", "Qwen/Qwen3-0.6B"]
     assert manifests.stage_args("demo", "ns1", "router", spec)[:4] == ["serve", "router", "--host", "0.0.0.0"]
 
 
@@ -138,8 +139,21 @@ def test_shm_mode_colocates_decode_with_prefill_through_the_node_shm(make_spec) 
         assert "topologySpreadConstraints" not in pod
 
 
-def test_network_mode_spreads_and_uses_a_private_shm(make_spec) -> None:
-    children = _children(make_spec(kvTransfer={"mode": "network"}))
+@pytest.mark.parametrize("mode", ["shm", "network", "mooncake"])
+def test_prefill_and_decode_are_told_the_transport_and_decode_advertises_its_pod_for_mooncake(make_spec, mode) -> None:
+    children = _children(make_spec(kvTransfer={"mode": mode}))
+    for stage in ("prefill", "decode"):
+        args = _by(children, "Deployment", stage)["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--kv-transfer") + 1] == mode
+        advertised = stage == "prefill" or mode == "mooncake"
+        assert ("--advertise-host" in args) is advertised
+        if advertised:
+            assert args[args.index("--advertise-host") + 1] == "$(POD_IP)"
+
+
+@pytest.mark.parametrize("mode", ["network", "mooncake"])
+def test_network_transports_spread_and_use_a_private_shm(make_spec, mode) -> None:
+    children = _children(make_spec(kvTransfer={"mode": mode}))
     for stage in ("prefill", "decode"):
         pod = _by(children, "Deployment", stage)["spec"]["template"]["spec"]
         assert "affinity" not in pod

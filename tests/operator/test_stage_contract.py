@@ -25,6 +25,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "minimal": {},
     "shm": {"kvTransfer": {"mode": "shm"}},
     "network": {"kvTransfer": {"mode": "network"}},
+    "mooncake": {"kvTransfer": {"mode": "mooncake"}},
     "pvc": {"model": {"source": "pvc", "pvc": {"claimName": "weights", "subPath": "Qwen3-0.6B"}}},
     "hostpath": {"model": {"source": "hostPath", "hostPath": "/srv/models/qwen"}},
     "secrets": {"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "apiKeysSecret": {"name": "keys"},
@@ -94,9 +95,22 @@ def test_every_stage_parses_its_rendered_arguments_and_reads_every_variable_set(
             assert config.front.no_auth is not bool(spec.get("apiKeysSecret"))
         if stage in ("prefill", "decode"):
             assert config.served_model_name == spec["model"]["name"]  # vLLM's metrics' model_name, as the router's
-        if stage == "prefill":
-            assert config.kv_transfer == spec["kvTransfer"]["mode"]
+        if stage in ("prefill", "decode"):
+            assert config.kv_transfer == spec["kvTransfer"]["mode"]  # decode fetches over that transport alone
+        if stage == "prefill" or (stage == "decode" and config.kv_transfer == "mooncake"):
             assert config.advertise_host == POD_IP  # handoffs name the pod, never the 0.0.0.0 it binds
+
+
+def test_the_crd_offers_exactly_the_transports_the_stages_define() -> None:
+    from qwenserve_operator.crd import KV_TRANSFER_MODES, spec_schema
+    from qwenserve_services.decode.config import build_parser as decode_parser
+    from qwenserve_services.prefill.config import build_parser as prefill_parser
+    from qwenserve_services.stage_config import KV_TRANSFER_MODES as STAGE_MODES
+
+    assert spec_schema()["properties"]["kvTransfer"]["properties"]["mode"]["enum"] == list(KV_TRANSFER_MODES)
+    assert KV_TRANSFER_MODES == STAGE_MODES
+    for parser in (prefill_parser(), decode_parser()):
+        assert tuple(parser._option_string_actions["--kv-transfer"].choices) == KV_TRANSFER_MODES
 
 
 def test_the_stages_refuse_a_flag_they_do_not_define(capsys: pytest.CaptureFixture[str]) -> None:
