@@ -31,8 +31,9 @@ COPY proto/ proto/
 COPY qwenserve/ qwenserve/
 COPY services/ services/
 COPY operator/ operator/
-# The mooncake extra: `kvTransfer.mode: mooncake` (Mooncake Transfer Engine; libibverbs1 even over TCP).
-RUN pip install ".[gpu,mooncake]" --no-build-isolation
+# Extras: mooncake for `kvTransfer.mode: mooncake` (Mooncake Transfer Engine; libibverbs1 even over TCP), hf for
+# `model.source: hf` (the fetch-model init container).
+RUN pip install ".[gpu,mooncake,hf]" --no-build-isolation
 
 FROM ${CUDA_RUNTIME_IMAGE} AS cuda
 ENV DEBIAN_FRONTEND=noninteractive PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp \
@@ -69,10 +70,14 @@ COPY proto/ proto/
 COPY qwenserve/ qwenserve/
 COPY services/ services/
 COPY operator/ operator/
-RUN pip install ".[mooncake]" && rm -rf /src
+# Extras: mooncake (kvTransfer.mode: mooncake), hf (model.source: hf, the fetch-model init container).
+RUN pip install ".[mooncake,hf]" && rm -rf /src
 # A fixed non-root UID: the operator's pod securityContext (runAsUser 10001) matches it.
 RUN groupadd --system --gid 10001 qwen && useradd --system --uid 10001 --gid qwen --home-dir /tmp qwen \
     && mkdir -p /models && chown qwen:qwen /models
+# The built-in default model (a small random Qwen3 with the real vocabulary; nothing downloaded), baked for
+# examples/qwendeployment-cpu.yaml (model.source: image, model.path: this folder). Read-only for the pods.
+RUN HOME=/root qwen-serve model init --dir /models/qwen3-tiny-random-v1 && rm -rf /root/.cache
 WORKDIR /tmp
 USER 10001:10001
 EXPOSE 50050 50051 50052 50053 8000 9090

@@ -4,7 +4,8 @@ Written once into the user's cache folder, with the same bytes every time, so th
 serving path runs with nothing downloaded. `write_checkpoint` writes a checkpoint of any Qwen2 /
 Qwen3 / Qwen3-MoE shape, which is what tests use to make their own tiny models.
 
-CLI: `qwen-serve model init [--dir DIR]` writes it, `qwen-serve model path` prints where it is.
+CLI: `qwen-serve model init [--dir DIR]` writes it, `qwen-serve model path` prints where it is;
+`qwen-serve model fetch SOURCE --dir DIR` puts another checkpoint into a folder (`model_fetch.py`).
 """
 
 from __future__ import annotations
@@ -253,8 +254,8 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     return target
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`qwen-serve model init [--dir DIR]` and `qwen-serve model path`."""
+def build_parser() -> StrictParser:
+    """`qwen-serve model`'s parser (the operator's fetch-model init container runs `model fetch`)."""
     parser = StrictParser(prog="qwen-serve model", description="the built-in default checkpoint")
     sub = parser.add_subparsers(dest="action", required=True)
     init = sub.add_parser("init", help="write the default checkpoint (once) and print its folder")
@@ -262,9 +263,28 @@ def main(argv: list[str] | None = None) -> int:
         "--dir", type=Path, help="write into this folder instead of the cache (always rewrites)"
     )
     sub.add_parser("path", help="print the default checkpoint's folder (written or not)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    fetch_parser = sub.add_parser("fetch", help="put a checkpoint (hf://org/name, file:///path) into a folder")
+    fetch_parser.add_argument("source", help="hf://org/name (token: HF_TOKEN), file:///path or a folder")
+    fetch_parser.add_argument("--dir", type=Path, required=True, help="the folder to fill")
+    fetch_parser.add_argument("--revision", default=None, help="branch, tag or commit (hf:// only)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`qwen-serve model init [--dir DIR]`, `qwen-serve model path` and `qwen-serve model fetch SOURCE --dir DIR`."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.action == "path":
         print(default_model_dir())
+        return 0
+    if args.action == "fetch":
+        from qwenserve.model_fetch import FetchError, fetch
+        from qwenserve.preflight import one_line
+
+        try:
+            print(fetch(args.source, args.dir, args.revision))
+        except FetchError as e:
+            print(f"qwen-serve model fetch: {one_line(e)}", file=sys.stderr)
+            return 1
         return 0
     folder = write_default_model(args.dir, f"into {args.dir}") if args.dir else ensure_default_model()
     print(folder)

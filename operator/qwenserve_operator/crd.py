@@ -126,8 +126,23 @@ def spec_schema() -> Schema:
         "The checkpoint to serve.",
         {
             "name": _str("Served model name, e.g. Qwen/Qwen3-0.6B.", minLength=1),
-            "source": _str("Where the checkpoint lives.", enum=["image", "pvc", "hostPath"], default="image"),
+            "source": _str("Where the checkpoint lives (hf: downloaded from the Hugging Face Hub by an init "
+                           "container into each pod).", enum=["image", "pvc", "hostPath", "hf"], default="image"),
             "path": _str("Folder inside the image (source=image).", default="/models/model"),
+            "hf": _obj(
+                "source=hf: a Hugging Face Hub repository, downloaded into an emptyDir mounted read-only at "
+                "/models/<name> (the image needs the hf extra).",
+                {
+                    "repo": _str("Repository, org/name or hf://org/name.",
+                                 pattern=r"^(hf://)?[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$"),
+                    "revision": _str("Branch, tag or commit (default: the repository's default branch)."),
+                    "tokenSecretRef": _secret_key_ref("A Secret holding a Hub token (private or gated "
+                                                      "repositories), given to the download as HF_TOKEN.", "token"),
+                    "sizeLimit": {"x-kubernetes-int-or-string": True,
+                                  "description": "The download volume's size limit, e.g. 20Gi (default: none)."},
+                },
+                required=["repo"],
+            ),
             "pvc": _obj(
                 "source=pvc: a PersistentVolumeClaim holding the checkpoint.",
                 {
@@ -142,6 +157,7 @@ def spec_schema() -> Schema:
         **{"x-kubernetes-validations": [
             {"rule": "self.source != 'pvc' || has(self.pvc)", "message": "source=pvc needs model.pvc"},
             {"rule": "self.source != 'hostPath' || has(self.hostPath)", "message": "source=hostPath needs model.hostPath"},
+            {"rule": "self.source != 'hf' || has(self.hf)", "message": "source=hf needs model.hf"},
         ]},
     )
     image = _obj(

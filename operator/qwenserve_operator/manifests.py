@@ -18,6 +18,11 @@ The tokenizer, prefill and decode Services are headless, so their DNS name resol
 every ready pod and the router can balance per worker (least load, prefix affinity) instead of
 per connection; the operator needs no Endpoints watch and the router no API access.
 
+The model: `image` is a folder in the image (the CPU image bakes the built-in default model); `pvc` and
+`hostPath` mount a volume read-only at /models/<name>; `hf` gives every pod that reads the model a `fetch-model`
+init container (`qwen-serve model fetch hf://org/name`, token Secret as HF_TOKEN) that fills an emptyDir, mounted
+read-only at /models/<name> in the stage.
+
 KV transfer `network` and `mooncake` (Mooncake Transfer Engine) work across nodes: each stage spreads over
 nodes, and prefill (and decode's Transfer Engine, with Mooncake) advertises its pod IP, never 0.0.0.0.
 
@@ -142,7 +147,43 @@ def _model_volume(spec: Spec) -> tuple[dict[str, Any], dict[str, Any]] | None:
         return {"name": "model", "persistentVolumeClaim": {"claimName": pvc["claimName"], "readOnly": True}}, mount
     if model["source"] == "hostPath":
         return {"name": "model", "hostPath": {"path": model["hostPath"], "type": "Directory"}}, mount
+    if model["source"] == "hf":  # filled by the fetch-model init container
+        size = model["hf"].get("sizeLimit")
+        return {"name": "model", "emptyDir": {"sizeLimit": size} if size else {}}, mount
     return None
+
+
+def model_fetch_container(spec: Spec) -> dict[str, Any] | None:
+    """source=hf: the init container that downloads the checkpoint into the pod's model volume before the stage
+    starts (`qwen-serve model fetch`, huggingface_hub's snapshot_download; the token Secret as HF_TOKEN)."""
+    model = spec["model"]
+    if model["source"] != "hf":
+        return None
+    hf = model["hf"]
+    args = ["model", "fetch", f"hf://{hf['repo'].removeprefix('hf://')}", "--dir", model_dir(spec)]
+    if hf.get("revision"):
+        args += ["--revision", hf["revision"]]
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
+        {"name": "HF_HOME", "value": "/tmp/huggingface"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if hf.get("tokenSecretRef"):
+        ref = hf["tokenSecretRef"]
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}})
+    return {
+        "name": "fetch-model",
+        "image": _image(spec),
+        "imagePullPolicy": spec["image"]["pullPolicy"],
+        "args": args,
+        "env": env,
+        "securityContext": _security_context(),
+        "volumeMounts": [{"name": "model", "mountPath": model_dir(spec)}, {"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
+def _image(spec: Spec) -> str:
+    return f"{spec['image']['repository']}:{spec['image']['tag']}"
 
 
 def stage_args(name: str, namespace: str, stage: str, spec: Spec) -> list[str]:
@@ -334,12 +375,11 @@ def _volumes(stage: str, spec: Spec) -> tuple[list[dict[str, Any]], list[dict[st
 
 def _container(name: str, namespace: str, stage: str, spec: Spec) -> dict[str, Any]:
     stage_spec = spec["stages"][stage]
-    image = spec["image"]
     _, mounts = _volumes(stage, spec)
     container: dict[str, Any] = {
         "name": stage,
-        "image": f"{image['repository']}:{image['tag']}",
-        "imagePullPolicy": image["pullPolicy"],
+        "image": _image(spec),
+        "imagePullPolicy": spec["image"]["pullPolicy"],
         "args": stage_args(name, namespace, stage, spec),
         "env": _common_env(name, namespace, stage, spec),
         "ports": _ports(stage),
@@ -368,6 +408,9 @@ def deployment(name: str, namespace: str, uid: str, stage: str, spec: Spec, repl
         "containers": [_container(name, namespace, stage, spec)],
         "volumes": volumes,
     }
+    fetch = model_fetch_container(spec)
+    if fetch is not None and stage in STAGES_WITH_MODEL:
+        pod_spec["initContainers"] = [fetch]
     for key, value in (("nodeSelector", stage_spec.get("nodeSelector")),
                        ("tolerations", stage_spec.get("tolerations")),
                        ("affinity", _affinity(name, stage, spec)),
@@ -483,6 +526,8 @@ def validate_spec(spec: Spec) -> list[str]:
         problems.append("spec.model.source=pvc needs spec.model.pvc.claimName")
     if model.get("source") == "hostPath" and not model.get("hostPath"):
         problems.append("spec.model.source=hostPath needs spec.model.hostPath")
+    if model.get("source") == "hf" and not (model.get("hf") or {}).get("repo"):
+        problems.append("spec.model.source=hf needs spec.model.hf.repo")
     for stage in AUTOSCALED_STAGES:
         scaling = spec.get("stages", {}).get(stage, {}).get("autoscaling", {})
         if scaling.get("minReplicas", 1) > scaling.get("maxReplicas", 1):

@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 NEEDED = ["pyproject.toml", "README.md", "qwenserve/", "services/", "operator/", "proto/"]
@@ -94,3 +95,29 @@ def test_images_can_hand_off_over_mooncake(build: str, final: str) -> None:
     assert extras and "mooncake" in extras.group(1).split(",")
     assert "mooncake" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any("libibverbs1" in rest for word, rest in _stages()[final] if word == "RUN")
+
+
+def _baked_models(stage: str) -> list[str]:
+    """The folders a build stage writes the built-in model into (`qwen-serve model init --dir DIR`)."""
+    runs = " ".join(rest for word, rest in _stages()[stage] if word == "RUN")
+    return re.findall(r"qwen-serve model init --dir (\S+)", runs)
+
+
+@pytest.mark.parametrize("values", [
+    ROOT / "examples/qwendeployment-cpu.yaml", ROOT / "charts/qwen-serve/values.yaml"], ids=lambda p: p.name)
+def test_an_image_model_path_is_a_folder_the_cpu_image_bakes(values: Path) -> None:
+    body = yaml.safe_load(values.read_text())
+    model = (body.get("example") or body)["spec"]["model"]
+    assert model["source"] == "image"
+    assert model["path"] in _baked_models("cpu"), f"the CPU image has no model at {model['path']}"
+    from qwenserve.default_model import DEFAULT_MODEL_NAME
+
+    assert model["path"] == f"/models/{DEFAULT_MODEL_NAME}" and model["name"] == DEFAULT_MODEL_NAME
+
+
+def test_the_model_is_baked_after_the_project_is_installed_and_before_dropping_root() -> None:
+    instructions = _stages()["cpu"]
+    bake = next(i for i, (w, rest) in enumerate(instructions) if w == "RUN" and "model init" in rest)
+    install = next(i for i, (w, rest) in enumerate(instructions) if w == "RUN" and re.search(r'pip install "?\.', rest))
+    user = next(i for i, (w, _) in enumerate(instructions) if w == "USER")
+    assert install < bake < user

@@ -17,6 +17,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "minimal": {},
     "shm": {"kvTransfer": {"mode": "shm"}},
     "mooncake": {"kvTransfer": {"mode": "mooncake"}},
+    "hf": {"model": {"source": "hf", "hf": {"repo": "hf://Qwen/Qwen3-0.6B", "revision": "v1",
+                                            "tokenSecretRef": {"name": "hf-token"}, "sizeLimit": "20Gi"}}},
     "pvc": {"model": {"source": "pvc", "pvc": {"claimName": "weights", "subPath": "Qwen3-0.6B"}}},
     "hostpath": {"model": {"source": "hostPath", "hostPath": "/srv/models/qwen"}},
     "gpu": {"stages": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 1}},
@@ -196,6 +198,40 @@ def test_model_source_becomes_a_volume_and_the_model_flag(make_spec, source, ext
         assert container["args"][container["args"].index("--model") + 1] == manifests.model_dir(spec)
 
 
+@pytest.mark.parametrize("token", [True, False])
+def test_an_hf_model_is_downloaded_by_an_init_container_into_a_volume_every_stage_reads(make_spec, token) -> None:
+    hf: dict[str, Any] = {"repo": "Qwen/Qwen3-0.6B", "revision": "c1899de"}
+    if token:
+        hf["tokenSecretRef"] = {"name": "hf-token"}
+    children = _children(make_spec(model={"source": "hf", "hf": hf}))
+    for stage in ("tokenizer", "prefill", "decode", "router"):
+        pod = _by(children, "Deployment", stage)["spec"]["template"]["spec"]
+        [fetch] = pod["initContainers"]
+        assert fetch["args"] == ["model", "fetch", "hf://Qwen/Qwen3-0.6B", "--dir", "/models/Qwen3-0.6B",
+                                 "--revision", "c1899de"]
+        assert fetch["image"] == pod["containers"][0]["image"] and fetch["securityContext"]["readOnlyRootFilesystem"]
+        env = {e["name"]: e for e in fetch["env"]}
+        if token:  # the Secret's default key
+            assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+        else:
+            assert "HF_TOKEN" not in env
+        assert env["HOME"]["value"].startswith("/tmp") and env["HF_HOME"]["value"].startswith("/tmp")
+        assert next(v for v in pod["volumes"] if v["name"] == "model") == {"name": "model", "emptyDir": {}}
+        # The init container writes the volume; the stage reads it, read-only, at the path its --model names.
+        assert {"name": "model", "mountPath": "/models/Qwen3-0.6B"} in fetch["volumeMounts"]
+        assert {"name": "tmp", "mountPath": "/tmp"} in fetch["volumeMounts"]
+        container = pod["containers"][0]
+        assert {"name": "model", "mountPath": "/models/Qwen3-0.6B", "readOnly": True} in container["volumeMounts"]
+        assert container["args"][container["args"].index("--model") + 1] == "/models/Qwen3-0.6B"
+
+
+def test_other_model_sources_have_no_init_container(make_spec) -> None:
+    for variant in ("minimal", "pvc", "hostpath"):
+        for stage in STAGES:
+            pod = _by(_children(make_spec(**VARIANTS[variant])), "Deployment", stage)["spec"]["template"]["spec"]
+            assert "initContainers" not in pod
+
+
 def test_api_keys_and_redis_secret_reach_only_the_router(make_spec) -> None:
     children = _children(make_spec(**VARIANTS["secrets"]))
     router = _by(children, "Deployment", "router")["spec"]["template"]["spec"]
@@ -229,6 +265,7 @@ def test_tokenizer_and_router_always_use_the_spec_replicas(make_spec) -> None:
 @pytest.mark.parametrize(("spec", "problem"), [
     ({"model": {"name": "m", "source": "pvc"}}, "pvc.claimName"),
     ({"model": {"name": "m", "source": "hostPath"}}, "hostPath"),
+    ({"model": {"name": "m", "source": "hf"}}, "hf.repo"),
     ({"model": {"name": "m"}, "stages": {"prefill": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}}},
      "minReplicas"),
     ({"model": {"name": "m"}, "prefillDecodeRatio": {"min": 3, "max": 1}}, "prefillDecodeRatio"),

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from qwenserve.cli import COMMANDS as CLI_COMMANDS
 from qwenserve.cli import STAGES as CLI_STAGES
 from qwenserve_operator import manifests
 from qwenserve_operator.crd import STAGES
@@ -28,6 +29,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "mooncake": {"kvTransfer": {"mode": "mooncake"}},
     "pvc": {"model": {"source": "pvc", "pvc": {"claimName": "weights", "subPath": "Qwen3-0.6B"}}},
     "hostpath": {"model": {"source": "hostPath", "hostPath": "/srv/models/qwen"}},
+    "hf": {"model": {"source": "hf", "hf": {"repo": "Qwen/Qwen3-0.6B", "tokenSecretRef": {"name": "t"}}}},
     "secrets": {"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "apiKeysSecret": {"name": "keys"},
                 "telemetry": {"otlpEndpoint": "http://otel:4317", "logFormat": "json"}},
     "redis-and-limits": {"redis": {"url": "redis://redis:6379/0"},
@@ -132,3 +134,14 @@ def test_extra_stage_arguments_a_stage_would_refuse_are_spec_problems(make_spec)
         "spec.stages.router.args: --log-requests is not a flag of `qwen-serve serve router`",
     ]
     assert manifests.validate_spec(make_spec(**VARIANTS["stage-args"])) == []
+
+
+def test_the_fetch_model_init_container_runs_a_command_the_image_defines(make_spec) -> None:
+    from qwenserve.default_model import build_parser
+
+    spec = make_spec(model={"source": "hf", "hf": {"repo": "Qwen/Qwen3-0.6B", "revision": "main"}})
+    init = manifests.model_fetch_container(spec)
+    assert init is not None and init["args"][0] in CLI_COMMANDS
+    args = build_parser().parse_args(init["args"][1:])  # strict: an unknown flag exits
+    assert (args.action, args.source, str(args.dir), args.revision) == (
+        "fetch", "hf://Qwen/Qwen3-0.6B", manifests.model_dir(spec), "main")
