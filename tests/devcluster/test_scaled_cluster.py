@@ -1,0 +1,483 @@
+"""The CPU example as a scaled cluster of pods: every pod serves, handoffs cross the network, streams survive.
+
+Issue 17's tests on `qwen-serve dev-cluster` (needs root and `ip netns`; skipped with the reason otherwise),
+with a tiny checkpoint written here standing for the example's model (`--model`), so 6 pods stay light:
+
+- shm mode, 1 prefill + 1 decode on one node: the handoff goes through /dev/shm;
+- network mode, 2 prefill + 2 decode (one cluster for the rest of the module): 40 prompts through the router
+  are served by every prefill and decode pod (their own metrics say so), every handoff crosses the network and
+  none is refused, greedy tokens equal an in-process engine's, `qwen-serve status` has a row per pod;
+- a decode pod killed with SIGKILL mid-stream: the router resumes its streams on the other (same tokens), the
+  pod runner restarts the pod and it serves again;
+- decode scaled to 3: the new pod gets traffic; scaled to 1 during streams: the removed pods drain them;
+- no pod's log has an "unknown flag" line (the stages parse strictly; the operator passes only their flags).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from qwenserve.default_model import TINY_CONFIG, write_checkpoint
+from qwenserve.devcluster.cli import LOCK_FILE
+from qwenserve.engine.config import EngineConfig
+from qwenserve.engine.engine import LLMEngine
+from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+METRICS_PORT = 9090
+PORTS = {"prefill": 50052, "decode": 50053}
+STAGE_ARGS = {  # small engines: six pods share two cores
+    "prefill": ["--kv-cache-gb", "0.05", "--threads", "1", "--kv-pool-mib", "16"],
+    # The stage's drain on SIGTERM (--grace-s, 10 s by default) within the pod's terminationGracePeriodSeconds.
+    "decode": ["--kv-cache-gb", "0.05", "--threads", "1", "--grace-s", "60"],
+    "router": ["--resolve-interval-s", "1"],  # a pod that joins or leaves is seen within a second
+}
+# max_tokens of a plain request, of a stream running when a pod is killed, and of one outliving a scale-down
+SHORT, LONG, LONGER = 16, 300, 600
+
+
+def _netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and a bridge)"
+    probe = subprocess.run(["ip", "netns", "add", "qsprobe-scaled"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"`ip netns add` is not permitted here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "qsprobe-scaled"], capture_output=True)
+    return None
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+if (reason := _netns_unavailable()) is not None:
+    pytestmark.append(pytest.mark.skip(reason=reason))
+
+
+# -- the prompts and what a single process answers -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    max_tokens: int
+
+
+def _prompts(n: int, max_tokens: int, seed: int) -> list[Prompt]:
+    rng = random.Random(seed)
+    return [Prompt(tuple(rng.randrange(0, 150_000) for _ in range(rng.randrange(20, 60))), max_tokens)
+            for _ in range(n)]
+
+
+PLAIN = _prompts(40, SHORT, seed=1)
+STREAMS = _prompts(8, LONG, seed=2)  # killed mid-stream
+DRAINED = _prompts(8, LONGER, seed=3)  # scaled down mid-stream
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-pods",
+                            {**TINY_CONFIG, "max_position_embeddings": 1024}, seed=17)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> dict[Prompt, list[int]]:
+    """Greedy tokens of every prompt from one in-process engine on the same checkpoint."""
+    prompts = [*PLAIN, *STREAMS, *DRAINED]
+    engine = LLMEngine.from_pretrained(tiny_model, EngineConfig(kv_cache_memory_gb=0.05, num_threads=1))
+    try:
+        outputs = engine.generate_sync(
+            [list(p.ids) for p in prompts],
+            [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True) for p in prompts])
+    finally:
+        engine.shutdown()
+    return dict(zip(prompts, outputs, strict=True))
+
+
+# -- the cluster ---------------------------------------------------------------------------------------------
+
+
+def _wait_for_lock(timeout: float) -> None:
+    """Another dev-cluster (another test's) may still be stopping; one runs on this machine at a time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(LOCK_FILE, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return  # closing the file lets go again
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"another dev-cluster holds {LOCK_FILE}") from None
+        time.sleep(1)
+
+
+class DevCluster:
+    """`qwen-serve dev-cluster up` as a subprocess; its output lines collected as they come."""
+
+    def __init__(self, spec: dict[str, Any], model: Path, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        state_dir.mkdir(parents=True, exist_ok=True)
+        spec_file = state_dir / "qwendeployment.yaml"
+        spec_file.write_text(yaml.safe_dump(spec))
+        self.lines: list[str] = []
+        _wait_for_lock(90)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "qwenserve.cli", "dev-cluster", "--state-dir", str(state_dir), "up",
+             "-f", str(spec_file), "--model", str(model), "--ready-timeout", "200"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+        self.grpc = ""
+
+    def wait_ready(self) -> None:
+        """Until `up` prints its ready line; the router's gRPC address is then `self.grpc`."""
+        self.grpc = self.wait_for(r"ready http=(\S+) grpc=(\S+)", timeout=240).group(2)
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
+        """The first output line from index `start` on matching `pattern`; fails after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if match := next(filter(None, (re.search(pattern, x) for x in self.lines[start:])), None):
+                return match
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise AssertionError(f"no line matching {pattern!r}; output:\n" + "\n".join(self.lines[-60:]))
+            time.sleep(0.2)
+
+    def api(self, path: str) -> Any:
+        state = json.loads((self.state_dir / "state.json").read_text())
+        with urllib.request.urlopen(state["api"] + path, timeout=10) as response:
+            return json.load(response)
+
+    def pods(self, stage: str) -> list[dict[str, Any]]:
+        items = self.api("/api/v1/namespaces/default/pods")["items"]
+        return [p for p in items if p["metadata"]["labels"].get("qwenserve.io/stage") == stage]
+
+    def ready_pods(self, stage: str, count: int, timeout: float) -> dict[str, str]:
+        """{pod name: pod IP} once `stage` has exactly `count` pods, all ready."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pods = self.pods(stage)
+            if len(pods) == count and all(_ready(p) for p in pods):
+                return {p["metadata"]["name"]: p["status"]["podIP"] for p in pods}
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{stage} did not reach {count} ready pods: {pods}")
+            time.sleep(1)
+
+    def scale(self, stage: str, replicas: int) -> None:
+        done = subprocess.run([sys.executable, "-m", "qwenserve.cli", "dev-cluster", "--state-dir",
+                               str(self.state_dir), "scale", stage, str(replicas)],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+
+    def patch_replicas(self, stage: str, replicas: int) -> None:
+        """What `kubectl patch qwendeployment --type merge` does: a merge patch of the CR through the API."""
+        state = json.loads((self.state_dir / "state.json").read_text())
+        body = json.dumps({"spec": {"stages": {stage: {"replicas": replicas}}}}).encode()
+        request = urllib.request.Request(
+            f"{state['api']}/apis/qwenserve.io/v1alpha1/namespaces/{state['namespace']}/qwendeployments/"
+            f"{state['name']}", data=body, method="PATCH", headers={"Content-Type": "application/merge-patch+json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+
+    def pod_logs(self) -> dict[str, str]:
+        return {log.parent.name: log.read_text(errors="replace")
+                for log in (self.state_dir / "pods").glob("*/log")}
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def _example(mode: str, replicas: dict[str, int]) -> dict[str, Any]:
+    """The CPU example with `replicas`, KV transfer `mode` and small engines."""
+    body = yaml.safe_load((REPO / "examples" / "qwendeployment-cpu.yaml").read_text())
+    body["spec"]["kvTransfer"]["mode"] = mode
+    for stage, count in replicas.items():
+        body["spec"]["stages"][stage]["replicas"] = count
+    for stage, args in STAGE_ARGS.items():
+        body["spec"]["stages"][stage]["args"] = args
+    return body
+
+
+def _no_unknown_flags(cluster: DevCluster, pods: int) -> None:
+    logs = cluster.pod_logs()
+    assert len(logs) >= pods, sorted(logs)
+    for name, text in logs.items():
+        assert "unknown flag" not in text and "unrecognized arguments" not in text, f"{name}:\n{text[-2000:]}"
+
+
+@pytest.fixture(scope="module")
+def network_cluster(tiny_model: Path, reference: dict[Prompt, list[int]],
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    """The CPU example, network mode, 2 prefill and 2 decode pods; shared by the tests after the shm one."""
+    spec = _example("network", {"tokenizer": 1, "prefill": 2, "decode": 2, "router": 1})
+    cluster = DevCluster(spec, tiny_model, tmp_path_factory.mktemp("network-cluster"))
+    try:
+        cluster.wait_ready()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+# -- talking to it -------------------------------------------------------------------------------------------
+
+
+def _metrics(ip: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """A pod's /metrics page at its own IP: sample name -> [(labels, value)]."""
+    with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
+
+
+def _metric(ip: str, name: str, **labels: str) -> float:
+    """The sum of a pod's samples named `name` that carry `labels`."""
+    return sum(value for got, value in _metrics(ip).get(name, []) if labels.items() <= got.items())
+
+
+@dataclass
+class Stream:
+    prompt: Prompt
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: int = 0
+
+
+async def _generate(stub: router_pb2_grpc.RouterStub, stream: Stream) -> Stream:
+    request = router_pb2.GenerateRequest(
+        prompt_token_ids=common_pb2.TokenIds(ids=stream.prompt.ids),
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=stream.prompt.max_tokens, ignore_eos=True))
+    async for message in stub.Generate(request, timeout=240):
+        stream.tokens.extend(message.token_ids)
+        if message.finish_reason:
+            stream.finish_reason = message.finish_reason
+    return stream
+
+
+async def _run(address: str, prompts: list[Prompt], while_running: Callable[[list[Stream]], None] | None = None
+               ) -> list[Stream]:
+    """Every prompt through the router at once; `while_running(streams)` runs (in a thread) once every stream
+    has its first tokens, while they go on."""
+    async with grpc.aio.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        streams = [Stream(p) for p in prompts]
+        tasks = [asyncio.create_task(_generate(stub, s)) for s in streams]
+        if while_running is not None:
+            while not all(len(s.tokens) >= 2 for s in streams):
+                assert not any(t.done() for t in tasks), "a stream ended before every stream had started"
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(while_running, streams)
+        await asyncio.gather(*tasks)
+    return streams
+
+
+def _check_against(reference: dict[Prompt, list[int]], streams: list[Stream]) -> None:
+    for s in streams:
+        assert s.finish_reason == common_pb2.FINISH_REASON_LENGTH, (s.finish_reason, len(s.tokens))
+        assert s.tokens == reference[s.prompt], f"prompt {s.prompt.ids[:4]}...: tokens differ from one process"
+
+
+def _status(address: str) -> list[dict[str, Any]]:
+    done = subprocess.run([sys.executable, "-m", "qwenserve.cli", "status", "--router", address, "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows: list[dict[str, Any]] = json.loads(done.stdout)
+    return rows
+
+
+def _pid(cluster: DevCluster, pod: str) -> int:
+    return int(cluster.wait_for(rf"pod {pod}: started pid (\d+)", timeout=1).group(1))
+
+
+# -- the tests -----------------------------------------------------------------------------------------------
+
+
+def test_shm_mode_hands_off_through_the_nodes_dev_shm(
+        tiny_model: Path, reference: dict[Prompt, list[int]], tmp_path: Path) -> None:
+    spec = _example("shm", {"tokenizer": 1, "prefill": 1, "decode": 1, "router": 1})
+    cluster = DevCluster(spec, tiny_model, tmp_path / "shm-cluster")
+    try:
+        cluster.wait_ready()
+        streams = asyncio.run(_run(cluster.grpc, PLAIN[:6]))
+        _check_against(reference, streams)
+        (decode,) = cluster.ready_pods("decode", 1, timeout=10).values()
+        assert _metric(decode, "qwenserve_handoff_bytes_total", transport="shm") > 0
+        assert _metric(decode, "qwenserve_handoff_bytes_total", transport="grpc") == 0
+        assert _metric(decode, "qwenserve_handoff_failures_total") == 0
+        _no_unknown_flags(cluster, pods=4)
+    finally:
+        cluster.stop()
+
+
+def test_every_prefill_and_decode_pod_serves_and_handoffs_cross_the_network(
+        network_cluster: DevCluster, reference: dict[Prompt, list[int]]) -> None:
+    cluster = network_cluster
+    prefill = cluster.ready_pods("prefill", 2, timeout=30)
+    decode = cluster.ready_pods("decode", 2, timeout=30)
+    (router,) = cluster.ready_pods("router", 1, timeout=30).values()
+
+    _check_against(reference, asyncio.run(_run(cluster.grpc, PLAIN)))
+
+    for name, ip in prefill.items():
+        assert _metric(ip, "qwenserve_handoff_bytes_total", transport="grpc") > 0, f"prefill {name} exported nothing"
+    for name, ip in decode.items():
+        assert _metric(ip, "qwenserve_handoff_bytes_total", transport="grpc") > 0, f"decode {name} fetched nothing"
+        # A handoff decode could not fetch would be a failure here and a prompt recomputed by decode.
+        failures = {tuple(sorted(labels.items())): v for labels, v
+                    in _metrics(ip).get("qwenserve_handoff_failures_total", []) if v}
+        assert not failures, f"decode {name}: {failures}"
+    assert _metric(router, "qwenserve_router_failovers_total") == 0
+
+    rows = _status(cluster.grpc)
+    by_stage: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        by_stage.setdefault(row["stage"], {})[row["address"]] = row
+    assert set(by_stage) == {"router", "tokenizer", "prefill", "decode"}, rows
+    for stage, pods in (("prefill", prefill), ("decode", decode)):
+        assert set(by_stage[stage]) == {f"{ip}:{PORTS[stage]}" for ip in pods.values()}, rows
+        for row in by_stage[stage].values():
+            assert row["state"] == "SERVING" and row["loadKnown"], row
+    assert all(row["state"] == "SERVING" for row in rows), rows
+
+
+def test_a_decode_pod_killed_mid_stream_is_replayed_on_the_other_and_restarted(
+        network_cluster: DevCluster, reference: dict[Prompt, list[int]]) -> None:
+    cluster = network_cluster
+    decode = cluster.ready_pods("decode", 2, timeout=30)
+    (router,) = cluster.ready_pods("router", 1, timeout=30).values()
+    victim = sorted(decode)[0]
+    failovers = _metric(router, "qwenserve_router_failovers_total", stage="decode")
+    fetched = _fetched(decode)
+    mark = len(cluster.lines)
+
+    def kill(streams: list[Stream]) -> None:
+        assert _fetched(decode)[victim] > fetched[victim], "no stream started on the victim"
+        os.kill(_pid(cluster, victim), signal.SIGKILL)
+
+    _check_against(reference, asyncio.run(_run(cluster.grpc, STREAMS, while_running=kill)))
+    assert _metric(router, "qwenserve_router_failovers_total", stage="decode") > failovers
+
+    cluster.wait_for(rf"pod {victim}: restarting: exited", timeout=30, start=mark)
+    deadline = time.monotonic() + 120
+    while True:
+        pod = next(p for p in cluster.pods("decode") if p["metadata"]["name"] == victim)
+        if _ready(pod) and pod["status"]["containerStatuses"][0]["restartCount"] == 1:
+            break
+        assert time.monotonic() < deadline, f"{victim} did not come back: {pod}"
+        time.sleep(1)
+    assert pod["status"]["podIP"] == decode[victim]
+    # Its metrics start again from zero: a handoff counted now was served by the restarted container.
+    _serves(cluster, decode[victim], reference, f"restarted {victim}")
+
+
+def _fetched(decode: dict[str, str]) -> dict[str, float]:
+    """Handoff bytes each decode pod has fetched over the network: it grows with every request a pod takes."""
+    return {name: _metric(ip, "qwenserve_handoff_bytes_total", transport="grpc") for name, ip in decode.items()}
+
+
+def _serves(cluster: DevCluster, ip: str, reference: dict[Prompt, list[int]], what: str) -> None:
+    """Requests through the router until the decode pod at `ip` has fetched a handoff (within 60 s)."""
+    deadline = time.monotonic() + 60
+    rounds = 0
+    while _metric(ip, "qwenserve_handoff_bytes_total", transport="grpc") == 0:
+        assert time.monotonic() < deadline, f"{what} got no request in {rounds} rounds"
+        batch = PLAIN[(rounds * 8) % 40:][:8]
+        _check_against(reference, asyncio.run(_run(cluster.grpc, batch)))
+        rounds += 1
+
+
+def test_decode_scaled_to_three_gives_the_new_pod_traffic_and_back_to_one_drains_the_streams(
+        network_cluster: DevCluster, reference: dict[Prompt, list[int]]) -> None:
+    cluster = network_cluster
+    before = cluster.ready_pods("decode", 2, timeout=120)
+    (router,) = cluster.ready_pods("router", 1, timeout=30).values()
+
+    cluster.scale("decode", 3)
+    decode = cluster.ready_pods("decode", 3, timeout=150)
+    (new,) = set(decode) - set(before)
+    _serves(cluster, decode[new], reference, f"new pod {new}")
+
+    failovers = _metric(router, "qwenserve_router_failovers_total", stage="decode")
+    streams, removed, draining = asyncio.run(_scale_down_under_load(cluster, decode, "decode", 1))
+    _check_against(reference, streams)
+    # The removed pods drained: the router saw their streams finishing after they left DNS, none failed over,
+    # and each stopped on SIGTERM within its grace period.
+    assert {f"{decode[name]}:{PORTS['decode']}" for name in removed} <= draining, (removed, draining)
+    assert _metric(router, "qwenserve_router_failovers_total", stage="decode") == failovers
+    (kept,) = cluster.ready_pods("decode", 1, timeout=60)
+    assert kept not in removed
+    logs = cluster.pod_logs()
+    for name in removed:
+        assert "draining (grace" in logs[name], f"{name} did not drain:\n{logs[name][-2000:]}"
+    decode_rows = [row for row in _status(cluster.grpc) if row["stage"] == "decode"]
+    assert [row["address"] for row in decode_rows] == [f"{decode[kept]}:{PORTS['decode']}"], decode_rows
+    _no_unknown_flags(cluster, pods=7)  # 6 at the start and the third decode pod
+
+
+async def _scale_down_under_load(cluster: DevCluster, pods: dict[str, str], stage: str, replicas: int,
+                                 in_flight: int = 6, timeout: float = 120) -> tuple[list[Stream], list[str], set[str]]:
+    """Scale `stage` down while `in_flight` long streams keep running (a finished one is replaced), until the
+    router has shown every removed pod DRAINING; then let the streams end. Returns every stream, the removed
+    pods and the addresses GetStatus showed DRAINING. (The operator reacts to a patch within seconds on an idle
+    machine and in tens of seconds on two busy cores, so the load is kept up rather than timed.)"""
+    mark = len(cluster.lines)
+    streams: list[Stream] = []
+    tasks: list[asyncio.Task[Stream]] = []
+    draining: set[str] = set()
+    async with grpc.aio.insecure_channel(cluster.grpc, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+
+        def keep_up() -> None:
+            while sum(not t.done() for t in tasks) < in_flight:
+                streams.append(Stream(DRAINED[len(streams) % len(DRAINED)]))
+                tasks.append(asyncio.create_task(_generate(stub, streams[-1])))
+
+        keep_up()
+        while not all(len(s.tokens) >= 2 for s in streams):
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(cluster.patch_replicas, stage, replicas)
+        deadline = time.monotonic() + timeout
+        while True:
+            removed = re.findall(r"pod (\S+): stopping \(scaled to", "\n".join(cluster.lines[mark:]))
+            status = await stub.GetStatus(router_pb2.GetStatusRequest(), timeout=10)
+            draining |= {row.address for row in status.stages if row.stage == stage and row.state == "DRAINING"}
+            if len(removed) == len(pods) - replicas and {f"{pods[n]}:{PORTS[stage]}" for n in removed} <= draining:
+                break
+            assert time.monotonic() < deadline, (removed, draining, cluster.lines[mark:])
+            keep_up()
+            await asyncio.sleep(0.2)
+        await asyncio.gather(*tasks)
+    return streams, removed, draining
