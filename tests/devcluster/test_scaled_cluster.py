@@ -231,6 +231,11 @@ def _example(mode: str, replicas: dict[str, int]) -> dict[str, Any]:
 
 
 def _no_unknown_flags(cluster: DevCluster, pods: int) -> None:
+    """The operator found every extra stage argument defined (STAGE_ARGS), and no stage refused a flag."""
+    body = cluster.api("/apis/qwenserve.io/v1alpha1/namespaces/default/qwendeployments/qwen-cpu")
+    conditions = {c["type"]: c for c in body["status"]["conditions"]}
+    assert conditions["Ready"]["reason"] != "InvalidSpec", conditions
+    assert "is not a flag of" not in conditions["Degraded"]["message"], conditions
     logs = cluster.pod_logs()
     assert len(logs) >= pods, sorted(logs)
     for name, text in logs.items():
