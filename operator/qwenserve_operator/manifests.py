@@ -51,6 +51,10 @@ Spec = dict[str, Any]
 GRPC_PORTS = {"tokenizer": 50051, "prefill": 50052, "decode": 50053, "router": 50050}
 HTTP_PORT = 8000
 METRICS_PORT = 9090
+# The preStop pause that lets Service DNS drop a pod before SIGTERM, and the time kept back from the
+# grace period for the process to exit after its drain.
+PRE_STOP_S = 5
+DRAIN_MARGIN_S = 2
 RUN_AS = 10001  # the image's non-root user (Dockerfile)
 SHM_DIR = "/dev/shm"
 MODELS_DIR = "/models"
@@ -186,10 +190,16 @@ def _image(spec: Spec) -> str:
     return f"{spec['image']['repository']}:{spec['image']['tag']}"
 
 
+def drain_seconds(stage_spec: dict[str, Any]) -> int:
+    """How long a stage drains on SIGTERM: the pod's grace period less the preStop pause and a margin, so
+    streams finish where they run instead of being cut off by SIGKILL (a stage's own default is 10 s)."""
+    return max(1, int(stage_spec["terminationGracePeriodSeconds"]) - PRE_STOP_S - DRAIN_MARGIN_S)
+
+
 def stage_args(name: str, namespace: str, stage: str, spec: Spec) -> list[str]:
     """The container arguments after the `qwen-serve` entrypoint (flags of `qwen-serve serve STAGE`)."""
     args = ["serve", stage, "--host", "0.0.0.0", "--port", str(GRPC_PORTS[stage]),
-            "--metrics-port", str(METRICS_PORT)]
+            "--metrics-port", str(METRICS_PORT), "--grace-s", str(drain_seconds(spec["stages"][stage]))]
     mode = spec["kvTransfer"]["mode"]
     if stage == "tokenizer":
         args += ["--model", model_dir(spec)]
@@ -387,7 +397,7 @@ def _container(name: str, namespace: str, stage: str, spec: Spec) -> dict[str, A
         "securityContext": _security_context(),
         "volumeMounts": mounts,
         # Let the Service's DNS drop the pod before SIGTERM starts the service's own drain.
-        "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_S}}},
         **_probes(stage),
     }
     if stage == "router":

@@ -68,13 +68,24 @@ def test_stage_arguments_follow_the_container_contract(make_spec) -> None:
     spec = make_spec(kvTransfer={"mode": "shm"})
     assert manifests.stage_args("demo", "ns1", "tokenizer", spec) == [
         "serve", "tokenizer", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090",
-        "--model", "/models/model"]
+        "--grace-s", str(spec["stages"]["tokenizer"]["terminationGracePeriodSeconds"] - 7), "--model", "/models/model"]
     assert manifests.stage_args("demo", "ns1", "prefill", spec)[-8:] == [
         "--model", "/models/model", "--kv-transfer", "shm", "--served-model-name", "Qwen/Qwen3-0.6B",
         "--advertise-host", "$(POD_IP)"]
     assert manifests.stage_args("demo", "ns1", "decode", spec)[-6:] == [
         "--model", "/models/model", "--kv-transfer", "shm", "--served-model-name", "Qwen/Qwen3-0.6B"]
     assert manifests.stage_args("demo", "ns1", "router", spec)[:4] == ["serve", "router", "--host", "0.0.0.0"]
+
+
+def test_each_stage_drains_within_its_pods_grace_period(make_spec) -> None:
+    spec = make_spec()
+    for stage in ("tokenizer", "prefill", "decode", "router"):
+        pod = _by(_children(spec), "Deployment", stage)["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        args = container["args"]
+        drain = float(args[args.index("--grace-s") + 1])
+        pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert 0 < drain and pre_stop + drain < pod["terminationGracePeriodSeconds"], (stage, drain)
 
 
 @pytest.mark.parametrize("mode", ["network", "shm"])
