@@ -28,6 +28,8 @@ GIVE_UP_S = 60.0
 # Stop strings a random model's output soon contains: requests that end on one finish normally ("stop").
 COMMON_STOPS = ["e", "a", "o", "i"]
 KINDS = ("http-stream", "http", "grpc")
+# Each request asks for 16 to MAX_TOKENS tokens.
+MAX_TOKENS = 48
 # After an error a client waits this long before its next request, as a polite client would.
 ERROR_PAUSE_S = 0.2
 
@@ -60,7 +62,8 @@ class Load:
         self.max_disconnect_s = max_disconnect_s
         self.stop_share = stop_share
         self.records: list[Record] = []
-        self.fault_s = 0.0  # how long the fault injected under this load took, restart included
+        # When the fault injected under this load began, and when it was over (restart or SIGCONT included).
+        self.fault_started = self.fault_ended = 0.0
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -95,7 +98,8 @@ class Load:
             leave_after = (self.rng.uniform(0, self.max_disconnect_s)
                            if self.rng.random() < self.disconnect_share else None)
             started = time.monotonic()
-            work = asyncio.ensure_future(self._request(kind, index, self.rng.randint(16, 48), with_stops))
+            max_tokens = self.rng.randint(16, MAX_TOKENS)
+            work = asyncio.ensure_future(self._request(kind, index, max_tokens, with_stops))
             done, _ = await asyncio.wait({work}, timeout=leave_after)
             if done:
                 answer = work.result()

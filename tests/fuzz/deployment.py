@@ -1,13 +1,14 @@
 """A LocalCluster that a suite keeps serving: its clients, its health on every surface, its gauges, and
 restarts of one stage or of the whole cluster.
 
-The fuzz and chaos suites start one of these per module; `ensure_serving()` before each test brings a
-cluster that an earlier test left broken back to life, so that one bug cannot hide another.
+The fuzz suite starts one of these per module, the chaos suite one in all; `ensure_serving()` before each
+test brings a cluster that an earlier test left broken back to life, so that one bug cannot hide another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import subprocess
@@ -69,7 +70,7 @@ class Deployment:
 
     async def canary(self, session: aiohttp.ClientSession, stub: router_pb2_grpc.RouterStub) -> list[Answer]:
         """A normal completion over HTTP and a normal Generate over gRPC."""
-        body = f'{{"model": "{self.model_name}", "prompt": "Hello, my name is", "max_tokens": 4}}'.encode()
+        body = json.dumps({"model": self.model_name, "prompt": "Hello, my name is", "max_tokens": 4}).encode()
         return [
             await http_post(session, f"{self.http_base}/v1/completions", body, self.http_headers(),
                             CANARY_BOUND_S),
@@ -137,11 +138,6 @@ class Deployment:
 
     def names(self, prefix: str = "") -> list[str]:
         return [c.name for c in self.cluster.children if c.name.startswith(prefix)]
-
-    def restart(self, name: str, timeout_s: float = 90.0) -> None:
-        """Start the killed child `name` again, on the same ports, and wait until it serves."""
-        self.respawn(name)
-        self.wait_serving(name, timeout_s)
 
     def respawn(self, name: str) -> None:
         """Start the killed child `name` again, on the same ports. Call it from the main thread: the child
