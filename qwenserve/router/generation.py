@@ -65,6 +65,10 @@ CLIENT_MISTAKES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANG
 WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 # How long after abandoning a decode call that never answered the router releases its handoff itself.
 HANDOFF_RELEASE_DELAY_S = 3.0
+# ... and after a prefill call given up on, enough for an answer already sent to have been published.
+UNREAD_PREFILL_RELEASE_DELAY_S = 0.5
+# The furthest a client's deadline_unix_ms is honoured; later ones are cut to it.
+MAX_DEADLINE_S = 86_400.0
 HANDOFF_RELEASE_TIMEOUT_S = 5.0  # short: a release that cannot be made is made by the lease's expiry
 
 
@@ -399,7 +403,8 @@ class Router:
             until = req.deadline_unix_ms / 1000 - time.time()
             if until <= 0:
                 raise InvalidRequest("deadline_unix_ms is in the past", "deadline_unix_ms")
-            deadline = min(deadline or float("inf"), time.monotonic() + until)
+            # gRPC cannot carry a timeout of centuries (it fails the call at once): a day is as good as none.
+            deadline = min(deadline or float("inf"), time.monotonic() + min(until, MAX_DEADLINE_S))
         prompt_ids = await self._prompt_ids(req, deadline)
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", "input")
@@ -608,7 +613,15 @@ class Router:
                 else:
                     stub = prefill_pb2_grpc.PrefillStub(self._channel(worker.address))
                     timeout = _remaining(self._cutoff(prep), self._prefill_timeout(tokens))
-                    return await stub.Prefill(request, timeout=timeout)
+                    try:
+                        return await stub.Prefill(request, timeout=timeout)
+                    except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
+                        if isinstance(e, asyncio.CancelledError) or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                            # Given up while the worker may already have published the handoff (its answer in
+                            # flight): prefill names it after the request id, so free it by that name.
+                            handle = common_pb2.KVHandle(handoff_id=prep.internal_id, control_endpoint=worker.address)
+                            self._release_handoff(handle, prep.request_id, UNREAD_PREFILL_RELEASE_DELAY_S)
+                        raise
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._expired(prep):

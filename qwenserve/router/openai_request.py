@@ -363,7 +363,8 @@ def _optional_number(body: dict[str, Any], name: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequest(f"{name} must be a number, got {_type_name(value)}", name)
-    if not math.isfinite(value) or abs(value) > 1e6:
+    # abs() first: an integer of hundreds of digits is valid JSON that float() (and isfinite) cannot take.
+    if abs(value) > 1e6 or not math.isfinite(value):
         raise InvalidRequest(f"{name} must be a finite number of reasonable size", name)
     return float(value)
 

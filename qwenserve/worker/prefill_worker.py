@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from qwenserve.kv_transfer.errors import KVPoolExhausted
+from qwenserve.kv_transfer.errors import KVHandoffExists, KVPoolExhausted
 from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto
 from qwenserve.telemetry.engine_steps import EngineStepObserver
 from qwenserve.telemetry.metrics import HandoffMetrics
@@ -59,13 +59,17 @@ class PrefillWorker:
     async def _prefill(
         self, request_id: str, prompt: list[int], sampling: Any, cache_salt: str | None, span: Any
     ) -> prefill_pb2.PrefillResponse:
-        handoff_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         slots: list[Any] = []
         no_room: list[KVPoolExhausted] = []
 
         def sink(layout: Any, num_tokens: int) -> Any:
             try:
-                slot = self.exporter.reserve(handoff_id, layout, num_tokens)
+                # Named after the request, so a router that gave up on this call can still free it by name;
+                # a caller that reuses ids while one is held gets a unique name instead.
+                try:
+                    slot = self.exporter.reserve(request_id, layout, num_tokens)
+                except KVHandoffExists:
+                    slot = self.exporter.reserve(f"{request_id}-{uuid.uuid4().hex[:8]}", layout, num_tokens)
             except KVPoolExhausted as e:
                 no_room.append(e)  # the engine ends the request with an error; this says which kind
                 raise

@@ -7,6 +7,7 @@ PrefillServiceConfig's (`config.py`).
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 
@@ -31,6 +32,8 @@ from qwenserve_services.stage_common import (
 )
 from qwenserve_services.stage_config import argv_or_sys, start
 
+log = logging.getLogger(__name__)
+
 SERVICES = [
     prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
     kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name,
@@ -45,9 +48,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
         try:
-            return await self.worker.prefill(request)
+            response = await self.worker.prefill(request)
         except Exception as e:
             await abort(context, *grpc_status(e))
+        handoff_id = response.kv_handle.handoff_id
+        if handoff_id:
+            # A caller whose deadline passed while the handoff was being published (a stopped or overloaded
+            # worker) never reads the handle: free it now, not at the lease's expiry. gRPC tells a handler
+            # that returns normally nothing of a caller's cancel, so that case is left to the lease.
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                self.worker.exporter.release(handoff_id, "cancelled")
+                log.info("handoff %s freed: the caller's deadline passed before it could read it", handoff_id)
+                await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, common_pb2.ErrorDetail(
+                    code="deadline_exceeded", message="the deadline passed during the prefill"))
+        return response
 
     async def GetInfo(  # noqa: N802 - gRPC method name
         self, request: common_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext

@@ -34,11 +34,7 @@ from tests.chaos.conftest import (
 from tests.chaos.faults import kill_and_restart, redis_outage, stop_then_continue
 
 VICTIMS = ["tokenizer", "prefill-0", "decode-0"]
-# Not strict: the leak needs a prefill call in its handler at the moment of SIGSTOP, which 2 runs in 5 had.
-LEASE_AFTER_STOP = pytest.mark.xfail(
-    reason="issue 18 (2): a prefill call the router gave up at its deadline still publishes its handoff "
-           "after SIGCONT; the lease stays until it expires", strict=False)
-STOPPED = ["tokenizer", pytest.param("prefill-0", marks=LEASE_AFTER_STOP), "decode-0"]
+STOPPED = ["tokenizer", "prefill-0", "decode-0"]
 
 
 def _stage(victim: str) -> str:
