@@ -49,6 +49,8 @@ from qwenserve.flags import (
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
 
 PR_SET_PDEATHSIG = 1
+# Plans a start may try when a picked port was taken before its child bound it.
+PORT_ATTEMPTS = 3
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,6 +58,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _port_taken(message: str) -> bool:
+    """Whether a child's last line says its port was taken (the stages' own one-line start-up errors)."""
+    return "cannot bind" in message or "is in use" in message
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -240,9 +247,28 @@ class LocalCluster:
         return argv_for(stage_configs()["router"], self.stage_values)[1]
 
     def start(self, timeout_s: float = 180.0) -> None:
-        """Start every child and wait until all are healthy; raises RuntimeError otherwise."""
-        if not self.children:
-            self.plan()
+        """Start every child and wait until all are healthy; raises RuntimeError otherwise.
+
+        Ports picked here (none given) are free when picked, not always when bound: another process may take
+        one in between. A child that cannot bind its port makes a new plan with other ports, twice at most.
+        """
+        given = (self.router_port, self.http_port)
+        planned = bool(self.children)
+        for attempt in range(PORT_ATTEMPTS):
+            if not planned:
+                self.router_port, self.http_port = given
+                self.plan()
+            try:
+                self._launch(timeout_s)
+                return
+            except RuntimeError as e:
+                # Any child's last line counts: the others may have died of the one that could not bind.
+                taken = next((how for c in self.children if _port_taken(how := c.died() or "")), None)
+                if planned or given != (0, 0) or attempt == PORT_ATTEMPTS - 1 or taken is None:
+                    raise
+                print(f"qwen-serve: {taken}; starting again on other ports ({e})", file=sys.stderr)
+
+    def _launch(self, timeout_s: float) -> None:
         env = {**os.environ, **self.env}
         sink = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
         for child in self.children:

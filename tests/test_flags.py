@@ -22,6 +22,7 @@ from qwenserve.flags import (
     option_specs,
     print_config,
 )
+from qwenserve.telemetry import logs
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -142,7 +143,11 @@ def test_argv_for_is_the_inverse_of_parsing_and_keeps_secrets_out_of_argv() -> N
     assert (parsed.served_model_name, parsed.enable_prefix_caching, parsed.inner.kv_cache_memory_gb) == ("m", False, 0.5)
 
 
-def test_the_printed_configuration_hides_secrets(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_printed_configuration_hides_secrets(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As in a process that has not set up logging (an earlier test in this one may have).
+    monkeypatch.setattr(logs, "_console_handlers", [])
     print_config("test", _Outer(api_key="sk-secret"))
     line = capsys.readouterr().err
     assert "api_key=***" in line and "sk-secret" not in line and "inner={kv_cache_memory_gb=1.0" in line

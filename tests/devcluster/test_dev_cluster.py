@@ -117,8 +117,14 @@ def _ready(pod: dict[str, Any]) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
+def _served_model() -> str:
+    """The model name the CPU example serves (the router refuses any other)."""
+    example = yaml.safe_load((REPO / "examples" / "qwendeployment-cpu.yaml").read_text())
+    return str(example["spec"]["model"]["name"])
+
+
 def _complete(http: str, prompt: str) -> dict[str, Any]:
-    body = json.dumps({"model": "Qwen/Qwen3-0.6B", "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    body = json.dumps({"model": _served_model(), "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
     request = urllib.request.Request(f"{http}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:

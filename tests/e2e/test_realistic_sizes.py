@@ -24,7 +24,8 @@ from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.e2e.conftest import make_cluster
 
-pytestmark = pytest.mark.slow
+# Minutes, not seconds: two 0.6B-shaped prefills of up to 8k tokens each (in-process and in the cluster).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # Smaller than any handoff below: every one of them overflows the pool.
 POOL_MIB = 64
