@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from tests.chaos.accounting import BOUND_S, SETTLE_S, report, unaccounted, under_load
 from tests.chaos.conftest import ChaosDeployment, wait_for_baseline, wait_until_quiet, wait_until_serving
 from tests.fuzz.answers import DISCONNECTED
@@ -21,8 +19,6 @@ def _failovers(deployment: ChaosDeployment) -> float:
     return sum(v for k, v in samples.items() if k.startswith("qwenserve_router_failovers_total"))
 
 
-@pytest.mark.xfail(reason="issue 18 (2): handoffs of requests whose client left stay leased until expiry "
-                          "(prefill's qwenserve_handoff_leases_outstanding 2-7 after 4 s)", strict=True)
 def test_clients_leaving_at_random_moments_and_stop_strings_cost_nothing(serving: ChaosDeployment) -> None:
     baseline = wait_until_quiet(serving)
     failovers = _failovers(serving)
