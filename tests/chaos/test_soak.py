@@ -2,7 +2,7 @@
 as QWENSERVE_CHAOS_SOAK_S says; then the figures (requests, errors by kind, RSS and fd growth per process)
 and the same judgement as the CI tests.
 
-    QWENSERVE_CHAOS_SOAK_S=600 .venv/bin/python -P -m pytest tests/chaos/test_soak.py -s -p no:cacheprovider
+    QWENSERVE_CHAOS_SOAK_S=600 .venv/bin/python -m pytest tests/chaos/test_soak.py -s -p no:cacheprovider
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ class Deployment:
         log_dir = self.cluster.log_dir or Path("/tmp")
         with open(log_dir / f"{child.name}.log", "ab") as out:
             child.process = subprocess.Popen(
-                [sys.executable, "-P", "-c", _CHILD_SHIM, str(nice), *child.argv],
+                [sys.executable, "-c", _CHILD_SHIM, str(nice), *child.argv],
                 env={**os.environ, **self.cluster.env}, stdout=out, stderr=subprocess.STDOUT,
             )
 
