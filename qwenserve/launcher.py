@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import logging
 import os
 import signal
 import socket
@@ -47,6 +48,7 @@ from qwenserve.flags import (
     option_specs,
 )
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
+from qwenserve.telemetry.logs import console
 
 PR_SET_PDEATHSIG = 1
 # Plans a start may try when a picked port was taken before its child bound it.
@@ -266,7 +268,7 @@ class LocalCluster:
                 taken = next((how for c in self.children if _port_taken(how := c.died() or "")), None)
                 if planned or given != (0, 0) or attempt == PORT_ATTEMPTS - 1 or taken is None:
                     raise
-                print(f"qwen-serve: {taken}; starting again on other ports ({e})", file=sys.stderr)
+                console("qwen-serve: %s; starting again on other ports (%s)", taken, e, stderr=True)
 
     def _launch(self, timeout_s: float) -> None:
         env = {**os.environ, **self.env}
@@ -413,7 +415,7 @@ def main(argv: list[str]) -> int:
         cluster.plan()
         _check_plan(cluster, up)
     except StartupError as e:
-        print(f"qwen-serve up: cannot start: {one_line(e)}", file=sys.stderr)
+        console("qwen-serve up: cannot start: %s", one_line(e), level=logging.ERROR, stderr=True)
         return 1
     stop = {"signal": 0}
 
@@ -425,25 +427,22 @@ def main(argv: list[str]) -> int:
     try:
         cluster.start()
     except RuntimeError as e:
-        print(f"qwen-serve up: {e}; stopped the others", file=sys.stderr)
+        console("qwen-serve up: %s; stopped the others", e, level=logging.ERROR, stderr=True)
         return 1
-    print(
-        f"qwen-serve ready: router grpc={cluster.host}:{cluster.router_port} "
-        f"http=http://{cluster.host}:{cluster.http_port}/v1 model={model} "
-        f"prefill={up.prefill} decode={up.decode}",
-        flush=True,
-    )
+    # Plain text as programs parse it; a JSON record each under --log-json, as the stages' lines.
+    console("qwen-serve ready: router grpc=%s:%s http=http://%s:%s/v1 model=%s prefill=%s decode=%s",
+            cluster.host, cluster.router_port, cluster.host, cluster.http_port, model, up.prefill, up.decode)
     for line in cluster.addresses():
-        print(line, flush=True)
+        console("%s", line)
     code = 0
     while not stop["signal"]:
         if (how := cluster.dead_child()) is not None:
-            print(f"qwen-serve up: {how}; stopping the others", file=sys.stderr, flush=True)
+            console("qwen-serve up: %s; stopping the others", how, level=logging.ERROR, stderr=True)
             code = 1
             break
         time.sleep(0.2)
     cluster.stop()
-    print("qwen-serve stopped", flush=True)
+    console("qwen-serve stopped")
     return code
 
 

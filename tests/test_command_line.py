@@ -163,3 +163,23 @@ def test_up_serves_the_model_it_is_given_with_the_names_vllm_users_type(tmp_path
     finally:
         proc.terminate()
         assert proc.wait(60) == 0
+
+
+def test_up_under_log_json_writes_every_line_as_json(tiny_model: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qwenserve.cli", "up", str(tiny_model), "--log-json", "--prefill", "0",
+         "--port", str(free_port()), "--grpc-port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    )
+    try:
+        first = json.loads(proc.stdout.readline() if proc.stdout else "")
+        assert first["message"].startswith("qwen-serve ready: router grpc="), first
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    assert lines, "up wrote nothing after its ready line"
+    for line in lines:
+        record = json.loads(line)  # the launcher's own lines and every stage's
+        assert {"level", "message", "logger"} <= record.keys(), record
