@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
+from qwenserve.addresses import is_wildcard_host
 from qwenserve.engine.config import EngineConfig
 from qwenserve.flags import StrictParser, add_options, nested, option, option_specs
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
@@ -92,6 +93,13 @@ def check_common(config: StageConfig, *, needs_tokenizer: bool = False) -> None:
     check_port_free(config.host, config.port, "--port")
     if config.metrics_port and config.metrics_port != config.port:
         check_port_free(config.host, config.metrics_port, "--metrics-port")
+
+
+def check_advertise_host(parser: StrictParser, host: str, dialled_by: str) -> None:
+    """Refuse an --advertise-host that `dialled_by` could not dial: a wildcard names no host."""
+    if host and is_wildcard_host(host):
+        parser.error(f"--advertise-host {host} is a wildcard address, which {dialled_by} cannot dial; "
+                     "give this host's address")
 
 
 def check_engine_options(parser: StrictParser, config: EngineStageConfig) -> None:

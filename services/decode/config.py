@@ -6,11 +6,12 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qwenserve.addresses import advertise_host, is_wildcard_host
+from qwenserve.addresses import advertise_host
 from qwenserve.flags import StrictParser, option
 from qwenserve_services.stage_config import (
     KV_TRANSFER_MODES,
     EngineStageConfig,
+    check_advertise_host,
     check_engine_options,
     check_engine_stage,
     check_kv_transfer,
@@ -45,9 +46,7 @@ def parse_config(argv: Sequence[str], prog: str | None = None) -> DecodeServiceC
     parser = build_parser(prog)
     config: DecodeServiceConfig = parser.parse_config(DecodeServiceConfig, argv)
     check_engine_options(parser, config)
-    if config.advertise_host and is_wildcard_host(config.advertise_host):
-        parser.error(f"--advertise-host {config.advertise_host} is a wildcard address, which prefill workers cannot "
-                     "dial; give this host's address")
+    check_advertise_host(parser, config.advertise_host, "prefill workers")
     return config
 
 
