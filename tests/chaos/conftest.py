@@ -11,25 +11,22 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import redis
 
 from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 from qwenserve.kv_transfer import leaked_segments
-from qwenserve.launcher import LocalCluster, free_port
+from qwenserve.launcher import LocalCluster
 from tests.fuzz.deployment import Deployment
+from tests.redis_server import REDIS_SERVER, RedisServer
 
 log = logging.getLogger(__name__)
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 MODEL_NAME = "qwen3-chaos"
 LEASE_S = 8.0
 # The router's deadlines in this cluster (flags), short enough for a CI run, and its tokenizer call's default.
@@ -47,50 +44,6 @@ GAUGES = {
 }
 
 
-class RedisServer:
-    """A redis-server on a fixed port, which tests kill, pause, resume and restart."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-             "--save", "", "--appendonly", "no", "--logfile", str(self.workdir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.2, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        try:
-            while True:
-                try:
-                    if client.ping():
-                        return
-                except redis.ConnectionError:
-                    pass
-                alive = self.process.poll() is None
-                assert alive and time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-        finally:
-            client.close()
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.kill()
-        self.process.wait(timeout=10)
-
-    def signal(self, signum: int) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signum)
-
-
 @dataclass
 class ChaosDeployment(Deployment):
     """The cluster and the Redis behind its rate limits."""
@@ -102,7 +55,7 @@ class ChaosDeployment(Deployment):
         the cluster serves."""
         assert self.redis is not None
         if self.redis.running:
-            self.redis.signal(signal.SIGCONT)
+            self.redis.resume()
         else:
             self.redis.start()
         for child in self.cluster.children:
@@ -139,7 +92,7 @@ def deployment(chaos_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             yield ChaosDeployment(cluster, MODEL_NAME, redis=redis_server)
     finally:
         if redis_server.running:
-            redis_server.signal(signal.SIGCONT)
+            redis_server.resume()
             redis_server.kill()
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from tests.chaos.conftest import RedisServer
 from tests.fuzz.deployment import Deployment
+from tests.redis_server import RedisServer
 
 
 async def kill_and_restart(deployment: Deployment, name: str, down_s: float) -> None:
@@ -38,8 +38,8 @@ async def redis_outage(redis: RedisServer, dead_s: float = 4.0, stopped_s: float
     await asyncio.sleep(dead_s)
     await asyncio.to_thread(redis.start)
     await asyncio.sleep(2.0)
-    redis.signal(signal.SIGSTOP)
+    redis.pause()
     try:
         await asyncio.sleep(stopped_s)
     finally:
-        redis.signal(signal.SIGCONT)
+        redis.resume()

@@ -7,7 +7,6 @@ import asyncio
 import copy
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ import kmock
 import kopf
 import pytest
 
+from qwenserve.devcluster.api import ApiServer  # the emulator dev-cluster runs, too
 from qwenserve_operator.crd import with_defaults
 from qwenserve_operator.handlers import make_registry
 from qwenserve_operator.reconciler import OperatorConfig
@@ -59,21 +59,6 @@ def _qwendeployment(name: str, spec: dict[str, Any], uid: str = "uid-1") -> dict
                      "generation": 1, "creationTimestamp": "2025-01-01T00:00:00Z"},
         "spec": spec,
     }
-
-
-class ApiServer(kmock.KubernetesEmulator):
-    """kmock's emulator plus what a real API server does on create: a name from generateName
-    (kopf's Events use it), a uid (owner references need it), resourceVersion and generation."""
-
-    async def _handle(self, request: kmock.Request) -> Any:
-        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
-            meta = request.data.setdefault("metadata", {})
-            if not meta.get("name") and meta.get("generateName"):
-                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:8]
-            meta.setdefault("uid", str(uuid.uuid4()))
-            meta.setdefault("resourceVersion", "1")
-            meta.setdefault("generation", 1)
-        return await super()._handle(request)
 
 
 @pytest.fixture
