@@ -38,6 +38,14 @@ def qwen_serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[s
                           env=ENV, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+def free_ports(command: list[str]) -> list[str]:
+    """Free ports for every listening port `command` checks at start, so that the default ones (50050, 8000,
+    ...) being taken on this machine cannot answer before the check a test is about."""
+    if command[:1] == ["up"]:
+        return ["--port", str(free_port()), "--grpc-port", str(free_port())]
+    return ["--port", str(free_port())]
+
+
 def assert_one_line(done: subprocess.CompletedProcess[str], *fragments: str, code: int = 1) -> str:
     """The process exited with `code` and wrote exactly one line on stderr, containing every fragment."""
     lines = done.stderr.strip().splitlines()
@@ -86,7 +94,7 @@ def test_an_unknown_subcommand_or_stage_is_one_line() -> None:
 
 def test_tensor_parallelism_is_refused_on_a_host_without_gpus_and_1_is_accepted(tiny_model: Path) -> None:
     for command in (["serve", "decode"], ["up"]):
-        assert_one_line(qwen_serve(*command, str(tiny_model), "--tensor-parallel-size", "2"),
+        assert_one_line(qwen_serve(*command, str(tiny_model), *free_ports(command), "--tensor-parallel-size", "2"),
                         "tensor parallelism needs GPUs; this host has none", code=2)
     assert qwen_serve("serve", "decode", "--tensor-parallel-size", "1", "--help").returncode == 0
 
@@ -108,9 +116,10 @@ def test_a_model_path_that_does_not_exist_or_is_no_checkpoint_is_one_line(stage:
 def test_a_bad_api_keys_file_is_one_line_naming_the_file(command: list[str], tiny_model: Path, tmp_path: Path) -> None:
     keys = tmp_path / "keys.yaml"
     keys.write_text("keys: [oops\n")
-    assert_one_line(qwen_serve(*command, str(tiny_model), "--api-keys-file", str(keys)), str(keys),
+    ports = free_ports(command)
+    assert_one_line(qwen_serve(*command, str(tiny_model), *ports, "--api-keys-file", str(keys)), str(keys),
                     "not valid YAML")
-    assert_one_line(qwen_serve(*command, str(tiny_model), "--api-keys-file", str(tmp_path / "none.yaml")),
+    assert_one_line(qwen_serve(*command, str(tiny_model), *ports, "--api-keys-file", str(tmp_path / "none.yaml")),
                     "none.yaml: API key file not found")
 
 
@@ -122,7 +131,8 @@ def test_a_bad_api_keys_file_is_one_line_naming_the_file(command: list[str], tin
 def test_a_port_in_use_is_one_line_before_anything_loads(command: list[str], flag: str, busy_port: int,
                                                           tiny_model: Path) -> None:
     argv = [a.replace("{model}", str(tiny_model)) for a in command]
-    assert_one_line(qwen_serve(*argv, flag, str(busy_port), timeout=30), f"port {busy_port} on 127.0.0.1 is in use",
+    others = free_ports(command)  # the busy port replaces the one under test (a later flag wins)
+    assert_one_line(qwen_serve(*argv, *others, flag, str(busy_port), timeout=30), f"port {busy_port} on 127.0.0.1 is in use",
                     f"choose another {flag}")
 
 
