@@ -38,6 +38,8 @@ from qwenserve.kv_transfer.shm import DEFAULT_PREFIX, ShmSegment, reap_orphaned_
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+# Names cancelled before they were reserved, remembered at most this many at once (the oldest go first).
+CANCELLED_NAMES_MAX = 4096
 
 
 @dataclass
@@ -186,6 +188,9 @@ class KVExporter:
         )
         self._lock = threading.Lock()
         self._handoffs: dict[str, _Handoff] = {}
+        # A caller that gave up may cancel a handoff by name before the engine reserves it (the release
+        # overtakes a slow or stopped prefill): the name is refused when it comes, until reserve_timeout_s.
+        self._cancelled: dict[str, float] = {}
         self._counts = {"published": 0, "released": 0, "reclaimed": 0, "aborted": 0, "bytes_published": 0}
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
@@ -233,6 +238,8 @@ class KVExporter:
             raise KVLayoutInvalid(f"a KV handoff needs at least one token, got {num_tokens}")
         nbytes = layout.nbytes(num_tokens)
         with self._lock:
+            if self._cancelled.pop(handoff_id, 0.0) > time.monotonic():
+                raise KVHandoffGone(f"handoff {handoff_id} was cancelled by its caller before it was made")
             if handoff_id in self._handoffs:
                 raise KVHandoffExists(f"handoff id {handoff_id!r} is already reserved on this exporter")
         extent = self._pool.allocate(MARKER_PAGE + nbytes)
@@ -290,12 +297,19 @@ class KVExporter:
     # --- the importer's side ---------------------------------------------------------------
 
     def release(self, handoff_id: str, reason: str = "imported") -> bool:
-        """Free a handoff now. Idempotent: False when it was unknown, released or expired."""
+        """Free a handoff now. Idempotent: False when it was unknown, released or expired.
+
+        A "cancelled" release of a name not reserved yet makes a later reserve of that name fail."""
         freed = self._free(handoff_id)
         if freed:
             with self._lock:
                 self._counts["released"] += 1
             log.debug("released handoff %s (%s)", handoff_id, reason)
+        elif reason == "cancelled":
+            with self._lock:
+                if len(self._cancelled) >= CANCELLED_NAMES_MAX:
+                    del self._cancelled[next(iter(self._cancelled))]
+                self._cancelled[handoff_id] = time.monotonic() + self.config.reserve_timeout_s
         return freed
 
     @contextlib.contextmanager
@@ -328,6 +342,8 @@ class KVExporter:
         now = time.monotonic() if now is None else now
         with self._lock:
             expired = [e for e in self._handoffs.values() if e.deadline <= now and not e.freed]
+            for name in [n for n, until in self._cancelled.items() if until <= now]:
+                del self._cancelled[name]
         reclaimed = 0
         for entry in expired:
             if self._free(entry.handoff_id, expect=entry):

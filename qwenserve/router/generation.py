@@ -69,7 +69,13 @@ HANDOFF_RELEASE_DELAY_S = 3.0
 UNREAD_PREFILL_RELEASE_DELAY_S = 0.5
 # The furthest a client's deadline_unix_ms is honoured; later ones are cut to it.
 MAX_DEADLINE_S = 86_400.0
-HANDOFF_RELEASE_TIMEOUT_S = 5.0  # short: a release that cannot be made is made by the lease's expiry
+HANDOFF_RELEASE_TIMEOUT_S = 5.0  # one attempt; a worker that does not answer is asked again
+# A release that found the worker stopped or unreachable is retried (backoff up to 4 s) for this long: a worker
+# resumed after SIGSTOP may still publish the handoff, and the exporter refuses a name cancelled before it.
+HANDOFF_RELEASE_RETRY_S = 60.0
+# A failed prefill call with one of these may have left its handler running: free its handoff by name.
+PREFILL_MAYBE_RUNNING = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+                         grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
 
 
 class Detokenizer(Protocol):
@@ -578,11 +584,20 @@ class Router:
                 await asyncio.wait_for(self._closing.wait(), delay_s)
         stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel(handle.control_endpoint))
         release = kv_transfer_pb2.ReleaseRequest(handoff_id=handle.handoff_id, reason="cancelled")
-        try:
-            await stub.Release(release, timeout=HANDOFF_RELEASE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            log.warning("%s: could not release handoff %s at %s (%s); its lease will free it", request_id,
-                        handle.handoff_id, handle.control_endpoint, e.code().name)
+        give_up, backoff = time.monotonic() + HANDOFF_RELEASE_RETRY_S, 0.5
+        while True:
+            try:
+                await stub.Release(release, timeout=HANDOFF_RELEASE_TIMEOUT_S)
+                return
+            except grpc.aio.AioRpcError as e:
+                unanswered = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not unanswered or self._closing.is_set() or time.monotonic() + backoff > give_up:
+                    log.warning("%s: could not release handoff %s at %s (%s); its lease will free it", request_id,
+                                handle.handoff_id, handle.control_endpoint, e.code().name)
+                    return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), backoff)  # closing: one last attempt at once
+            backoff = min(2 * backoff, 4.0)
 
     async def _prefill(self, prep: PreparedRequest) -> prefill_pb2.PrefillResponse:
         """Prefill on the least loaded worker; a failure of any kind but the request's own moves it on.
@@ -616,9 +631,10 @@ class Router:
                     try:
                         return await stub.Prefill(request, timeout=timeout)
                     except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
-                        if isinstance(e, asyncio.CancelledError) or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                            # Given up while the worker may already have published the handoff (its answer in
-                            # flight): prefill names it after the request id, so free it by that name.
+                        if isinstance(e, asyncio.CancelledError) or e.code() in PREFILL_MAYBE_RUNNING:
+                            # Given up while the worker may still publish the handoff (its answer in flight, or
+                            # a stopped worker resumed later): prefill names it after the request id, so free it
+                            # by that name, before it is made if need be.
                             handle = common_pb2.KVHandle(handoff_id=prep.internal_id, control_endpoint=worker.address)
                             self._release_handoff(handle, prep.request_id, UNREAD_PREFILL_RELEASE_DELAY_S)
                         raise

@@ -53,8 +53,8 @@ STAGE_ARGS = {  # small engines: six pods share two cores
     "decode": ["--kv-cache-gb", "0.05", "--threads", "1", "--grace-s", "60"],
     "router": ["--resolve-interval-s", "1"],  # a pod that joins or leaves is seen within a second
 }
-# max_tokens of a plain request, of a stream running when a pod is killed, and of one outliving a scale-down
-SHORT, LONG, LONGER = 16, 300, 600
+# max_tokens of a plain request and of a stream running when a pod is killed
+SHORT, LONG = 16, 300
 
 
 def _netns_unavailable() -> str | None:
@@ -89,7 +89,10 @@ def _prompts(n: int, max_tokens: int, seed: int) -> list[Prompt]:
 
 PLAIN = _prompts(40, SHORT, seed=1)
 STREAMS = _prompts(8, LONG, seed=2)  # killed mid-stream
-DRAINED = _prompts(8, LONGER, seed=3)  # scaled down mid-stream
+# Scaled down mid-stream: 300 to 860 tokens, so streams started together end apart and every pod keeps one
+# running for a while (equal lengths kept them in step, and a removed pod's streams could all end in the
+# moment between two looks at GetStatus).
+DRAINED = [Prompt(p.ids, 300 + 80 * i) for i, p in enumerate(_prompts(8, 0, seed=3))]
 
 
 @pytest.fixture(scope="module")

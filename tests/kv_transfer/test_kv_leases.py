@@ -75,3 +75,22 @@ async def test_bytes_being_streamed_survive_lease_expiry_until_the_stream_ends(m
         assert torch.equal(torch.frombuffer(view, dtype=torch.float16).view(layout.token_shape(8)), make_kv(layout, 8))
     other.abort()
     assert exporter._pool.reserved_bytes == 0
+
+
+def test_a_name_cancelled_before_it_is_reserved_is_refused_until_the_reservation_timeout(make_exporter, layout):
+    """A router that gave up on a stopped prefill cancels the handoff by name; the worker, resumed, must not
+    publish it for nobody (it would stay leased to its expiry)."""
+    exporter = make_exporter(reserve_timeout_s=0.5)
+    assert exporter.release("gave-up", "cancelled") is False
+    with pytest.raises(KVHandoffGone, match="cancelled by its caller"):
+        exporter.reserve("gave-up", layout, 8)
+    assert exporter.counters().outstanding == 0
+    exporter.reserve("gave-up", layout, 8).abort()  # refused once: a caller reusing the name later is served
+
+    # Only a cancel remembers a name (an importer's late ack does not), and only until reserve_timeout_s.
+    assert exporter.release("acked-late", "imported") is False
+    exporter.reserve("acked-late", layout, 8).abort()
+    exporter.release("expired", "cancelled")
+    exporter.sweep(now=time.monotonic() + 1.0)
+    exporter.reserve("expired", layout, 8).abort()
+    assert exporter.counters().outstanding == 0
