@@ -34,13 +34,6 @@ from tests.chaos.conftest import (
 from tests.chaos.faults import kill_and_restart, redis_outage, stop_then_continue
 
 VICTIMS = ["tokenizer", "prefill-0", "decode-0"]
-# Not strict: seen in about 1 run in 3. The router gives up on a prefill call while the worker is stopped
-# (keepalive or deadline); its release by name times out against the stopped worker, and after SIGCONT a
-# handler that no cancel reached publishes anyway: that lease lives until it expires.
-LEASE_AFTER_STOP = pytest.mark.xfail(
-    reason="issue 18: a handoff published by a prefill resumed after SIGSTOP can stay leased until expiry",
-    strict=False)
-STOPPED = ["tokenizer", pytest.param("prefill-0", marks=LEASE_AFTER_STOP), "decode-0"]
 
 
 def _stage(victim: str) -> str:
@@ -71,7 +64,7 @@ def test_kill_9_of_a_stage_under_load_accounts_for_every_request_and_leaks_nothi
     check_aftermath(serving, baseline, victim, broken, summary)
 
 
-@pytest.mark.parametrize("victim", STOPPED)
+@pytest.mark.parametrize("victim", VICTIMS)
 def test_a_stopped_stage_under_load_is_noticed_and_no_request_waits_for_it(
     serving: ChaosDeployment, victim: str
 ) -> None:
