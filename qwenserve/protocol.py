@@ -14,6 +14,7 @@ FINISH_REASONS: dict[str, int] = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
     "error": common_pb2.FINISH_REASON_ERROR,
+    "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS,
 }
 FINISH_REASON_NAMES: dict[int, str] = {v: k for k, v in FINISH_REASONS.items()}
 

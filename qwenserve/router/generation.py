@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -33,8 +34,11 @@ from prometheus_client import CollectorRegistry
 
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from qwenserve.protocol import sampling_from_proto
+from qwenserve.router.chat_output import TOOL_CHOICES, ChatOutput, ChatShape, forced_prefix
 from qwenserve.router.discovery import Change, PodDiscovery, Resolver, system_resolver
 from qwenserve.router.errors import ContextLengthExceeded, InvalidRequest, ServiceUnavailable, UnknownModel
+from qwenserve.router.generation_defaults import with_defaults
+from qwenserve.router.reasoning import thinking_open_in_prompt
 from qwenserve.router.request_ids import REQUEST_ID_RULE, internal_id, new_request_id, valid_request_id
 from qwenserve.router.stop_strings import StopStringMatcher
 from qwenserve.router.workers import NoWorkerAvailable, WorkerPool
@@ -117,6 +121,14 @@ class RouterConfig:
     worker_info_wait_s: float = 30.0
     # How often worker names are resolved again: a new pod gets traffic, a removed one drains, this soon.
     resolve_interval_s: float = 5.0
+    # Chat answers: "qwen3" splits <think> blocks into reasoning ("none" leaves them in the text); "hermes"
+    # parses <tool_call> blocks into tool calls when the request offers tools ("none" refuses tools).
+    reasoning_parser: str = "qwen3"
+    tool_call_parser: str = "hermes"
+    # The vocabulary's <think> and </think> ids; None: the model has no thinking tokens (nothing is split).
+    think_token_ids: tuple[int, int] | None = None
+    # Sampling settings a request leaves out, from the model's generation_config.json (generation_defaults.py).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -134,6 +146,7 @@ class PreparedRequest:
     echo_prompt: bool = False
     arrived: float = field(default_factory=time.monotonic)  # when prepare() began, for the queue-time metric
     internal_id: str = ""  # what the stages know it by (unique even when client ids repeat); made if empty
+    chat: ChatShape | None = None  # a chat answer: how its text is split (None: text as generated)
 
     def __post_init__(self) -> None:
         if not self.internal_id:
@@ -411,7 +424,8 @@ class Router:
                 raise InvalidRequest("deadline_unix_ms is in the past", "deadline_unix_ms")
             # gRPC cannot carry a timeout of centuries (it fails the call at once): a day is as good as none.
             deadline = min(deadline or float("inf"), time.monotonic() + min(until, MAX_DEADLINE_S))
-        prompt_ids = await self._prompt_ids(req, deadline)
+        chat_tools = self._chat_tools(req)
+        prompt_ids = await self._prompt_ids(req, deadline, chat_tools)
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", "input")
         limit = self.config.max_model_len
@@ -422,8 +436,11 @@ class Router:
                 f"output together, so a prompt may have at most {limit - 1}",
                 "input",
             )
+        # What the stages get. A max_tokens the client (and the model's defaults) left out stays out: each stage
+        # then gives the request what fits its context and KV cache (the whole context could need more blocks).
+        wire = with_defaults(req.sampling, self.config.sampling_defaults, room)
         try:
-            sampling = sampling_from_proto(req.sampling, default_max_tokens=room)
+            sampling = sampling_from_proto(wire, default_max_tokens=room)
         except InvalidSamplingParams as e:
             raise InvalidRequest(str(e), f"sampling.{e.field}") from e
         if sampling.max_tokens is not None and sampling.max_tokens > room:
@@ -441,16 +458,68 @@ class Router:
             request_id=request_id,
             prompt_ids=prompt_ids,
             sampling=sampling,
-            wire_sampling=_wire_sampling(req.sampling),
+            wire_sampling=wire,
             stop=list(req.stop),
             skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
             cache_salt=req.cache_salt,
             deadline=deadline,
             echo_prompt=req.echo_prompt_token_ids,
             arrived=arrived,
+            chat=self._chat_shape(req, prompt_ids, chat_tools) if req.WhichOneof("input") == "chat" else None,
         )
 
-    async def _prompt_ids(self, req: router_pb2.GenerateRequest, deadline: float | None) -> list[int]:
+    async def tokenize(self, req: router_pb2.GenerateRequest) -> list[int]:
+        """The prompt's token ids as a generation would see them (chat template, tools and forced start)."""
+        if not self.vocab_size:
+            raise ServiceUnavailable("the router is starting: waiting for the tokenizer service")
+        return await self._prompt_ids(req, time.monotonic() + self.config.rpc_timeout_s, self._chat_tools(req))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens included."""
+        bad = next((i for i in ids if i >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary of {self.vocab_size}", "tokens")
+        detokenizer = self._detokenizer_factory(False)
+        return detokenizer.push(ids) + detokenizer.flush()
+
+    def _chat_tools(self, req: router_pb2.GenerateRequest) -> tuple[str, str]:
+        """(tool_choice, the answer's forced start) of a chat request that offers tools; ("none", "") otherwise."""
+        if req.WhichOneof("input") != "chat" or not req.chat.tools_json:
+            return "none", ""
+        choice = req.chat.tool_choice or "auto"
+        if choice not in TOOL_CHOICES:
+            raise InvalidRequest(f"chat.tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {choice!r}",
+                                 "chat.tool_choice")
+        if choice == "none":
+            return choice, ""
+        if self.config.tool_call_parser == "none":
+            raise InvalidRequest("tools are turned off on this server (--tool-call-parser none)", "chat.tools_json")
+        names = set()
+        for raw in req.chat.tools_json:
+            try:
+                names.add(json.loads(raw).get("function", {}).get("name"))
+            except (ValueError, AttributeError):
+                raise InvalidRequest("chat.tools_json holds a tool that is not a JSON object", "chat.tools_json") \
+                    from None
+        if choice == "function" and req.chat.tool_choice_name not in names:
+            raise InvalidRequest(f"chat.tool_choice_name {req.chat.tool_choice_name!r} is not one of the tools",
+                                 "chat.tool_choice_name")
+        return choice, forced_prefix(choice, req.chat.tool_choice_name)
+
+    def _chat_shape(self, req: router_pb2.GenerateRequest, prompt_ids: list[int],
+                    chat_tools: tuple[str, str]) -> ChatShape:
+        choice, prefix = chat_tools
+        think = self.config.think_token_ids if self.config.reasoning_parser == "qwen3" else None
+        return ChatShape(
+            reasoning=think is not None and not prefix,
+            open_in_prompt=think is not None and thinking_open_in_prompt(prompt_ids, *think),
+            think_end_id=think[1] if think is not None else -1,
+            tools=choice != "none",
+            prefix=prefix + req.chat.assistant_prefix,
+        )
+
+    async def _prompt_ids(self, req: router_pb2.GenerateRequest, deadline: float | None,
+                          chat_tools: tuple[str, str] = ("none", "")) -> list[int]:
         which = req.WhichOneof("input")
         if which is None:
             raise InvalidRequest("one of prompt, chat or prompt_token_ids is required", "input")
@@ -465,6 +534,10 @@ class Router:
         else:
             chat = tokenizer_pb2.TokenizeRequest().chat
             chat.CopyFrom(req.chat)
+            choice, prefix = chat_tools
+            if choice == "none":  # tools the model may not call are not offered to it
+                del chat.tools_json[:]
+            chat.assistant_prefix = prefix + req.chat.assistant_prefix
             treq = tokenizer_pb2.TokenizeRequest(chat=chat)
         stub = tokenizer_pb2_grpc.TokenizerStub(self._channel(self.config.tokenizer_address))
         with tracer.start_as_current_span("tokenize", attributes={"qwenserve.input": which}) as span:
@@ -488,6 +561,7 @@ class Router:
         """
         progress = _Progress()
         relay = _TextRelay(self._detokenizer_factory(prep.skip_special_tokens), StopStringMatcher(prep.stop))
+        output = ChatOutput(prep.chat) if prep.chat is not None else None
         first = True
         async with contextlib.aclosing(self._tokens(prep, progress)) as tokens:
             async for token_ids, logprobs, finish, error in tokens:
@@ -504,12 +578,23 @@ class Router:
                 msg = router_pb2.GenerateResponse(
                     request_id=prep.request_id, text=text, token_ids=token_ids, logprobs=logprobs
                 )
+                if output is not None:
+                    reasoning, msg.text, calls = output.push(text, token_ids)
+                    if finish:
+                        more_reasoning, more_text, more_calls = output.flush()
+                        reasoning, msg.text, calls = reasoning + more_reasoning, msg.text + more_text, calls + more_calls
+                        if finish == common_pb2.FINISH_REASON_STOP and output.called:
+                            finish = common_pb2.FINISH_REASON_TOOL_CALLS
+                    msg.reasoning_text = reasoning
+                    msg.tool_calls.extend(calls)
                 if first and prep.echo_prompt:
                     msg.prompt_token_ids.extend(prep.prompt_ids)
                 first = False
                 if finish:
                     msg.finish_reason = finish
                     msg.usage.CopyFrom(self._usage(prep, progress))
+                    if output is not None:
+                        msg.usage.reasoning_tokens = output.reasoning_tokens
                     if error is not None:
                         msg.error.CopyFrom(error)
                     yield msg
@@ -880,15 +965,6 @@ class _TextRelay:
     def flush(self) -> str:
         check = self._stops.push(self._detok.flush())
         return check.text + ("" if check.stopped else self._stops.flush())
-
-
-def _wire_sampling(msg: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
-    """The request's sampling as the stages get it. A max_tokens the client left out stays out: each
-    stage then gives the request as many tokens as fit in its context and its KV cache (the router's
-    default, the whole context, could need more blocks than a worker's cache holds)."""
-    out = common_pb2.SamplingParams()
-    out.CopyFrom(msg)
-    return out
 
 
 def _refusal(error: grpc.aio.AioRpcError) -> common_pb2.ErrorDetail:

@@ -60,7 +60,14 @@ from qwenserve.router.front_errors import (
 )
 from qwenserve.router.generation import PreparedRequest, Router
 from qwenserve.router.grpc_front import outcome_for
-from qwenserve.router.openai_request import ParsedRequest, parse_chat, parse_completion, parse_json_body
+from qwenserve.router.openai_request import (
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_json_body,
+    parse_tokenize,
+)
 from qwenserve.router.request_ids import valid_request_id
 from qwenserve.telemetry.metrics import StreamTimer, metrics_page
 from qwenserve.telemetry.tracing import Attr, get_tracer, server_span
@@ -80,7 +87,7 @@ RETRYABLE_CODES = {"unavailable", "no_decode_worker", "resource_exhausted", "dea
 # Terminal error codes that mean the request itself cannot be served (a worker's own checks refused it).
 CLIENT_FAULT_CODES = {"context_length_exceeded", "invalid_argument"}
 # The finish reasons OpenAI clients know that this server produces; any other ending is a failure.
-OPENAI_FINISH_REASONS = {"stop", "length"}
+OPENAI_FINISH_REASONS = {"stop", "length", "tool_calls"}
 
 TokenBytes = Callable[[int], bytes]
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
@@ -117,6 +124,8 @@ def build_app(
     app.router.add_post("/v1/completions", front.completions)
     app.router.add_get("/v1/models", front.list_models)
     app.router.add_get("/v1/models/{model:.+}", front.get_model)
+    app.router.add_post("/tokenize", front.tokenize)
+    app.router.add_post("/detokenize", front.detokenize)
     app.router.add_get("/health", front.health)
     app.router.add_get("/metrics", front.prometheus_metrics)
     return app
@@ -248,6 +257,28 @@ class OpenAIFront:
             # aiohttp keeps header bytes that are not UTF-8 as lone surrogates; no key is made of those.
             raise AuthenticationFailed("the API key is not valid UTF-8 text")
         return self.gatekeeper.authenticate(key)
+
+    # -- tokens ----------------------------------------------------------------------------------
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """`POST /tokenize` (vLLM's): a prompt or conversation's token ids, as a generation would see them."""
+        self._tenant(request)
+        model, req, want_strs = parse_tokenize(parse_json_body(await self._read_body(request)))
+        self._check_model(model)
+        ids = await self.router.tokenize(req)
+        strs = [self._token_text(i) for i in ids] if want_strs else None
+        return web.json_response({"count": len(ids), "max_model_len": self.router.config.max_model_len,
+                                  "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """`POST /detokenize` (vLLM's): the text of token ids."""
+        self._tenant(request)
+        model, ids = parse_detokenize(parse_json_body(await self._read_body(request)))
+        self._check_model(model)
+        return web.json_response({"prompt": self.router.detokenize(ids)})
+
+    def _token_text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace") if self.token_bytes else ""
 
     # -- completions -----------------------------------------------------------------------------
 
@@ -540,7 +571,11 @@ class _Choice:
     token_bytes: TokenBytes | None
     top_logprobs: int
     want_logprobs: bool
+    parallel_tool_calls: bool = True
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning_tokens: int = 0
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
@@ -549,6 +584,8 @@ class _Choice:
 
     def add(self, msg: router_pb2.GenerateResponse) -> None:
         self.text.append(msg.text)
+        self.reasoning.append(msg.reasoning_text)
+        self.tool_calls.extend(self._calls(msg))
         self.logprobs.extend(msg.logprobs)
         self.completion_tokens += len(msg.token_ids)
         if msg.finish_reason:
@@ -556,6 +593,7 @@ class _Choice:
             if msg.HasField("usage"):
                 self.completion_tokens = msg.usage.completion_tokens
                 self.cached_prompt_tokens = msg.usage.cached_prompt_tokens
+                self.reasoning_tokens = msg.usage.reasoning_tokens
             if msg.HasField("error"):
                 self.error = msg.error
 
@@ -568,8 +606,22 @@ class _Choice:
         """A streamed chunk's choice for one message's text and logprobs."""
         logprobs = self._logprobs(msg.logprobs) if self.want_logprobs else None
         if self.kind == "chat":
-            return {"index": self.index, "delta": {"content": msg.text}, "logprobs": logprobs, "finish_reason": None}
+            delta: dict[str, Any] = {}
+            calls = self._calls(msg)
+            if msg.reasoning_text:
+                delta["reasoning_content"] = msg.reasoning_text
+            if msg.text or not (msg.reasoning_text or calls):
+                delta["content"] = msg.text
+            if calls:
+                delta["tool_calls"] = calls
+            return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
         return {"index": self.index, "text": msg.text, "logprobs": logprobs, "finish_reason": None}
+
+    def _calls(self, msg: router_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        """A message's tool calls as OpenAI writes them (only the first of an answer without parallel calls)."""
+        return [{"index": c.index, "id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments_json}}
+                for c in msg.tool_calls if self.parallel_tool_calls or c.index == 0]
 
     @property
     def failed(self) -> bool:
@@ -606,8 +658,15 @@ class _Choice:
         text = "".join(self.text)
         logprobs = self._logprobs(self.logprobs) if self.want_logprobs else None
         if self.kind == "chat":
-            return {"index": self.index, "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs, "finish_reason": self.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reasoning = "".join(self.reasoning)
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if self.tool_calls:
+                message["tool_calls"] = self.tool_calls
+                if not text.strip():  # the whitespace around the calls is not an answer
+                    message["content"] = None
+            return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason}
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
 
     def _logprobs(self, items: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any]:
@@ -660,7 +719,8 @@ class _Answer:
         self.prompt_tokens = sum(len(p.prompt_ids) for p in preps)
         self.choices = [
             _Choice(index=p * parsed.n + j, prompt_index=p, kind=parsed.kind, token_bytes=token_bytes,
-                    top_logprobs=parsed.top_logprobs, want_logprobs=parsed.logprobs)
+                    top_logprobs=parsed.top_logprobs, want_logprobs=parsed.logprobs,
+                    parallel_tool_calls=parsed.parallel_tool_calls)
             for p in range(len(preps))
             for j in range(parsed.n)
         ]
@@ -693,16 +753,20 @@ class _Answer:
             cached += min(copies) if copies else 0
         completion = self.completion_tokens()
         return common_pb2.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                                cached_prompt_tokens=cached, total_tokens=self.prompt_tokens + completion)
+                                cached_prompt_tokens=cached, total_tokens=self.prompt_tokens + completion,
+                                reasoning_tokens=sum(c.reasoning_tokens for c in self.choices))
 
     def usage_json(self) -> dict[str, Any]:
         usage = self.usage()
-        return {
+        out = {
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
         }
+        if self.parsed.kind == "chat":
+            out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+        return out
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.request_id, "object": self.chunk_object, "created": self.created,

@@ -5,14 +5,15 @@ the OpenAI parameter at fault (it becomes the error's `param`). Types and shapes
 here; value ranges of sampling settings are checked once, by `Router.prepare()`.
 
 Unknown parameters are ignored (as vLLM does), so clients that send newer OpenAI fields keep
-working; known parameters this server cannot honour (tools, logit_bias, echo, ...) are refused
-with a 400 rather than silently dropped.
+working; known parameters this server cannot honour (logit_bias, echo, guided decoding, ...) are
+refused with a 400 rather than silently dropped.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,6 +31,15 @@ UINT32_MAX = 2**32 - 1
 # OpenAI's "developer" role is the newer name of "system"; the chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+# vLLM's and OpenAI's spellings of what this server does not do yet: a 400 naming them, never ignored.
+NOT_SUPPORTED = {
+    "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
+    "guided_grammar": "guided decoding", "guided_decoding_backend": "guided decoding",
+    "structured_outputs": "structured output", "prompt_logprobs": "prompt logprobs",
+    "use_beam_search": "beam search", "logit_bias": "logit_bias", "prediction": "predicted outputs",
+    "audio": "audio output",
+}
 
 Kind = Literal["chat", "completion"]
 
@@ -50,6 +60,7 @@ class ParsedRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     user: str | None = None
+    parallel_tool_calls: bool = True  # false: only an answer's first tool call is returned
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -96,12 +107,13 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
                                      "chat_template_kwargs.enable_thinking")
             chat.enable_thinking = thinking
         chat.chat_template_kwargs_json = _json_text(kwargs, "chat_template_kwargs")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise InvalidRequest(f"{name} (tool calling) is not supported by this server", name)
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "none"):
-        raise InvalidRequest("tool_choice is not supported by this server (no tools)", "tool_choice")
+    if body.get("functions") or body.get("function_call"):
+        raise InvalidRequest("functions and function_call are the deprecated spelling; send tools and tool_choice",
+                             "functions" if body.get("functions") else "function_call")
+    tools = _tools(body.get("tools"))
+    chat.tools_json.extend(_json_text(tool, f"tools[{i}]") for i, tool in enumerate(tools))
+    chat.tool_choice, chat.tool_choice_name = _tool_choice(body.get("tool_choice"), tools)
+    parallel = _optional(body, "parallel_tool_calls", bool, True)
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise InvalidRequest("only response_format {\"type\": \"text\"} is supported", "response_format")
@@ -113,7 +125,72 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
         raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
     if top_logprobs is not None and not 0 <= top_logprobs <= 20:
         raise InvalidRequest("top_logprobs must be in [0, 20]", "top_logprobs")
-    return _common(body, "chat", req, max_tokens, logprobs, top_logprobs or 0)
+    parsed = _common(body, "chat", req, max_tokens, logprobs, top_logprobs or 0)
+    parsed.parallel_tool_calls = parallel
+    return parsed
+
+
+def parse_tokenize(body: dict[str, Any]) -> tuple[str | None, router_pb2.GenerateRequest, bool]:
+    """`POST /tokenize` as vLLM takes it: a prompt string, or chat messages (with the chat fields); returns
+    the model named, the input as a GenerateRequest and whether token strings were asked for."""
+    if "messages" in body:
+        parsed = parse_chat({**body, "max_tokens": None, "stream": False})
+        req = parsed.prompts[0]
+    elif isinstance(body.get("prompt"), str):
+        req = router_pb2.GenerateRequest(prompt=_text(body["prompt"], "prompt"))
+    else:
+        raise InvalidRequest("send prompt (a string) or messages", "prompt")
+    model = _optional(body, "model", str, None)
+    return model, req, _optional(body, "return_token_strs", bool, False)
+
+
+def parse_detokenize(body: dict[str, Any]) -> tuple[str | None, list[int]]:
+    """`POST /detokenize`: the model named and the token ids."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_token_id(t) and 0 <= t <= UINT32_MAX for t in tokens):
+        raise InvalidRequest("tokens must be an array of token ids", "tokens")
+    return _optional(body, "model", str, None), tokens
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    """The `tools` array, each a function tool with a valid name (parameters, if any, a JSON schema object)."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools must be an array of tool objects", "tools")
+    seen = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise InvalidRequest(f'{where} must be {{"type": "function", "function": {{...}}}}', where)
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise InvalidRequest(f"{where}.function.name must be 1 to 64 letters, digits, _ or -", f"{where}.function.name")
+        if name in seen:
+            raise InvalidRequest(f"{where}: two tools are named {name!r}", f"{where}.function.name")
+        seen.add(name)
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise InvalidRequest(f"{where}.function.parameters must be a JSON schema object",
+                                 f"{where}.function.parameters")
+    return tools
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> tuple[str, str]:
+    """(tool_choice, function name) as the router takes them: "auto" by default when there are tools."""
+    if choice is None:
+        return ("auto" if tools else "none"), ""
+    if choice in ("none", "auto", "required"):
+        if choice != "none" and not tools:
+            raise InvalidRequest(f"tool_choice {choice!r} needs tools", "tool_choice")
+        return choice, ""
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise InvalidRequest('tool_choice must be "none", "auto", "required" or '
+                             '{"type": "function", "function": {"name": ...}}', "tool_choice")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise InvalidRequest(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
+    return "function", name
 
 
 def parse_completion(body: dict[str, Any]) -> ParsedRequest:
@@ -204,8 +281,9 @@ def _common(
     salt = _optional(body, "cache_salt", str, None)
     if salt:
         req.cache_salt = _text(salt, "cache_salt")
-    if body.get("logit_bias"):
-        raise InvalidRequest("logit_bias is not supported by this server", "logit_bias")
+    for name, what in NOT_SUPPORTED.items():
+        if body.get(name) not in (None, False, {}, []):
+            raise InvalidRequest(f"{name}: {what} is not supported by this server yet", name)
 
     n = _optional(body, "n", int, 1)
     if not 1 <= n <= MAX_N:

@@ -66,7 +66,7 @@ OTHER = "other"
 
 # The allowed values of each bounded label. Callers may pass anything; unknown values become "other".
 OUTCOMES = frozenset({"ok", "error", "cancelled", "rejected", "invalid", "timeout"})
-FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "none"})
+FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "abort", "error", "none"})
 TOKEN_KINDS = frozenset({"prompt", "cached", "completion"})
 STAGES = frozenset({"tokenizer", "prefill", "decode"})
 RATELIMIT_DECISIONS = frozenset({"allowed", "rejected"})

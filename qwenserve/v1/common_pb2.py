@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19qwenserve/v1/common.proto\x12\x0cqwenserve.v1\"\x8f\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\rB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokens\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x04 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.qwenserve.v1.TopLogprob\"N\n\x0b\x45rrorDetail\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x11\n\tretryable\x18\x04 \x01(\x08\"\x84\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x05 \x03(\t\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"\xc0\x01\n\tChatInput\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.qwenserve.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x1c\n\x0f\x65nable_thinking\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x04 \x03(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\x05 \x01(\tB\x12\n\x10_enable_thinking\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x84\x01\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\"\xf4\x02\n\x08KVHandle\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12,\n\ttransport\x18\x02 \x01(\x0e\x32\x19.qwenserve.v1.KVTransport\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.qwenserve.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08location\x18\x05 \x01(\t\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0e\n\x06length\x18\x07 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\t \x01(\x03\x12:\n\nattributes\x18\n \x03(\x0b\x32&.qwenserve.v1.KVHandle.AttributesEntry\x12\x18\n\x10\x63ontrol_endpoint\x18\x0b \x01(\t\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11\x45ngineInfoRequest\"<\n\nEngineInfo\x12\x15\n\rmax_model_len\x18\x01 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x02 \x01(\x04*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*s\n\x0bKVTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_TRANSPORT_SHM\x10\x01\x12\x15\n\x11KV_TRANSPORT_GRPC\x10\x02\x12\x19\n\x15KV_TRANSPORT_MOONCAKE\x10\x03\x42\x02P\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19qwenserve/v1/common.proto\x12\x0cqwenserve.v1\"\xad\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\rB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\x87\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x04 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x05 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.qwenserve.v1.TopLogprob\"N\n\x0b\x45rrorDetail\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x11\n\tretryable\x18\x04 \x01(\x08\"\x84\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x05 \x03(\t\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"\x89\x02\n\tChatInput\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.qwenserve.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x1c\n\x0f\x65nable_thinking\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x04 \x03(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\x05 \x01(\t\x12\x13\n\x0btool_choice\x18\x06 \x01(\t\x12\x18\n\x10tool_choice_name\x18\x07 \x01(\t\x12\x18\n\x10\x61ssistant_prefix\x18\x08 \x01(\tB\x12\n\x10_enable_thinking\"K\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x04 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x84\x01\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\"\xf4\x02\n\x08KVHandle\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12,\n\ttransport\x18\x02 \x01(\x0e\x32\x19.qwenserve.v1.KVTransport\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.qwenserve.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08location\x18\x05 \x01(\t\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0e\n\x06length\x18\x07 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\t \x01(\x03\x12:\n\nattributes\x18\n \x03(\x0b\x32&.qwenserve.v1.KVHandle.AttributesEntry\x12\x18\n\x10\x63ontrol_endpoint\x18\x0b \x01(\t\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11\x45ngineInfoRequest\"<\n\nEngineInfo\x12\x15\n\rmax_model_len\x18\x01 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x02 \x01(\x04*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05*s\n\x0bKVTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_TRANSPORT_SHM\x10\x01\x12\x15\n\x11KV_TRANSPORT_GRPC\x10\x02\x12\x19\n\x15KV_TRANSPORT_MOONCAKE\x10\x03\x42\x02P\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'P\001'
   _globals['_KVHANDLE_ATTRIBUTESENTRY']._loaded_options = None
   _globals['_KVHANDLE_ATTRIBUTESENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1724
-  _globals['_FINISHREASON']._serialized_end=1869
-  _globals['_KVTRANSPORT']._serialized_start=1871
-  _globals['_KVTRANSPORT']._serialized_end=1986
+  _globals['_FINISHREASON']._serialized_start=1931
+  _globals['_FINISHREASON']._serialized_end=2106
+  _globals['_KVTRANSPORT']._serialized_start=2108
+  _globals['_KVTRANSPORT']._serialized_end=2223
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=443
-  _globals['_USAGE']._serialized_start=445
-  _globals['_USAGE']._serialized_end=554
-  _globals['_TOPLOGPROB']._serialized_start=556
-  _globals['_TOPLOGPROB']._serialized_end=603
-  _globals['_TOKENLOGPROB']._serialized_start=605
-  _globals['_TOKENLOGPROB']._serialized_end=693
-  _globals['_ERRORDETAIL']._serialized_start=695
-  _globals['_ERRORDETAIL']._serialized_end=773
-  _globals['_CHATMESSAGE']._serialized_start=776
-  _globals['_CHATMESSAGE']._serialized_end=908
-  _globals['_CHATINPUT']._serialized_start=911
-  _globals['_CHATINPUT']._serialized_end=1103
-  _globals['_TOKENIDS']._serialized_start=1105
-  _globals['_TOKENIDS']._serialized_end=1128
-  _globals['_KVLAYOUT']._serialized_start=1131
-  _globals['_KVLAYOUT']._serialized_end=1263
-  _globals['_KVHANDLE']._serialized_start=1266
-  _globals['_KVHANDLE']._serialized_end=1638
-  _globals['_KVHANDLE_ATTRIBUTESENTRY']._serialized_start=1589
-  _globals['_KVHANDLE_ATTRIBUTESENTRY']._serialized_end=1638
-  _globals['_ENGINEINFOREQUEST']._serialized_start=1640
-  _globals['_ENGINEINFOREQUEST']._serialized_end=1659
-  _globals['_ENGINEINFO']._serialized_start=1661
-  _globals['_ENGINEINFO']._serialized_end=1721
+  _globals['_SAMPLINGPARAMS']._serialized_end=473
+  _globals['_USAGE']._serialized_start=476
+  _globals['_USAGE']._serialized_end=611
+  _globals['_TOPLOGPROB']._serialized_start=613
+  _globals['_TOPLOGPROB']._serialized_end=660
+  _globals['_TOKENLOGPROB']._serialized_start=662
+  _globals['_TOKENLOGPROB']._serialized_end=750
+  _globals['_ERRORDETAIL']._serialized_start=752
+  _globals['_ERRORDETAIL']._serialized_end=830
+  _globals['_CHATMESSAGE']._serialized_start=833
+  _globals['_CHATMESSAGE']._serialized_end=965
+  _globals['_CHATINPUT']._serialized_start=968
+  _globals['_CHATINPUT']._serialized_end=1233
+  _globals['_TOOLCALL']._serialized_start=1235
+  _globals['_TOOLCALL']._serialized_end=1310
+  _globals['_TOKENIDS']._serialized_start=1312
+  _globals['_TOKENIDS']._serialized_end=1335
+  _globals['_KVLAYOUT']._serialized_start=1338
+  _globals['_KVLAYOUT']._serialized_end=1470
+  _globals['_KVHANDLE']._serialized_start=1473
+  _globals['_KVHANDLE']._serialized_end=1845
+  _globals['_KVHANDLE_ATTRIBUTESENTRY']._serialized_start=1796
+  _globals['_KVHANDLE_ATTRIBUTESENTRY']._serialized_end=1845
+  _globals['_ENGINEINFOREQUEST']._serialized_start=1847
+  _globals['_ENGINEINFOREQUEST']._serialized_end=1866
+  _globals['_ENGINEINFO']._serialized_start=1868
+  _globals['_ENGINEINFO']._serialized_end=1928
 # @@protoc_insertion_point(module_scope)

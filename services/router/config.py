@@ -11,6 +11,7 @@ from typing import ClassVar
 from qwenserve.flags import StrictParser, address_list, nested, option
 from qwenserve.preflight import StartupError, check_port_free
 from qwenserve.router.front import FrontConfig, load_front_keys
+from qwenserve.router.generation_defaults import GenerationConfigError, load_generation_defaults
 from qwenserve.router.tls import TlsConfigError
 from qwenserve.tenancy.tenants import TenancyConfigError
 from qwenserve_services.stage_config import (
@@ -51,6 +52,15 @@ class RouterServiceConfig(StageConfig):
         30.0, help="a decode stream silent this long (first token included) fails over to another worker")
     resolve_interval_s: float = option(
         5.0, help="how often --prefill / --decode names (a headless Service) are resolved again to their pods")
+    reasoning_parser: str = option(
+        "qwen3", choices=("qwen3", "none"),
+        help="chat answers: a <think> block goes to reasoning_content (none: it stays in the content)")
+    tool_call_parser: str = option(
+        "hermes", choices=("hermes", "none"),
+        help="chat requests with tools: <tool_call> blocks become tool_calls (none: tools are refused)")
+    generation_config: str = option(
+        "auto", help="sampling defaults for what a request leaves out: auto (the model folder's "
+                     "generation_config.json), vllm or none (no model defaults), or a folder holding that file")
     tokenizer_metrics: str = option("", help="the tokenizer's metrics host:port (for status)")
     prefill_metrics: list[str] = option(default_factory=list, type=address_list,
                                         help="prefill workers' metrics host:port, as --prefill")
@@ -90,6 +100,7 @@ def check(config: RouterServiceConfig) -> RouterServiceConfig:
     try:
         config.front.tls  # noqa: B018 - reads and checks the files
         load_front_keys(config.front)
-    except (TlsConfigError, TenancyConfigError) as e:
+        load_generation_defaults(config.generation_config, resolve_model(config.model))
+    except (TlsConfigError, TenancyConfigError, GenerationConfigError) as e:
         raise StartupError(str(e)) from None
     return dataclasses.replace(config, model=resolve_model(config.model))

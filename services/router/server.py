@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -31,6 +32,8 @@ from qwenserve.router.discovery import metrics_address
 from qwenserve.router.errors import RouterError
 from qwenserve.router.front import close_gatekeeper, make_gatekeeper, start_http_front
 from qwenserve.router.generation import Router, RouterConfig
+from qwenserve.router.generation_defaults import load_generation_defaults
+from qwenserve.router.reasoning import THINK_END, THINK_START
 from qwenserve.router.request_ids import new_request_id
 from qwenserve.router.tls import TlsConfigError, grpc_server_credentials
 from qwenserve.status import probe_stage
@@ -41,6 +44,8 @@ from qwenserve.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerErro
 from qwenserve.v1 import router_pb2, router_pb2_grpc
 from qwenserve_services.router.config import RouterServiceConfig, check, parse_config
 from qwenserve_services.stage_config import argv_or_sys, start
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
@@ -126,8 +131,17 @@ def _load_tokenizer(model: str | None) -> tuple[Tokenizer, int, str]:
     return Tokenizer.from_dir(folder), int(config.get("max_position_embeddings", 4096)), folder.name
 
 
+def _think_token_ids(tokenizer: Tokenizer) -> tuple[int, int] | None:
+    """The vocabulary's <think> and </think> ids (Qwen3's); None for a model without them."""
+    start, end = tokenizer.token_to_id(THINK_START), tokenizer.token_to_id(THINK_END)
+    return (start, end) if start is not None and end is not None else None
+
+
 async def run(config: RouterServiceConfig) -> None:
     tokenizer, max_model_len, folder_name = _load_tokenizer(config.model)
+    defaults = load_generation_defaults(config.generation_config, config.model)
+    if defaults:
+        log.info("sampling defaults from the generation config (a request's own settings win): %s", defaults)
     metrics = router_metrics()
     router = Router(
         RouterConfig(
@@ -136,6 +150,8 @@ async def run(config: RouterServiceConfig) -> None:
             local_prefill_threshold=config.local_prefill_threshold,
             connect_timeout_s=config.connect_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
             stall_timeout_s=config.stall_timeout_s, resolve_interval_s=config.resolve_interval_s,
+            reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
+            think_token_ids=_think_token_ids(tokenizer), sampling_defaults=defaults,
         ),
         lambda skip: IncrementalDetokenizer(tokenizer, skip_special_tokens=skip),
         metrics,

@@ -233,9 +233,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 )
         if chat.HasField("enable_thinking"):
             kwargs["enable_thinking"] = chat.enable_thinking
-        return self.tokenizer.apply_chat_template(
+        rendered = self.tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=chat.add_generation_prompt, **kwargs
         )
+        return rendered + chat.assistant_prefix  # the answer's forced start, which the model continues
 
 
 def invalid_input_detail(err: InvalidInput | ChatTemplateError) -> common_pb2.ErrorDetail:

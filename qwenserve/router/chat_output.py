@@ -1,0 +1,84 @@
+"""A chat answer's text shaped as the OpenAI chat API returns it: reasoning, content and tool calls.
+
+The router decides per request (`ChatShape`, from the request and its prompt); `ChatOutput` then takes
+the answer's text deltas and token ids as they stream and hands back each delta's three parts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qwenserve.router.reasoning import ReasoningSplitter
+from qwenserve.router.tool_calls import TOOL_START, ToolCallParser
+from qwenserve.v1 import common_pb2
+
+TOOL_CHOICES = ("auto", "none", "required", "function")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatShape:
+    """How one chat answer is split."""
+
+    reasoning: bool = False  # split <think> blocks out of the content
+    open_in_prompt: bool = False  # the prompt ends inside a thinking block
+    think_end_id: int = -1  # the </think> token: the reasoning tokens end with it
+    tools: bool = False  # parse <tool_call> blocks
+    prefix: str = ""  # the answer's forced start (not part of the output)
+
+
+def forced_prefix(tool_choice: str, name: str) -> str:
+    """The start of the answer that makes the model call a tool (required) or this tool (function)."""
+    if tool_choice == "required":
+        return TOOL_START
+    if tool_choice == "function":
+        return f'{TOOL_START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+    return ""
+
+
+class ChatOutput:
+    """Text deltas in; (reasoning, content, completed tool calls) deltas out."""
+
+    def __init__(self, shape: ChatShape) -> None:
+        self._splitter = ReasoningSplitter(shape.open_in_prompt) if shape.reasoning else None
+        self._tools = ToolCallParser(shape.prefix) if shape.tools else None
+        self._think_end_id = shape.think_end_id
+        self._thinking_tokens = 0
+        self._think_closed = self._splitter is None
+
+    def push(self, text: str, token_ids: Sequence[int]) -> tuple[str, str, list[common_pb2.ToolCall]]:
+        self._count(token_ids)
+        reasoning, content = self._splitter.push(text) if self._splitter is not None else ("", text)
+        return self._with_calls(reasoning, content, final=False)
+
+    def flush(self) -> tuple[str, str, list[common_pb2.ToolCall]]:
+        """What is held back, once the answer has ended."""
+        reasoning, content = self._splitter.flush() if self._splitter is not None else ("", "")
+        return self._with_calls(reasoning, content, final=True)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Completion tokens spent thinking, up to and including the one that closed the block."""
+        return self._thinking_tokens if self._splitter is not None and self._splitter.opened else 0
+
+    @property
+    def called(self) -> bool:
+        """Whether the answer made at least one tool call."""
+        return self._tools is not None and self._tools.count > 0
+
+    def _count(self, token_ids: Sequence[int]) -> None:
+        for token in token_ids:
+            if self._think_closed:
+                return
+            self._thinking_tokens += 1
+            self._think_closed = token == self._think_end_id
+
+    def _with_calls(self, reasoning: str, content: str, final: bool) -> tuple[str, str, list[common_pb2.ToolCall]]:
+        if self._tools is None:
+            return reasoning, content, []
+        content, calls = self._tools.push(content)
+        if final:
+            rest, more = self._tools.flush()
+            content, calls = content + rest, calls + more
+        return reasoning, content, calls
