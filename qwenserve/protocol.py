@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 
 from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from qwenserve.engine.structured import StructuredOutput, StructuredOutputError, compiled_grammar
 from qwenserve.v1 import common_pb2
 
 FINISH_REASONS: dict[str, int] = {
@@ -48,7 +50,25 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int 
         stop_token_ids=tuple(msg.stop_token_ids),
         logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs,
+        structured=structured_from_proto(msg.structured) if msg.HasField("structured") else None,
     )
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
+    """The wire's constraint, its grammar checked (compiled once per distinct constraint); raises
+    InvalidSamplingParams naming `structured` when it cannot be used."""
+    kind = msg.WhichOneof("kind")
+    try:
+        if kind is None:
+            raise StructuredOutputError("set one of json_schema, json_object, regex, choice or lark")
+        if kind == "choice":
+            structured = StructuredOutput(kind, json.dumps(list(msg.choice.values)))
+        else:
+            structured = StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind))
+        compiled_grammar(structured)
+    except StructuredOutputError as e:
+        raise InvalidSamplingParams("structured", str(e)) from None
+    return structured
 
 
 def finish_reason_to_proto(reason: str | None) -> int:

@@ -23,6 +23,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ from qwenserve.engine.sampler import Sampler, SamplingRow
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerLimits
 from qwenserve.engine.sequence import Sequence, SequenceStatus
+from qwenserve.engine.structured import GrammarBackend, StructuredOutputError
 from qwenserve.engine.weights import load_checkpoint
 from qwenserve.models import ModelConfig, model_class
 from qwenserve.models.layers import pack_linear_weights
@@ -80,6 +82,7 @@ class LLMEngine:
             model_cfg.max_position_embeddings, KVCapacity(num_blocks, block_size, bytes_per_block)
         )
         self.eos_token_ids: list[int] = list(model_cfg.eos_token_ids)
+        self.grammar = GrammarBackend(Path(checkpoint) / "tokenizer.json", model_cfg.vocab_size, self.eos_token_ids)
         with torch.device(device):
             model = model_class(model_cfg)(model_cfg, dtype, self.max_model_len)
         fingerprint = load_checkpoint(model, checkpoint)
@@ -102,7 +105,7 @@ class LLMEngine:
             ),
             self.pool,
         )
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.grammar)
         self._layout = KVLayout(
             dtype=str(dtype).removeprefix("torch."),
             block_size=block_size,
@@ -348,7 +351,20 @@ class LLMEngine:
             cache_salt=cache_salt,
             kv_import=kv_import,
             kv_export=kv_export,
+            grammar=self._grammar_for(sampling, resume_token_ids),
         )
+
+    def _grammar_for(self, sampling: SamplingParams, resume_token_ids: Seq[int]) -> Any:
+        """The request's structured-output matcher, advanced past the tokens it already has (a handoff's first
+        token, a failover's resumed ones); None for free text. StructuredOutputError: a 400 for the client."""
+        if sampling.structured is None:
+            return None
+        matcher = self.grammar.matcher(sampling.structured)
+        for token in resume_token_ids:
+            if not matcher.consume_token(int(token)):
+                raise StructuredOutputError(f"the tokens already generated do not fit the grammar: "
+                                            f"{matcher.get_error()}")
+        return matcher
 
     def _check_import(self, kv_import: KVImport, num_tokens: int) -> None:
         check_compatible(self._layout, kv_import.layout)
@@ -507,11 +523,14 @@ class LLMEngine:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             banned_token_ids=self._banned_until_min_tokens(seq.sampling),
+            grammar=seq.grammar,
         )
 
     def _advance(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
         """Append a sampled token and tell the request's consumer: a new token, or its last."""
         seq.token_ids.append(token)
+        if seq.grammar is not None and not seq.grammar.consume_token(token):
+            raise RequestError(f"token {token} does not fit the request's grammar: {seq.grammar.get_error()}")
         reason = self._stop_reason(seq, token)
         if reason is None and seq.kv_export is not None:
             reason = self._export(seq)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from qwenserve import cpu_kernels
 from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.engine.structured import GrammarBackend
 
 
 @dataclass(slots=True)
@@ -30,6 +32,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned_token_ids: tuple[int, ...] = ()  # masked while output is shorter than min_tokens
+    grammar: Any = None  # a structured-output matcher: only the tokens it allows next may be drawn
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -49,10 +52,11 @@ def position_seed(seed: int, position: int) -> int:
 class Sampler:
     """Vectorised sampling over a batch of logits rows."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, grammar: GrammarBackend | None = None) -> None:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
         self._row_generator = torch.Generator()
+        self.grammar = grammar
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample one token per row of `logits` [num_rows, vocab] (fp32, CPU); logprobs where asked for."""
@@ -61,13 +65,18 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         params = [r.params for r in rows]
-        if all(p.greedy and not _has_penalty(p) for p in params) and not any(_in_min_tokens(r) for r in rows):
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if all(p.greedy and not _has_penalty(p) for p in params) and not any(_in_min_tokens(r) for r in rows) \
+                and not constrained:
             return argmax(logits).tolist()
         logits = logits.clone()
         self._apply_penalties(logits, rows)
         for i, r in enumerate(rows):
             if _in_min_tokens(r) and r.banned_token_ids:
                 logits[i, list(r.banned_token_ids)] = float("-inf")
+        if constrained:
+            assert self.grammar is not None, "a constrained row needs the engine's grammar backend"
+            self.grammar.mask_rows(logits, constrained, [rows[i].grammar for i in constrained])
         tokens = argmax(logits)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:

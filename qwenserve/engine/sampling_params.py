@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from qwenserve.engine.structured import StructuredOutput
+
 #: More stop ids than any real use needs; bounds the per-step masking work a single request can ask for.
 MAX_STOP_TOKEN_IDS = 1024
 #: A top_k above the vocabulary size keeps every token; the cap keeps it inside the sampler's integer tensors.
@@ -44,6 +46,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: bool = False
     top_logprobs: int = 0
+    # Every token must keep the answer inside this grammar (a JSON schema, a regex, ...); None: free text.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -71,6 +75,10 @@ class SamplingParams:
                 raise InvalidSamplingParams(name, why)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidSamplingParams("min_tokens", "must not exceed max_tokens")
+        if self.structured is not None and (self.min_tokens or self.ignore_eos):
+            # The grammar decides where the answer ends: forcing it on past that end has no valid token.
+            raise InvalidSamplingParams("min_tokens" if self.min_tokens else "ignore_eos",
+                                        "cannot be combined with structured output")
 
     @property
     def greedy(self) -> bool:

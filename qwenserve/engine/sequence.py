@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 from qwenserve.engine.kv_layout import KVExportSink, KVImport
 from qwenserve.engine.outputs import RequestOutput
@@ -40,6 +41,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prefix-cache hit at first admission (reported in usage)
     admitted_once: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    grammar: Any = None  # the structured-output matcher (llguidance), fed every output token
 
     @property
     def num_tokens(self) -> int:

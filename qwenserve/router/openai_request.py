@@ -34,12 +34,14 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 # vLLM's and OpenAI's spellings of what this server does not do yet: a 400 naming them, never ignored.
 NOT_SUPPORTED = {
-    "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
-    "guided_grammar": "guided decoding", "guided_decoding_backend": "guided decoding",
-    "structured_outputs": "structured output", "prompt_logprobs": "prompt logprobs",
-    "use_beam_search": "beam search", "logit_bias": "logit_bias", "prediction": "predicted outputs",
-    "audio": "audio output",
+    "prompt_logprobs": "prompt logprobs", "use_beam_search": "beam search", "logit_bias": "logit_bias",
+    "prediction": "predicted outputs", "audio": "audio output",
 }
+# vLLM's spellings of a constraint, each to the wire's StructuredOutput field (structured_outputs' keys too).
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "lark"}
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark",
+                      "json_object": "json_object"}
+GRAMMAR_BACKENDS = ("auto", "llguidance", "guidance")
 
 Kind = Literal["chat", "completion"]
 
@@ -114,9 +116,6 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     chat.tools_json.extend(_json_text(tool, f"tools[{i}]") for i, tool in enumerate(tools))
     chat.tool_choice, chat.tool_choice_name = _tool_choice(body.get("tool_choice"), tools)
     parallel = _optional(body, "parallel_tool_calls", bool, True)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise InvalidRequest("only response_format {\"type\": \"text\"} is supported", "response_format")
 
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default=None)
     logprobs = _optional(body, "logprobs", bool, False)
@@ -284,6 +283,9 @@ def _common(
     for name, what in NOT_SUPPORTED.items():
         if body.get(name) not in (None, False, {}, []):
             raise InvalidRequest(f"{name}: {what} is not supported by this server yet", name)
+    structured = _structured(body)
+    if structured is not None:
+        s.structured.CopyFrom(structured)
 
     n = _optional(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
@@ -309,6 +311,65 @@ def _common(
         top_logprobs=top_logprobs,
         user=user,
     )
+
+
+def _structured(body: dict[str, Any]) -> common_pb2.StructuredOutput | None:
+    """The request's constraint, from whichever spelling it uses (at most one): OpenAI's response_format,
+    vLLM's guided_* fields or its structured_outputs object. The grammar itself is checked by the router."""
+    found: list[tuple[str, str, Any]] = []  # (parameter, wire field, value)
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", "json_object", True))
+        elif kind == "json_schema":
+            inner = response_format.get("json_schema")
+            schema = inner.get("schema") if isinstance(inner, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object",
+                                     "response_format.json_schema.schema")
+            found.append(("response_format", "json_schema", schema))
+        elif kind != "text":
+            raise InvalidRequest('response_format.type must be "text", "json_object" or "json_schema"',
+                                 "response_format.type")
+    for name, field in GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, field, body[name]))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise InvalidRequest("structured_outputs must be an object", "structured_outputs")
+        for key, value in outputs.items():
+            if key in STRUCTURED_OUTPUTS and value not in (None, False):
+                found.append((f"structured_outputs.{key}", STRUCTURED_OUTPUTS[key], value))
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend not in GRAMMAR_BACKENDS:
+        raise InvalidRequest(f"guided_decoding_backend must be one of {', '.join(GRAMMAR_BACKENDS)} (this server's "
+                             "grammars are llguidance's)", "guided_decoding_backend")
+    if not found:
+        return None
+    if len(found) > 1:
+        raise InvalidRequest(f"one constraint per request: {', '.join(name for name, _, _ in found)} were given",
+                             found[1][0])
+    name, field, value = found[0]
+    if field == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    if field == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise InvalidRequest(f"{name} is not valid JSON: {e}", name) from None
+        if not isinstance(value, dict | bool):
+            raise InvalidRequest(f"{name} must be a JSON schema object", name)
+        return common_pb2.StructuredOutput(json_schema=_json_text(value, name))
+    if field == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest(f"{name} must be a non-empty array of strings", name)
+        return common_pb2.StructuredOutput(choice=common_pb2.StringList(values=[_text(c, name) for c in value]))
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{name} must be a non-empty string", name)
+    return common_pb2.StructuredOutput(**{field: _text(value, name)})
 
 
 def _reject_wrapped(body: dict[str, Any], required: str) -> None:

@@ -1,0 +1,131 @@
+"""Structured output through the official `openai` client: every answer parses and validates, greedy or sampled.
+
+A random-weight model is the hardest client of a grammar (it wants any token at all), and each answer
+here goes through prefill (the first token) and a handoff to decode (the rest), so both engines keep
+the same grammar state. Schemas bound their strings and numbers: an unbounded one lets a model write
+digits until max_tokens, which no grammar can prevent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from qwenserve.default_model import TINY_CONFIG, write_checkpoint
+from qwenserve.launcher import LocalCluster
+from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"enum": ["Paris", "Berlin", "Tokyo"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "member": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "tags", "member"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    model = write_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-structured",
+                             {**TINY_CONFIG, "max_position_embeddings": 1024}, seed=29)
+    logs = tmp_path_factory.mktemp("structured-logs")
+    with LocalCluster(model=Path(model), prefill=1, decode=1, log_dir=logs,
+                      extra_worker_args=["--kv-cache-gb", "0.05"]) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(cluster: LocalCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key="none", max_retries=0,
+                         timeout=120)
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_fifty_sampled_answers_to_a_json_schema_all_validate(client: openai.OpenAI) -> None:
+    model = _model(client)
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+    def ask(seed: int) -> tuple[str, str]:
+        reply = client.chat.completions.create(model=model, messages=ASK, response_format=response_format,
+                                               max_tokens=200, temperature=1.0, seed=seed)
+        return reply.choices[0].message.content or "", reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(50)))
+    for text, finish in answers:
+        assert finish == "stop", (finish, text)
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len({text for text, _ in answers}) > 10  # sampled: different people, each valid
+
+
+def test_greedy_and_streamed_answers_validate_too(client: openai.OpenAI) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    greedy = client.chat.completions.create(model=_model(client), messages=ASK, response_format=response_format,
+                                            max_tokens=200, temperature=0)
+    jsonschema.validate(json.loads(greedy.choices[0].message.content), PERSON)
+    stream = client.chat.completions.create(model=_model(client), messages=ASK, response_format=response_format,
+                                            max_tokens=200, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == greedy.choices[0].message.content
+
+
+def test_json_object_regex_and_choice_in_openai_and_vllm_spellings(client: openai.OpenAI) -> None:
+    model = _model(client)
+
+    def answer(**settings: object) -> str:
+        reply = client.chat.completions.create(model=model, messages=ASK, max_tokens=120, temperature=1.0, seed=7,
+                                               **settings)
+        return reply.choices[0].message.content or ""
+
+    assert isinstance(json.loads(answer(response_format={"type": "json_object"})), dict)
+    assert isinstance(json.loads(answer(extra_body={"structured_outputs": {"json_object": True}})), dict)
+    jsonschema.validate(json.loads(answer(extra_body={"guided_json": PERSON})), PERSON)
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", answer(extra_body={"guided_regex": r"[A-Z]{3}-[0-9]{4}"}))
+    assert answer(extra_body={"guided_choice": ["yes", "no", "maybe"]}) in ("yes", "no", "maybe")
+    assert answer(extra_body={"structured_outputs": {"choice": ["red", "blue"]}}) in ("red", "blue")
+    legacy = client.completions.create(model=model, prompt="Colour:", max_tokens=20, temperature=1.0, seed=3,
+                                       extra_body={"guided_choice": ["red", "blue"]})
+    assert legacy.choices[0].text in ("red", "blue")
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"guided_regex": "(unclosed"}, "structured"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}, "structured"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 5}, "min_tokens"),
+])
+def test_a_constraint_that_cannot_be_used_is_a_400_naming_it(client: openai.OpenAI, extra: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=_model(client), messages=ASK, max_tokens=8, extra_body=extra)
+    assert refused.value.body["param"] == param, refused.value.body
+
+
+def test_grpc_generate_takes_the_constraint_in_its_sampling(cluster: LocalCluster) -> None:
+    sampling = common_pb2.SamplingParams(temperature=1.0, seed=11, max_tokens=200,
+                                         structured=common_pb2.StructuredOutput(json_schema=json.dumps(PERSON)))
+    request = router_pb2.GenerateRequest(prompt="Person:", sampling=sampling)
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.router_port}") as channel:
+        replies = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60))
+    assert replies[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    jsonschema.validate(json.loads("".join(r.text for r in replies)), PERSON)
