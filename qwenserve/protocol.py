@@ -60,7 +60,7 @@ def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
     kind = msg.WhichOneof("kind")
     try:
         if kind is None:
-            raise StructuredOutputError("set one of json_schema, json_object, regex, choice or lark")
+            raise StructuredOutputError("set one of json_schema, json_object, regex, choice or ebnf")
         if kind == "choice":
             structured = StructuredOutput(kind, json.dumps(list(msg.choice.values)))
         else:

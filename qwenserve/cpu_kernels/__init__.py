@@ -2,7 +2,8 @@
 paged KV cache (paged_decode.c); the linear layers' x · Wᵀ (linear.c), on weights as checkpoints store them or
 packed in panels of 16 output columns (`pack_weight`), the layout the fastest product wants; RMSNorm
 (rms_norm.c) and rotary embeddings (rotary.c) in one pass each, where PyTorch makes five or six; greedy
-decoding's argmax over the vocabulary (argmax.c) at cache speed, where PyTorch's runs ten times slower.
+decoding's argmax over the vocabulary (argmax.c) at cache speed, where PyTorch's runs ten times slower;
+structured output's token mask applied to the logits rows (token_bitmask.c) without unpacking it.
 Beside them, the KV handoff's checksum, the copy and the gather that compute it on the way, and the scatter of
 an import into the paged cache (kv_checksum.c; kv_transfer/checksum.py defines the algorithm and calls it).
 
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 PANEL = 16  # output columns per panel of a packed weight (linear.c's PANEL)
 SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("paged_decode.c", "linear.c", "rms_norm.c", "rotary.c", "argmax.c",
-                                            "kv_checksum.c")
+                                            "kv_checksum.c", "token_bitmask.c")
 )
 ENV_SWITCH = "QWENSERVE_CPU_KERNEL"
 # -march=native: the object is built on the machine that runs it; a compiler that refuses it builds generic.
@@ -128,6 +129,8 @@ def load() -> ctypes.CDLL | None:
         lib.kv_checksum_combine.argtypes = [pointer, i64, i64]
         lib.kv_gather_checksum.restype = None
         lib.kv_gather_checksum.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, pointer, i64, i64]
+        lib.apply_token_bitmask.restype = None
+        lib.apply_token_bitmask.argtypes = [pointer, i64, pointer, i64, pointer, i64, i64]
         lib.kv_scatter_rows.restype = None
         lib.kv_scatter_rows.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64, i64, i64]
         return lib
@@ -286,6 +289,23 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if rows:
         lib.argmax_rows(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
+    """logits[rows[i], t] = -inf where bit t of mask[i] is 0, in place: `logits` 2-D fp32 CPU with contiguous
+    rows, `rows` int64, `mask` int32 [len(rows), words] contiguous (32 tokens a word, least significant bit
+    first). The kernels must be available."""
+    lib = load()
+    assert lib is not None, "CPU kernels unavailable"
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
+        raise ValueError("apply_token_bitmask wants 2-D fp32 CPU logits with contiguous rows")
+    rows = rows.to(torch.int64).contiguous()
+    if mask.dtype != torch.int32 or not mask.is_contiguous() or mask.dim() != 2 or mask.shape[0] != rows.numel():
+        raise ValueError("apply_token_bitmask wants an int32 [rows, words] contiguous mask")
+    if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < logits.shape[0]):
+        raise ValueError("apply_token_bitmask: a row index is outside the logits")
+    lib.apply_token_bitmask(logits.data_ptr(), logits.stride(0), mask.data_ptr(), mask.shape[1], rows.data_ptr(),
+                            rows.numel(), logits.shape[1])
 
 
 def scatter_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:

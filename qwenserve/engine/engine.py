@@ -361,9 +361,8 @@ class LLMEngine:
             return None
         matcher = self.grammar.matcher(sampling.structured)
         for token in resume_token_ids:
-            if not matcher.consume_token(int(token)):
-                raise StructuredOutputError(f"the tokens already generated do not fit the grammar: "
-                                            f"{matcher.get_error()}")
+            if not matcher.accept_token(int(token)):
+                raise StructuredOutputError(f"the tokens already generated do not fit the grammar (token {token})")
         return matcher
 
     def _check_import(self, kv_import: KVImport, num_tokens: int) -> None:
@@ -529,8 +528,8 @@ class LLMEngine:
     def _advance(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
         """Append a sampled token and tell the request's consumer: a new token, or its last."""
         seq.token_ids.append(token)
-        if seq.grammar is not None and not seq.grammar.consume_token(token):
-            raise RequestError(f"token {token} does not fit the request's grammar: {seq.grammar.get_error()}")
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            raise RequestError(f"token {token} does not fit the request's grammar")
         reason = self._stop_reason(seq, token)
         if reason is None and seq.kv_export is not None:
             reason = self._export(seq)

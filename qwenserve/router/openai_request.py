@@ -38,10 +38,10 @@ NOT_SUPPORTED = {
     "prediction": "predicted outputs", "audio": "audio output",
 }
 # vLLM's spellings of a constraint, each to the wire's StructuredOutput field (structured_outputs' keys too).
-GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "lark"}
-STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark",
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "ebnf"}
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf",
                       "json_object": "json_object"}
-GRAMMAR_BACKENDS = ("auto", "llguidance", "guidance")
+GRAMMAR_BACKENDS = ("auto", "xgrammar")
 
 Kind = Literal["chat", "completion"]
 
@@ -345,7 +345,7 @@ def _structured(body: dict[str, Any]) -> common_pb2.StructuredOutput | None:
     backend = body.get("guided_decoding_backend")
     if backend is not None and backend not in GRAMMAR_BACKENDS:
         raise InvalidRequest(f"guided_decoding_backend must be one of {', '.join(GRAMMAR_BACKENDS)} (this server's "
-                             "grammars are llguidance's)", "guided_decoding_backend")
+                             "grammars are xgrammar's)", "guided_decoding_backend")
     if not found:
         return None
     if len(found) > 1:
