@@ -17,6 +17,7 @@ FINISH_REASONS: dict[str, int] = {
     "abort": common_pb2.FINISH_REASON_ABORT,
     "error": common_pb2.FINISH_REASON_ERROR,
     "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS,
+    "content_filter": common_pb2.FINISH_REASON_CONTENT_FILTER,
 }
 FINISH_REASON_NAMES: dict[int, str] = {v: k for k, v in FINISH_REASONS.items()}
 

@@ -45,6 +45,7 @@ from qwenserve.router.workers import NoWorkerAvailable, WorkerPool
 from qwenserve.rpc_errors import detail_of
 from qwenserve.telemetry.metrics import RouterMetrics, router_metrics
 from qwenserve.telemetry.tracing import Attr, client_interceptors, get_tracer
+from qwenserve.tenancy.content_filter import ContentFilter
 from qwenserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -147,6 +148,7 @@ class PreparedRequest:
     arrived: float = field(default_factory=time.monotonic)  # when prepare() began, for the queue-time metric
     internal_id: str = ""  # what the stages know it by (unique even when client ids repeat); made if empty
     chat: ChatShape | None = None  # a chat answer: how its text is split (None: text as generated)
+    content_filter: ContentFilter | None = None  # the tenant's words that must never be sent (the fronts set it)
 
     def __post_init__(self) -> None:
         if not self.internal_id:
@@ -406,8 +408,10 @@ class Router:
 
     # -- preparing -------------------------------------------------------------------------------
 
-    async def prepare(self, req: router_pb2.GenerateRequest, deadline: float | None = None) -> PreparedRequest:
-        """Tokenize and validate; raises InvalidRequest / ContextLengthExceeded / ServiceUnavailable."""
+    async def prepare(self, req: router_pb2.GenerateRequest, deadline: float | None = None,
+                      content_filter: ContentFilter | None = None) -> PreparedRequest:
+        """Tokenize and validate; raises InvalidRequest / ContextLengthExceeded / ServiceUnavailable.
+        `content_filter`: the tenant's, applied to the answer's text."""
         arrived = time.monotonic()
         if not self.vocab_size:  # start() has not heard from the tokenizer yet: nothing can be checked
             raise ServiceUnavailable("the router is starting: waiting for the tokenizer service")
@@ -466,6 +470,7 @@ class Router:
             echo_prompt=req.echo_prompt_token_ids,
             arrived=arrived,
             chat=self._chat_shape(req, prompt_ids, chat_tools) if req.WhichOneof("input") == "chat" else None,
+            content_filter=content_filter,
         )
 
     async def tokenize(self, req: router_pb2.GenerateRequest) -> list[int]:
@@ -562,6 +567,7 @@ class Router:
         progress = _Progress()
         relay = _TextRelay(self._detokenizer_factory(prep.skip_special_tokens), StopStringMatcher(prep.stop))
         output = ChatOutput(prep.chat) if prep.chat is not None else None
+        screen = prep.content_filter.stream() if prep.content_filter else None
         first = True
         async with contextlib.aclosing(self._tokens(prep, progress)) as tokens:
             async for token_ids, logprobs, finish, error in tokens:
@@ -572,6 +578,10 @@ class Router:
                     finish, error = common_pb2.FINISH_REASON_STOP, None
                 elif finish:
                     text += relay.flush()
+                if screen is not None:  # after stop strings: text a stop string cut off is never sent anyway
+                    text, hit = screen.push(text, final=bool(finish) or stopped)
+                    if hit:  # counted as qwenserve_router_requests_total{finish_reason="content_filter"}
+                        finish, error = common_pb2.FINISH_REASON_CONTENT_FILTER, None
                 if finish == common_pb2.FINISH_REASON_ERROR and self.draining:
                     # Workers go away while the deployment shuts down: for the client that is an abort.
                     finish, error = common_pb2.FINISH_REASON_ABORT, _shutting_down()

@@ -107,7 +107,7 @@ async def _generate(
         gatekeeper.check_request(tenant, request)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        prep = await router.prepare(request, deadline)
+        prep = await router.prepare(request, deadline, content_filter=tenant.content_filter)
         with tracer.start_as_current_span("rate_limit", attributes={Attr.TENANT: tenant.id}):
             ticket = await gatekeeper.admit(tenant, [prep])
     except RouterError as e:

@@ -87,7 +87,7 @@ RETRYABLE_CODES = {"unavailable", "no_decode_worker", "resource_exhausted", "dea
 # Terminal error codes that mean the request itself cannot be served (a worker's own checks refused it).
 CLIENT_FAULT_CODES = {"context_length_exceeded", "invalid_argument"}
 # The finish reasons OpenAI clients know that this server produces; any other ending is a failure.
-OPENAI_FINISH_REASONS = {"stop", "length", "tool_calls"}
+OPENAI_FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter"}
 
 TokenBytes = Callable[[int], bytes]
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
@@ -336,7 +336,7 @@ class OpenAIFront:
             req.request_id = request_id if len(parsed.prompts) == 1 else f"{request_id}-p{i}"
             try:
                 self.gatekeeper.check_request(tenant, req)
-                preps.append(await self.router.prepare(req))
+                preps.append(await self.router.prepare(req, content_filter=tenant.content_filter))
             except InvalidRequest as e:
                 raise _with_openai_param(e, kind) from e
         with tracer.start_as_current_span("rate_limit", attributes={Attr.TENANT: tenant.id}):

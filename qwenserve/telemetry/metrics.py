@@ -66,7 +66,7 @@ OTHER = "other"
 
 # The allowed values of each bounded label. Callers may pass anything; unknown values become "other".
 OUTCOMES = frozenset({"ok", "error", "cancelled", "rejected", "invalid", "timeout"})
-FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "abort", "error", "none"})
+FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "abort", "error", "none"})
 TOKEN_KINDS = frozenset({"prompt", "cached", "completion"})
 STAGES = frozenset({"tokenizer", "prefill", "decode"})
 RATELIMIT_DECISIONS = frozenset({"allowed", "rejected"})
@@ -85,7 +85,8 @@ GRPC_CODES = frozenset({
 # The label value until a service names its model (RouterConfig's default name).
 DEFAULT_MODEL_NAME = "qwen"
 # Our finish reasons as vLLM's `finished_reason` (a tool call ends a sequence with vLLM's "stop").
-VLLM_FINISHED_REASONS = {"stop": "stop", "tool_calls": "stop", "length": "length", "abort": "abort"}
+VLLM_FINISHED_REASONS = {"stop": "stop", "tool_calls": "stop", "content_filter": "stop", "length": "length",
+                         "abort": "abort"}
 
 
 def bounded(value: str, allowed: frozenset[str]) -> str:

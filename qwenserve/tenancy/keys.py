@@ -12,6 +12,9 @@ The key file (YAML or JSON, same schema; a Kubernetes Secret mounted as a file w
         requests_per_minute: 600
         tokens_per_minute: 200000
         max_tokens: 4096             # cap on one request's output budget
+        content_filter:              # optional: never sent; a match ends the answer (content_filter)
+          words: ["secret sauce"]    # whole words, any case
+          patterns: ['[0-9]{3}-[0-9]{4}']  # regexes of bounded length
     keys:
       - tenant: acme
         sha256: "5e8848..."          # hex SHA-256 of the key: the file then holds no secret
@@ -42,6 +45,7 @@ from pathlib import Path
 
 import yaml
 
+from qwenserve.tenancy.content_filter import ContentFilterError, content_filter_from
 from qwenserve.tenancy.tenants import (
     TenancyConfigError,
     Tenant,
@@ -99,9 +103,16 @@ def parse_key_file(data: object, where: str) -> KeyFileContents:
     tenants = data.get("tenants") or {}
     if not isinstance(tenants, Mapping):
         raise TenancyConfigError(f"{where}: 'tenants' must map tenant ids to limits")
-    for tenant_id, limits in tenants.items():
+    for tenant_id, entry in tenants.items():
         check_tenant_id(tenant_id, f"{where}: tenants")
-        out.tenants[tenant_id] = Tenant(tenant_id, parse_limits(limits, f"{where}: tenants.{tenant_id}"))
+        here = f"{where}: tenants.{tenant_id}"
+        limits = {k: v for k, v in entry.items() if k != "content_filter"} if isinstance(entry, Mapping) else entry
+        try:
+            rules = content_filter_from(entry.get("content_filter") if isinstance(entry, Mapping) else None,
+                                        f"{here}.content_filter")
+        except ContentFilterError as e:
+            raise TenancyConfigError(str(e)) from None
+        out.tenants[tenant_id] = Tenant(tenant_id, parse_limits(limits, here), rules)
     keys = data.get("keys") or []
     if not isinstance(keys, list):
         raise TenancyConfigError(f"{where}: 'keys' must be a list")

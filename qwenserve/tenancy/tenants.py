@@ -6,6 +6,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from qwenserve.tenancy.content_filter import ContentFilter
+
 TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_tokens")
 
@@ -34,6 +36,8 @@ class Tenant:
 
     id: str
     limits: TenantLimits = TenantLimits()
+    # Words and patterns its answers must never contain (tenancy/content_filter.py); None: no filter.
+    content_filter: ContentFilter | None = None
 
 
 def parse_limits(raw: object, where: str) -> TenantLimits:

@@ -15,6 +15,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
     FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
+    FINISH_REASON_CONTENT_FILTER: _ClassVar[FinishReason]
 
 class KVTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -28,6 +29,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
+FINISH_REASON_CONTENT_FILTER: FinishReason
 KV_TRANSPORT_UNSPECIFIED: KVTransport
 KV_TRANSPORT_SHM: KVTransport
 KV_TRANSPORT_GRPC: KVTransport

@@ -46,18 +46,28 @@ def scripted_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                      [thinking, after_empty_block])
 
 
+KEYS = {"tenants": {"plain": None, "careful": {"content_filter": {"words": ["Paris"],
+                                                                  "patterns": ["(?<=I )think"]}}},
+        "keys": [{"tenant": "plain", "key": "sk-plain"}, {"tenant": "careful", "key": "sk-careful"}]}
+
+
 @pytest.fixture(scope="module")
 def cluster(scripted_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     logs = tmp_path_factory.mktemp("scripted-logs")
-    with LocalCluster(model=scripted_model, prefill=1, decode=1, log_dir=logs,
+    keys = logs / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    with LocalCluster(model=scripted_model, prefill=1, decode=1, log_dir=logs, env={"QWENSERVE_API_KEYS_FILE": str(keys)},
                       extra_worker_args=["--kv-cache-gb", "0.05"]) as running:
         yield running
 
 
+def _client(cluster: LocalCluster, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key=key, max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="module")
 def client(cluster: LocalCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key="none", max_retries=0,
-                         timeout=120)
+    return _client(cluster, "sk-plain")
 
 
 def _model(client: openai.OpenAI) -> str:
@@ -152,8 +162,7 @@ def test_a_tool_result_in_a_later_turn_is_rendered(client: openai.OpenAI) -> Non
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
-    ({"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"use_beam_search": True}, "use_beam_search"),
 ])
@@ -168,7 +177,8 @@ def test_grpc_generate_carries_reasoning_tool_calls_and_their_finish(cluster: Lo
                                 add_generation_prompt=True, tools_json=[json.dumps(WEATHER)])
     request = router_pb2.GenerateRequest(chat=chat, sampling=common_pb2.SamplingParams(temperature=0, max_tokens=64))
     with grpc.insecure_channel(f"127.0.0.1:{cluster.router_port}") as channel:
-        replies = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60))
+        replies = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60,
+                                                                    metadata=[("authorization", "Bearer sk-plain")]))
     assert "".join(r.reasoning_text for r in replies) == "I think"
     assert "".join(r.text for r in replies).strip() == ""
     (call,) = [c for r in replies for c in r.tool_calls]
@@ -179,7 +189,7 @@ def test_grpc_generate_carries_reasoning_tool_calls_and_their_finish(cluster: Lo
 
 def _post(cluster: LocalCluster, path: str, body: dict) -> tuple[int, dict]:
     request = urllib.request.Request(f"http://127.0.0.1:{cluster.http_port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", "Authorization": "Bearer sk-plain"})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())
@@ -204,3 +214,27 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(cluster: LocalCluster) -> N
     assert status == 400 and error["error"]["param"] == "tokens"
     status, error = _post(cluster, "/tokenize", {"prompt": "hi", "model": "no-such-model"})
     assert status == 404 and error["error"]["param"] == "model"
+
+
+def test_a_tenants_filtered_words_never_reach_it_and_end_the_answer(cluster: LocalCluster) -> None:
+    careful = _client(cluster, "sk-careful")
+    model = _model(careful)
+    # Thinking off: the answer is the call's text, whose "Paris" is filtered (tools off: it is plain content).
+    reply = careful.chat.completions.create(model=model, messages=ASK, max_tokens=64, temperature=0,
+                                            extra_body=NO_THINKING)
+    assert reply.choices[0].finish_reason == "content_filter"
+    assert reply.choices[0].message.content == '<tool_call>{"name":"get_weather","arguments":{"city": "'
+    stream = careful.chat.completions.create(model=model, messages=ASK, max_tokens=64, temperature=0, stream=True,
+                                             extra_body=NO_THINKING)
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content and "Paris" not in streamed
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["content_filter"]
+    # Reasoning is filtered too: "I think" stops at "think".
+    thought = careful.chat.completions.create(model=model, messages=ASK, max_tokens=64, temperature=0)
+    assert thought.choices[0].finish_reason == "content_filter"
+    assert thought.choices[0].message.model_extra["reasoning_content"].strip() == "I"
+    # Another tenant's answers are untouched.
+    plain = _client(cluster, "sk-plain").chat.completions.create(model=model, messages=ASK, max_tokens=64,
+                                                                 temperature=0, extra_body=NO_THINKING)
+    assert "Paris" in plain.choices[0].message.content and plain.choices[0].finish_reason == "stop"
