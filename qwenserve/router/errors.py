@@ -51,3 +51,11 @@ class UnknownModel(InvalidRequest):
 
     http_status = 404
     code = "model_not_found"
+
+
+class ModelNotAllowed(RouterError):
+    """The tenant's API key may not use the model it named (its `models` in the key file)."""
+
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+    http_status = 403
+    code = "model_not_allowed"

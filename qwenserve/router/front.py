@@ -25,6 +25,7 @@ from qwenserve.ratelimit import RateLimiterConfig, make_rate_limiter
 from qwenserve.ratelimit.redis_client import connect
 from qwenserve.router.admission import Gatekeeper
 from qwenserve.router.generation import Router
+from qwenserve.router.models import ModelRoutes
 from qwenserve.router.openai_http import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, build_app, serve_http
 from qwenserve.router.tls import TlsConfig, http_ssl_context
 from qwenserve.telemetry.metrics import RouterMetrics
@@ -113,13 +114,13 @@ async def close_gatekeeper(gatekeeper: Gatekeeper) -> None:
 
 
 async def start_http_front(
-    router: Router,
+    router: Router | ModelRoutes,
     gatekeeper: Gatekeeper,
     config: FrontConfig,
     model_name: str,
     host: str,
     port: int,
-    token_bytes: Callable[[int], bytes] | None,
+    token_bytes: Callable[[int], bytes] | None = None,
 ) -> web.AppRunner:
     """Serve the OpenAI-compatible app on host:port (TLS when configured); `await runner.cleanup()` stops it."""
     app = build_app(router, gatekeeper, model_name, token_bytes=token_bytes,

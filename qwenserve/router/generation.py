@@ -182,9 +182,11 @@ class Router:
         detokenizer_factory: Callable[[bool], Detokenizer],
         metrics: RouterMetrics | None = None,
         resolver: Resolver = system_resolver,
+        token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
         self.config = config
         self._detokenizer_factory = detokenizer_factory
+        self.token_bytes = token_bytes  # a token's exact bytes (the model's vocabulary), for logprobs
         self.discovery = PodDiscovery(
             {"prefill": config.prefill_addresses, "decode": config.decode_addresses},
             self._pods_changed, resolver, config.resolve_interval_s,
@@ -266,6 +268,11 @@ class Router:
     @property
     def draining(self) -> bool:
         return self._drain_deadline is not None
+
+    def can_serve(self) -> bool:
+        """Whether a decode worker could take a request now: one is known and its circuit is closed."""
+        now = time.monotonic()
+        return any(w.available(now) for w in self.decode_pool.workers.values())
 
     def check_model(self, model: str) -> None:
         """Raises UnknownModel unless `model` is empty (the default) or the model this router serves."""

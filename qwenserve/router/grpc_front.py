@@ -27,6 +27,7 @@ from qwenserve.protocol import FINISH_REASON_NAMES
 from qwenserve.router.admission import Gatekeeper, api_key_from_grpc_metadata, grpc_error_metadata
 from qwenserve.router.errors import RouterError
 from qwenserve.router.generation import Router
+from qwenserve.router.models import ModelRoutes
 from qwenserve.router.request_ids import new_request_id, valid_request_id
 from qwenserve.rpc_errors import abort
 from qwenserve.telemetry.logs import bind_request_id
@@ -73,7 +74,7 @@ def request_id_for(
 
 
 async def generate(
-    router: Router,
+    router: Router | ModelRoutes,
     gatekeeper: Gatekeeper,
     request: router_pb2.GenerateRequest,
     context: grpc.aio.ServicerContext,
@@ -94,7 +95,7 @@ async def generate(
 
 
 async def _generate(
-    router: Router,
+    routes: Router | ModelRoutes,
     gatekeeper: Gatekeeper,
     request: router_pb2.GenerateRequest,
     context: grpc.aio.ServicerContext,
@@ -103,7 +104,11 @@ async def _generate(
     arrived = time.monotonic()
     try:
         tenant = gatekeeper.authenticate(api_key_from_grpc_metadata(context.invocation_metadata()))
-        router.check_model(request.model)
+        if isinstance(routes, Router):
+            routes.check_model(request.model)
+            model, router = routes.config.model_name, routes
+        else:
+            model, router = routes.choose(request.model or None, tenant.models, key=tenant.id)
         gatekeeper.check_request(tenant, request)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
@@ -122,10 +127,13 @@ async def _generate(
     if metrics is not None:
         metrics.in_flight.inc()
     finish = ""
+    first = True
     try:
         # Closed explicitly: a client that leaves cancels the decode call now, not at garbage collection.
         async with contextlib.aclosing(router.run(prep)) as stream:
             async for msg in stream:
+                if first:
+                    msg.model, first = model, False
                 # Counted as they stream, so a cancelled call still settles what it consumed.
                 usage.completion_tokens += len(msg.token_ids)
                 if msg.token_ids and timer is not None:

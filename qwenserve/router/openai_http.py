@@ -48,7 +48,7 @@ from aiohttp import web
 
 from qwenserve.protocol import FINISH_REASON_NAMES
 from qwenserve.router.admission import Gatekeeper, Ticket, api_key_from_headers
-from qwenserve.router.errors import InvalidRequest, RouterError
+from qwenserve.router.errors import InvalidRequest, RouterError, UnknownModel
 from qwenserve.router.front_errors import (
     AuthenticationFailed,
     BodyReadTimeout,
@@ -60,6 +60,7 @@ from qwenserve.router.front_errors import (
 )
 from qwenserve.router.generation import PreparedRequest, Router
 from qwenserve.router.grpc_front import outcome_for
+from qwenserve.router.models import ModelRoutes
 from qwenserve.router.openai_request import (
     ParsedRequest,
     parse_chat,
@@ -97,7 +98,6 @@ MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 class HttpConfig:
     """Limits of the HTTP front."""
 
-    model_name: str
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # A request body not fully received within this many seconds gets a 408 and the connection closes.
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
@@ -107,16 +107,21 @@ class HttpConfig:
 
 
 def build_app(
-    router: Router,
+    router: Router | ModelRoutes,
     gatekeeper: Gatekeeper,
-    model_name: str,
+    model_name: str = "",
     *,
     token_bytes: TokenBytes | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> web.Application:
-    """The aiohttp application; `token_bytes(id)` (the tokenizer's) names tokens in logprobs."""
-    front = OpenAIFront(router, gatekeeper, HttpConfig(model_name, max_body_bytes, body_timeout_s), token_bytes)
+    """The aiohttp application over one model's router (served as `model_name`, `token_bytes(id)` naming
+    tokens in logprobs) or over several models' (`ModelRoutes`)."""
+    if isinstance(router, Router):
+        if token_bytes is not None:
+            router.token_bytes = token_bytes
+        router = ModelRoutes({model_name or router.config.model_name: router}, model_name or router.config.model_name)
+    front = OpenAIFront(router, gatekeeper, HttpConfig(max_body_bytes, body_timeout_s))
     # aiohttp enforces the body limit while reading; a little slack lets our own check say 413 first.
     app = web.Application(middlewares=[_error_middleware], client_max_size=max_body_bytes + 1)
     app[MAX_BODY_KEY] = max_body_bytes
@@ -206,12 +211,10 @@ def _error_type(status: int) -> str:
 class OpenAIFront:
     """The handlers: everything between an HTTP request and the router's generations."""
 
-    def __init__(self, router: Router, gatekeeper: Gatekeeper, config: HttpConfig,
-                 token_bytes: TokenBytes | None) -> None:
-        self.router = router
+    def __init__(self, routes: ModelRoutes, gatekeeper: Gatekeeper, config: HttpConfig) -> None:
+        self.routes = routes
         self.gatekeeper = gatekeeper
         self.config = config
-        self.token_bytes = token_bytes
         self.created = int(time.time())
 
     # -- simple endpoints ------------------------------------------------------------------------
@@ -222,34 +225,47 @@ class OpenAIFront:
 
     async def prometheus_metrics(self, request: web.Request) -> web.Response:
         """`GET /metrics`: the router's registry, as on its --metrics-port (no auth, as vLLM's)."""
-        body, content_type = metrics_page(self.router.metrics.registry, request.headers.get("Accept", ""))
+        body, content_type = metrics_page(self.routes.routers[self.routes.default].metrics.registry,
+                                          request.headers.get("Accept", ""))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def list_models(self, request: web.Request) -> web.Response:
-        """`GET /v1/models`: the one model this deployment serves."""
-        self._tenant(request)
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        """`GET /v1/models`: the models this router serves that the caller's key may use."""
+        tenant = self._tenant(request)
+        names = [n for n in self.routes.names if tenant.models is None or n in tenant.models]
+        return web.json_response({"object": "list", "data": [self._model_card(n) for n in names]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         """`GET /v1/models/{model}`."""
-        self._tenant(request)
-        self._check_model(request.match_info["model"])
-        return web.json_response(self._model_card())
+        tenant = self._tenant(request)
+        name = request.match_info["model"]
+        if name not in self.routes.routers or (tenant.models is not None and name not in tenant.models):
+            raise ModelNotFound(f"the model {name!r} does not exist", "model")
+        return web.json_response(self._model_card(name))
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self, name: str) -> dict[str, Any]:
         return {
-            "id": self.config.model_name,
+            "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "qwen-serve",
-            "max_model_len": self.router.config.max_model_len,
+            "max_model_len": self.routes.routers[name].config.max_model_len,
         }
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
-            raise ModelNotFound(
-                f"the model {model!r} does not exist; this server serves {self.config.model_name!r}", "model"
-            )
+    def _named(self, model: str | None) -> Router:
+        """The router of the model a request names (no canary or fallback: tokens are a model's own)."""
+        name = model or self.routes.default
+        if name not in self.routes.routers:
+            raise ModelNotFound(f"the model {name!r} does not exist; this server serves "
+                                f"{', '.join(self.routes.names)}", "model")
+        return self.routes.routers[name]
+
+    def _choose(self, model: str | None, tenant: Tenant, user: str | None) -> tuple[str, Router]:
+        """The model that answers (canary and fallback applied) and its router."""
+        try:  # a request's `user` splits canaries within a tenant (one shared tenant when auth is off)
+            return self.routes.choose(model, tenant.models, key=user or tenant.id)
+        except UnknownModel as e:
+            raise ModelNotFound(e.message, "model") from None
 
     def _tenant(self, request: web.Request) -> Tenant:
         key = api_key_from_headers(request.headers.get("Authorization"), request.headers.get("X-Api-Key"))
@@ -264,21 +280,17 @@ class OpenAIFront:
         """`POST /tokenize` (vLLM's): a prompt or conversation's token ids, as a generation would see them."""
         self._tenant(request)
         model, req, want_strs = parse_tokenize(parse_json_body(await self._read_body(request)))
-        self._check_model(model)
-        ids = await self.router.tokenize(req)
-        strs = [self._token_text(i) for i in ids] if want_strs else None
-        return web.json_response({"count": len(ids), "max_model_len": self.router.config.max_model_len,
+        router = self._named(model)
+        ids = await router.tokenize(req)
+        strs = [_token_text(router, i) for i in ids] if want_strs else None
+        return web.json_response({"count": len(ids), "max_model_len": router.config.max_model_len,
                                   "tokens": ids, "token_strs": strs})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """`POST /detokenize` (vLLM's): the text of token ids."""
         self._tenant(request)
         model, ids = parse_detokenize(parse_json_body(await self._read_body(request)))
-        self._check_model(model)
-        return web.json_response({"prompt": self.router.detokenize(ids)})
-
-    def _token_text(self, token_id: int) -> str:
-        return self.token_bytes(token_id).decode("utf-8", errors="replace") if self.token_bytes else ""
+        return web.json_response({"prompt": self._named(model).detokenize(ids)})
 
     # -- completions -----------------------------------------------------------------------------
 
@@ -327,8 +339,8 @@ class OpenAIFront:
         tenant = self._tenant(request)
         body = parse_json_body(await self._read_body(request))
         parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
-        self._check_model(parsed.model)
-        if parsed.logprobs and self.token_bytes is None:
+        model, router = self._choose(parsed.model, tenant, parsed.user)
+        if parsed.logprobs and router.token_bytes is None:
             raise InvalidRequest("logprobs are not available: this server was started without a vocabulary",
                                  "logprobs")
         preps: list[PreparedRequest] = []
@@ -336,13 +348,13 @@ class OpenAIFront:
             req.request_id = request_id if len(parsed.prompts) == 1 else f"{request_id}-p{i}"
             try:
                 self.gatekeeper.check_request(tenant, req)
-                preps.append(await self.router.prepare(req, content_filter=tenant.content_filter))
+                preps.append(await router.prepare(req, content_filter=tenant.content_filter))
             except InvalidRequest as e:
                 raise _with_openai_param(e, kind) from e
         with tracer.start_as_current_span("rate_limit", attributes={Attr.TENANT: tenant.id}):
             ticket = await self.gatekeeper.admit(tenant, preps, copies=parsed.n)
-        answer = _Answer(parsed, request_id, self.config.model_name, preps, self.token_bytes)
-        generations = _Generations(self.router, answer.runs(), self._timer(arrived))
+        answer = _Answer(parsed, request_id, model, preps, router.token_bytes)
+        generations = _Generations(router, answer.runs(), self._timer(arrived))
         watcher = asyncio.create_task(_watch_disconnect(request, generations))
         outcome = "cancelled"
         try:
@@ -456,6 +468,10 @@ async def _relay(response: web.StreamResponse, answer: _Answer, index: int,
     if msg.finish_reason:
         await _send(response, answer.chunk([choice.closing()]))
     return None
+
+
+def _token_text(router: Router, token_id: int) -> str:
+    return router.token_bytes(token_id).decode("utf-8", errors="replace") if router.token_bytes else ""
 
 
 def _ends_badly(msg: router_pb2.GenerateResponse) -> bool:

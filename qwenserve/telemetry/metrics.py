@@ -236,6 +236,12 @@ class RouterMetrics:
             ["tenant", "kind"],
             registry=r,
         )
+        self.fallbacks = Counter(
+            "qwenserve_router_fallbacks_total",
+            "Requests handed from a model whose decode workers were unavailable to its fallback.",
+            ["model", "fallback"],
+            registry=r,
+        )
         self.tenant_label = BoundedLabel(max_tenants)
         # Completion tokens streamed, for `qwen-serve status` (Prometheus users take rate() of tokens_total).
         self.completion_rate = SlidingRate()

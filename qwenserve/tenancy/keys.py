@@ -12,6 +12,7 @@ The key file (YAML or JSON, same schema; a Kubernetes Secret mounted as a file w
         requests_per_minute: 600
         tokens_per_minute: 200000
         max_tokens: 4096             # cap on one request's output budget
+        models: [qwen3-8b]           # optional: the models it may use (a router serving several)
         content_filter:              # optional: never sent; a match ends the answer (content_filter)
           words: ["secret sauce"]    # whole words, any case
           patterns: ['[0-9]{3}-[0-9]{4}']  # regexes of bounded length
@@ -55,6 +56,7 @@ from qwenserve.tenancy.tenants import (
 )
 
 DEFAULT_TENANT = "default"
+TENANT_EXTRAS = ("content_filter", "models")  # a tenant's entries besides its limits
 
 
 class Unauthenticated(Exception):
@@ -106,13 +108,17 @@ def parse_key_file(data: object, where: str) -> KeyFileContents:
     for tenant_id, entry in tenants.items():
         check_tenant_id(tenant_id, f"{where}: tenants")
         here = f"{where}: tenants.{tenant_id}"
-        limits = {k: v for k, v in entry.items() if k != "content_filter"} if isinstance(entry, Mapping) else entry
+        extras = entry if isinstance(entry, Mapping) else {}
+        limits = {k: v for k, v in extras.items() if k not in TENANT_EXTRAS} if isinstance(entry, Mapping) else entry
         try:
-            rules = content_filter_from(entry.get("content_filter") if isinstance(entry, Mapping) else None,
-                                        f"{here}.content_filter")
+            rules = content_filter_from(extras.get("content_filter"), f"{here}.content_filter")
         except ContentFilterError as e:
             raise TenancyConfigError(str(e)) from None
-        out.tenants[tenant_id] = Tenant(tenant_id, parse_limits(limits, here), rules)
+        models = extras.get("models")
+        if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) for m in models)):
+            raise TenancyConfigError(f"{here}.models: expected a list of model names")
+        out.tenants[tenant_id] = Tenant(tenant_id, parse_limits(limits, here), rules,
+                                        tuple(models) if models is not None else None)
     keys = data.get("keys") or []
     if not isinstance(keys, list):
         raise TenancyConfigError(f"{where}: 'keys' must be a list")

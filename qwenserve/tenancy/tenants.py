@@ -38,6 +38,8 @@ class Tenant:
     limits: TenantLimits = TenantLimits()
     # Words and patterns its answers must never contain (tenancy/content_filter.py); None: no filter.
     content_filter: ContentFilter | None = None
+    # The models it may use, on a router serving several (router/models.py); None: any.
+    models: tuple[str, ...] | None = None
 
 
 def parse_limits(raw: object, where: str) -> TenantLimits:

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import ClassVar
 
 from qwenserve.flags import StrictParser, address_list, nested, option
-from qwenserve.preflight import StartupError, check_port_free
+from qwenserve.preflight import StartupError, check_model_folder, check_port_free
 from qwenserve.router.front import FrontConfig, load_front_keys
 from qwenserve.router.generation_defaults import GenerationConfigError, load_generation_defaults
+from qwenserve.router.models import ModelsConfigError, load_models_file
 from qwenserve.router.tls import TlsConfigError
 from qwenserve.tenancy.tenants import TenancyConfigError
 from qwenserve_services.stage_config import (
@@ -58,6 +59,9 @@ class RouterServiceConfig(StageConfig):
     tool_call_parser: str = option(
         "hermes", choices=("hermes", "none"),
         help="chat requests with tools: <tool_call> blocks become tool_calls (none: tools are refused)")
+    models_file: str = option(
+        "", help="serve several models, each with its own stages, fallback and canary (a YAML file, see "
+                 "qwenserve/router/models.py); the model, --tokenizer, --prefill and --decode are then unused")
     generation_config: str = option(
         "auto", help="sampling defaults for what a request leaves out: auto (the model folder's "
                      "generation_config.json), vllm or none (no model defaults), or a folder holding that file")
@@ -87,8 +91,8 @@ def parse_config(argv: Sequence[str], prog: str | None = None) -> RouterServiceC
     """Flags, falling back to QWENSERVE_* environment variables, falling back to defaults."""
     parser = build_parser(prog)
     config: RouterServiceConfig = parser.parse_config(RouterServiceConfig, argv)
-    if not config.decode:
-        parser.error("at least one --decode worker is required (host:port[,host:port])")
+    if not config.decode and not config.models_file:
+        parser.error("at least one --decode worker is required (host:port[,host:port]), or --models-file")
     return config
 
 
@@ -101,6 +105,10 @@ def check(config: RouterServiceConfig) -> RouterServiceConfig:
         config.front.tls  # noqa: B018 - reads and checks the files
         load_front_keys(config.front)
         load_generation_defaults(config.generation_config, resolve_model(config.model))
-    except (TlsConfigError, TenancyConfigError, GenerationConfigError) as e:
+        if config.models_file:
+            for entry in load_models_file(config.models_file).entries:
+                if entry.model is not None:
+                    check_model_folder(entry.model, f"{config.models_file}: model {entry.name}", needs_tokenizer=True)
+    except (TlsConfigError, TenancyConfigError, GenerationConfigError, ModelsConfigError) as e:
         raise StartupError(str(e)) from None
     return dataclasses.replace(config, model=resolve_model(config.model))

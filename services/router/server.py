@@ -33,6 +33,7 @@ from qwenserve.router.errors import RouterError
 from qwenserve.router.front import close_gatekeeper, make_gatekeeper, start_http_front
 from qwenserve.router.generation import Router, RouterConfig
 from qwenserve.router.generation_defaults import load_generation_defaults
+from qwenserve.router.models import ModelRoutes, ModelsConfigError, load_models_file
 from qwenserve.router.reasoning import THINK_END, THINK_START
 from qwenserve.router.request_ids import new_request_id
 from qwenserve.router.tls import TlsConfigError, grpc_server_credentials
@@ -54,9 +55,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     """Generate goes through the front door (auth, limits, metering); the rest is the library's."""
 
     def __init__(
-        self, router: Router, gatekeeper: Gatekeeper, metrics: RouterMetrics, config: RouterServiceConfig
+        self, routes: ModelRoutes, gatekeeper: Gatekeeper, metrics: RouterMetrics, config: RouterServiceConfig
     ) -> None:
-        self.router = router
+        self.routes = routes
         self.gatekeeper = gatekeeper
         self.metrics = metrics
         self.config = config
@@ -64,7 +65,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        async for msg in grpc_front.generate(self.router, self.gatekeeper, request, context):
+        async for msg in grpc_front.generate(self.routes, self.gatekeeper, request, context):
             yield msg
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
@@ -78,10 +79,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
         await self._authenticate(context)
-        card = router_pb2.ModelCard(
-            id=self.router.config.model_name, max_model_len=self.router.config.max_model_len, owned_by="qwen-serve"
-        )
-        return router_pb2.ListModelsResponse(models=[card])
+        return router_pb2.ListModelsResponse(models=[
+            router_pb2.ModelCard(id=name, max_model_len=router.config.max_model_len, owned_by="qwen-serve")
+            for name, router in self.routes.routers.items()
+        ])
 
     async def GetStatus(  # noqa: N802 - gRPC method name
         self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
@@ -99,19 +100,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             running=int(_gauge_value(self.metrics.in_flight)),
             tokens_per_second=self.metrics.completion_rate.per_second(),
         )
-        stages = [("tokenizer", c.tokenizer, c.tokenizer_metrics)]
-        # Every pod of every engine stage (a name stands for the pods it resolves to), draining ones too.
-        for stage, entries, metrics in (("prefill", c.prefill, c.prefill_metrics), ("decode", c.decode, c.decode_metrics)):
-            stages += [(stage, pod, metrics_address(pod, entries, metrics)) for pod in self.router.pods(stage)]
-        rows = await asyncio.gather(*(
-            probe_stage(stage, address, self.router.channel(address), metrics) for stage, address, metrics in stages
-        ))
-        me.max_model_len = self.router.config.max_model_len
-        draining = self.router.draining_pods()
-        for row in rows:
-            row.max_model_len = self.router.worker_limits.get(row.address, 0)
-            if row.address in draining:
-                row.state = "DRAINING"
+        rows = []
+        for router in self.routes.routers.values():
+            one = self.routes.single()  # the flags' metrics addresses belong to the flags' one model
+            stages = [("tokenizer", router.config.tokenizer_address, c.tokenizer_metrics if one else "")]
+            # Every pod of every engine stage (a name stands for the pods it resolves to), draining ones too.
+            for stage, entries, metrics in (("prefill", router.config.prefill_addresses, c.prefill_metrics),
+                                            ("decode", router.config.decode_addresses, c.decode_metrics)):
+                stages += [(stage, pod, metrics_address(pod, entries, metrics if one else []))
+                           for pod in router.pods(stage)]
+            probed = await asyncio.gather(*(
+                probe_stage(stage, address, router.channel(address), metrics) for stage, address, metrics in stages
+            ))
+            draining = router.draining_pods()
+            for row in probed:
+                row.max_model_len = router.worker_limits.get(row.address, 0)
+                if row.address in draining:
+                    row.state = "DRAINING"
+            rows += probed
+        me.max_model_len = self.routes.routers[self.routes.default].config.max_model_len
         return router_pb2.GetStatusResponse(stages=[me, *rows])
 
 
@@ -137,39 +144,63 @@ def _think_token_ids(tokenizer: Tokenizer) -> tuple[int, int] | None:
     return (start, end) if start is not None and end is not None else None
 
 
-async def run(config: RouterServiceConfig) -> None:
-    tokenizer, max_model_len, folder_name = _load_tokenizer(config.model)
-    defaults = load_generation_defaults(config.generation_config, config.model)
+def _router(config: RouterServiceConfig, metrics: RouterMetrics, name: str, model: str | None, tokenizer: str,
+            prefill: list[str], decode: list[str], max_model_len: int | None = None) -> Router:
+    """One model's Router: its vocabulary and sampling defaults from its checkpoint, the rest from the flags."""
+    vocabulary, model_len, folder_name = _load_tokenizer(model)
+    defaults = load_generation_defaults(config.generation_config, model)
     if defaults:
-        log.info("sampling defaults from the generation config (a request's own settings win): %s", defaults)
-    metrics = router_metrics()
-    router = Router(
+        log.info("%s: sampling defaults from the generation config (a request's own settings win): %s",
+                 name or folder_name, defaults)
+    return Router(
         RouterConfig(
-            tokenizer_address=config.tokenizer, prefill_addresses=config.prefill, decode_addresses=config.decode,
-            model_name=config.model_name or folder_name, max_model_len=config.max_model_len or max_model_len,
+            tokenizer_address=tokenizer, prefill_addresses=prefill, decode_addresses=decode,
+            model_name=name or folder_name, max_model_len=max_model_len or model_len,
             local_prefill_threshold=config.local_prefill_threshold,
             connect_timeout_s=config.connect_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
             stall_timeout_s=config.stall_timeout_s, resolve_interval_s=config.resolve_interval_s,
             reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
-            think_token_ids=_think_token_ids(tokenizer), sampling_defaults=defaults,
+            think_token_ids=_think_token_ids(vocabulary), sampling_defaults=defaults,
         ),
-        lambda skip: IncrementalDetokenizer(tokenizer, skip_special_tokens=skip),
+        lambda skip: IncrementalDetokenizer(vocabulary, skip_special_tokens=skip),
         metrics,
+        token_bytes=vocabulary.token_bytes,
     )
-    metrics.model_name = router.config.model_name  # the model_name label of vLLM's metrics
+
+
+def build_routes(config: RouterServiceConfig, metrics: RouterMetrics) -> ModelRoutes:
+    """The models this router serves: the one of its flags, or every one of --models-file."""
+    if not config.models_file:
+        router = _router(config, metrics, config.model_name, config.model, config.tokenizer, config.prefill,
+                         config.decode, config.max_model_len)
+        return ModelRoutes({router.config.model_name: router}, router.config.model_name)
+    models = load_models_file(config.models_file)
+    routers = {e.name: _router(config, metrics, e.name, e.model, e.tokenizer, list(e.prefill), list(e.decode),
+                               config.max_model_len) for e in models.entries}
+    return ModelRoutes(routers, models.default, {e.name: e for e in models.entries},
+                       on_fallback=lambda model, fallback: metrics.fallbacks.labels(model, fallback).inc())
+
+
+async def run(config: RouterServiceConfig) -> None:
+    metrics = router_metrics()
+    routes = build_routes(config, metrics)
+    metrics.model_name = routes.default  # the model_name label of vLLM's metrics
     gatekeeper = make_gatekeeper(config.front, metrics)
     runners = []
+    routers = list(routes.routers.values())
 
     async def warm_up() -> None:
-        await router.start()
+        await asyncio.gather(*(router.start() for router in routers))
         if config.http_port:
-            runners.append(await start_http_front(
-                router, gatekeeper, config.front, router.config.model_name, config.host, config.http_port,
-                tokenizer.token_bytes,
-            ))
+            runners.append(await start_http_front(routes, gatekeeper, config.front, routes.default, config.host,
+                                                  config.http_port))
 
     def register(server: grpc.aio.Server) -> None:
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, gatekeeper, metrics, config), server)
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(routes, gatekeeper, metrics, config), server)
+
+    def drain() -> None:
+        for router in routers:
+            router.drain(config.grace_s)
 
     tls = config.front.tls
     server_config = GrpcServerConfig(
@@ -177,16 +208,16 @@ async def run(config: RouterServiceConfig) -> None:
         credentials=grpc_server_credentials(tls) if tls is not None else None,
     )
     try:
-        await serve(server_config, "router", [SERVICE_NAME], register, warm_up=warm_up,
-                    on_drain=lambda: router.drain(config.grace_s))
+        await serve(server_config, "router", [SERVICE_NAME], register, warm_up=warm_up, on_drain=drain)
     finally:
         for runner in runners:
             await runner.cleanup()
         await close_gatekeeper(gatekeeper)
-        await router.close()
+        for router in routers:
+            await router.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qwen-serve serve router`."""
     return start("router", parse_config(argv_or_sys(argv)), check, run,
-                 startup_errors=(TenancyConfigError, TlsConfigError, TokenizerError))
+                 startup_errors=(TenancyConfigError, TlsConfigError, TokenizerError, ModelsConfigError))

@@ -1,0 +1,183 @@
+"""Several models behind one router: which deployment answers a request.
+
+Each served name is one model deployment with its own tokenizer, prefill and decode workers (its own
+`Router`). A request names a model (or gets the default); its tenant may be limited to some models;
+a model may send a share of tenants to a canary (a stable hash of the tenant, or of the request's
+`user` when the tenant is the shared default, so a tenant always sees the same version); and a model
+whose decode workers are all unavailable (none found, or every circuit open) hands its requests to its
+fallback, which the answer's `model` field names and `qwenserve_router_fallbacks_total` counts. Once
+a worker of the primary is back (its circuit closes), the primary answers again.
+
+The models file (`--models-file`):
+
+    default: qwen3-8b                  # optional; else the first
+    models:
+      - name: qwen3-8b                 # the name clients send as `model`
+        model: /models/Qwen3-8B        # its checkpoint folder (tokenizer, config); default: the built-in
+        tokenizer: qwen3-8b-tokenizer:50051
+        prefill: [qwen3-8b-prefill:50052]
+        decode: [qwen3-8b-decode:50053]
+        fallback: qwen3-1.7b           # optional
+        canary: {model: qwen3-8b-next, percent: 10}   # optional
+      - name: qwen3-1.7b
+        ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qwenserve.router.errors import ModelNotAllowed, UnknownModel
+
+
+class ModelsConfigError(ValueError):
+    """The models file is malformed; the message says where."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """One served model: where its stages are, and where its requests may go instead."""
+
+    name: str
+    tokenizer: str
+    decode: tuple[str, ...]
+    prefill: tuple[str, ...] = ()
+    model: str | None = None
+    fallback: str | None = None
+    canary: str | None = None
+    canary_percent: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsConfig:
+    entries: tuple[ModelEntry, ...]
+    default: str
+
+
+def _addresses(raw: object, where: str) -> tuple[str, ...]:
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not all(isinstance(a, str) and a for a in items):
+        raise ModelsConfigError(f"{where}: expected host:port or a list of them")
+    return tuple(a.strip() for item in items for a in item.split(",") if a.strip())
+
+
+def parse_models(data: object, where: str) -> ModelsConfig:
+    """A decoded models file, checked: names unique, fallbacks and canaries among them, no cycle."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("models"), list) or not data["models"]:
+        raise ModelsConfigError(f"{where}: expected {{models: [{{name, tokenizer, decode, ...}}, ...]}}")
+    if set(data) - {"models", "default"}:
+        raise ModelsConfigError(f"{where}: unknown field(s) {sorted(set(data) - {'models', 'default'})}")
+    entries: list[ModelEntry] = []
+    known = {"name", "model", "tokenizer", "prefill", "decode", "fallback", "canary"}
+    for i, raw in enumerate(data["models"]):
+        here = f"{where}: models[{i}]"
+        if not isinstance(raw, Mapping) or set(raw) - known:
+            raise ModelsConfigError(f"{here}: expected a mapping of {sorted(known)}")
+        name, tokenizer = raw.get("name"), raw.get("tokenizer")
+        if not isinstance(name, str) or not name or not isinstance(tokenizer, str) or not tokenizer:
+            raise ModelsConfigError(f"{here}: name and tokenizer are required")
+        canary, percent = None, 0.0
+        if raw.get("canary") is not None:
+            spec = raw["canary"]
+            if not isinstance(spec, Mapping) or not isinstance(spec.get("model"), str) or \
+                    not isinstance(spec.get("percent"), int | float) or not 0 <= spec["percent"] <= 100:
+                raise ModelsConfigError(f"{here}.canary: expected {{model: NAME, percent: 0..100}}")
+            canary, percent = spec["model"], float(spec["percent"])
+        fallback = raw.get("fallback")
+        if fallback is not None and not isinstance(fallback, str):
+            raise ModelsConfigError(f"{here}.fallback: expected a model name")
+        model = raw.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ModelsConfigError(f"{here}.model: expected a checkpoint folder")
+        entries.append(ModelEntry(name, tokenizer, _addresses(raw.get("decode"), f"{here}.decode"),
+                                  _addresses(raw.get("prefill") or [], f"{here}.prefill"), model, fallback, canary,
+                                  percent))
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        raise ModelsConfigError(f"{where}: a model name appears twice")
+    for e in entries:
+        for other in (e.fallback, e.canary):
+            if other is not None and (other not in names or other == e.name):
+                raise ModelsConfigError(f"{where}: {e.name} names {other!r}, which is no other model here")
+    default = data.get("default", names[0])
+    if default not in names:
+        raise ModelsConfigError(f"{where}: default {default!r} is none of the models")
+    return ModelsConfig(tuple(entries), default)
+
+
+def load_models_file(path: str | Path) -> ModelsConfig:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ModelsConfigError(f"{path}: cannot read the models file ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ModelsConfigError(f"{path}: not valid YAML ({e})") from None
+    return parse_models(data, str(path))
+
+
+def canary_share(key: str, model: str) -> float:
+    """Where `key` (a tenant or user) falls in [0, 100) for `model`'s canary: stable across restarts and
+    routers, independent between models."""
+    digest = hashlib.blake2b(f"{model}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % 1_000_000 / 10_000
+
+
+class Serving:
+    """What the router needs of one model's deployment to choose it (generation.Router is one)."""
+
+    def can_serve(self) -> bool:  # pragma: no cover - an interface
+        raise NotImplementedError
+
+
+@dataclass
+class ModelRoutes:
+    """The models one router serves, by name, and the choice of which one answers a request."""
+
+    routers: Mapping[str, Any]  # name -> generation.Router
+    default: str
+    entries: Mapping[str, ModelEntry] = field(default_factory=dict)
+    on_fallback: Any = None  # called with (model, fallback) when a request is handed over
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.routers)
+
+    def choose(self, requested: str | None, allowed: Iterable[str] | None = None,
+               key: str = "") -> tuple[str, Any]:
+        """(served name, its router) for a request naming `requested` (None: the default), from a tenant
+        limited to `allowed` (None: any), split by `key` for canaries."""
+        name = requested or self.default
+        if name not in self.routers:
+            raise UnknownModel(f"the model {name!r} does not exist; this server serves {', '.join(self.routers)}",
+                               "model")
+        allowed_set = None if allowed is None else set(allowed)
+        if allowed_set is not None and name not in allowed_set:
+            raise ModelNotAllowed(f"this API key may not use the model {name!r}", "model")
+        entry = self.entries.get(name)
+        if entry is not None and entry.canary and canary_share(key, name) < entry.canary_percent:
+            if allowed_set is None or entry.canary in allowed_set:
+                name = entry.canary
+                entry = self.entries.get(name)
+        if entry is not None and entry.fallback and not self.routers[name].can_serve():
+            fallback = entry.fallback
+            if self.routers[fallback].can_serve() and (allowed_set is None or fallback in allowed_set):
+                if self.on_fallback is not None:
+                    self.on_fallback(name, fallback)
+                name = fallback
+        return name, self.routers[name]
+
+    def single(self) -> bool:
+        return len(self.routers) == 1
+
+
+def check_names(names: Sequence[str], models: Sequence[str], where: str) -> None:
+    """A tenant's allowed models must be served here."""
+    unknown = [n for n in names if n not in models]
+    if unknown:
+        raise ModelsConfigError(f"{where}: {unknown} are not served by this router ({list(models)})")

@@ -1,0 +1,166 @@
+"""Several models behind one router: routing by `model`, tenants' allowed models, a canary share, and a fallback
+that takes a model's requests while its decode workers are gone and gives them back when they return.
+
+Two deployments run as local clusters (tokenizer + decode each, different checkpoints): "qwen-main" and
+"qwen-backup"; a third router serves both (and "qwen-main-next", a canary of qwen-main on the backup's
+stages) from a models file, as `qwen-serve serve router --models-file` does in a pod.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import yaml
+
+from qwenserve.default_model import write_checkpoint
+from qwenserve.launcher import LocalCluster, free_port
+from qwenserve.router.models import canary_share
+from tests.e2e.conftest import TINY, make_cluster
+
+KEYS = {"tenants": {"anyone": None, "limited": {"models": ["qwen-backup"]}},
+        "keys": [{"tenant": "anyone", "key": "sk-anyone"}, {"tenant": "limited", "key": "sk-limited"}]}
+
+
+@pytest.fixture(scope="module")
+def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LocalCluster]]:
+    root = tmp_path_factory.mktemp("multi")
+    clusters = {}
+    try:
+        for name, seed in (("main", 41), ("backup", 43)):
+            model = write_checkpoint(root / f"qwen3-{name}", TINY, seed=seed)
+            cluster = make_cluster(model, root / name, prefill=0, decode=1)
+            cluster.start()
+            clusters[name] = cluster
+        yield clusters
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def router(deployments: dict[str, LocalCluster], tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """The router over both deployments; returns its HTTP port."""
+    root = tmp_path_factory.mktemp("multi-router")
+
+    def entry(name: str, cluster: LocalCluster, **more: object) -> dict:
+        return {"name": name, "model": str(cluster.model), "tokenizer": cluster.child("tokenizer").address,
+                "decode": [cluster.child("decode-0").address], **more}
+
+    main, backup = deployments["main"], deployments["backup"]
+    models = {"models": [entry("qwen-main", main, fallback="qwen-backup",
+                               canary={"model": "qwen-main-next", "percent": 10}),
+                         entry("qwen-backup", backup), entry("qwen-main-next", backup)]}
+    (root / "models.yaml").write_text(yaml.safe_dump(models))
+    (root / "keys.json").write_text(json.dumps(KEYS))
+    port = free_port()
+    log = open(root / "router.log", "ab")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [sys.executable, "-m", "qwenserve.cli", "serve", "router", "--models-file", str(root / "models.yaml"),
+         "--port", str(free_port()), "--http-port", str(port), "--api-keys-file", str(root / "keys.json")],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while _models(port, "sk-anyone") is None:
+            assert process.poll() is None and time.monotonic() < deadline, (root / "router.log").read_text()[-3000:]
+            time.sleep(0.3)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
+
+
+def _post(port: int, key: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _models(port: int, key: str) -> list[str] | None:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return [m["id"] for m in json.loads(response.read())["data"]]
+    except (urllib.error.URLError, ConnectionError):
+        return None
+
+
+def _complete(port: int, model: str, user: str = "u", key: str = "sk-anyone") -> tuple[int, dict]:
+    return _post(port, key, {"model": model, "prompt": "The sea is", "max_tokens": 4, "temperature": 0,
+                             "user": user})
+
+
+def test_requests_go_to_the_model_they_name_and_tenants_only_see_theirs(router: int) -> None:
+    assert _models(router, "sk-anyone") == ["qwen-main", "qwen-backup", "qwen-main-next"]
+    assert _models(router, "sk-limited") == ["qwen-backup"]
+    texts = {}
+    for model in ("qwen-main", "qwen-backup"):
+        status, body = _complete(router, model, user="user-outside-the-canary")
+        assert status == 200 and body["model"] in (model, "qwen-main-next"), body
+        texts[model] = body["choices"][0]["text"]
+    assert texts["qwen-main"] != texts["qwen-backup"]  # two checkpoints: two answers
+    status, body = _complete(router, "qwen-main", key="sk-limited")
+    assert status == 403 and body["error"]["code"] == "model_not_allowed", body
+    status, body = _complete(router, "qwen-nope")
+    assert status == 404 and body["error"]["param"] == "model", body
+
+
+def test_a_ten_percent_canary_takes_ten_percent_of_a_thousand_users(router: int) -> None:
+    users = [f"user-{i}" for i in range(1000)]
+    with ThreadPoolExecutor(8) as pool:
+        answered = list(pool.map(lambda u: _complete(router, "qwen-main", user=u), users))
+    assert all(status == 200 for status, _ in answered)
+    counts = Counter(body["model"] for _, body in answered)
+    assert set(counts) == {"qwen-main", "qwen-main-next"} and 50 <= counts["qwen-main-next"] <= 150, counts
+    # The split is the hash's: each user is where canary_share puts it, and stays there.
+    for user, (_, body) in zip(users[:50], answered[:50], strict=True):
+        want = "qwen-main-next" if canary_share(user, "qwen-main") < 10 else "qwen-main"
+        assert body["model"] == want
+        assert _complete(router, "qwen-main", user=user)[1]["model"] == want
+
+
+def test_the_fallback_answers_while_the_primarys_decode_is_gone_and_hands_back(
+        router: int, deployments: dict[str, LocalCluster]) -> None:
+    user = next(f"user-{i}" for i in range(1000) if canary_share(f"user-{i}", "qwen-main") >= 10)
+    assert _complete(router, "qwen-main", user=user)[1]["model"] == "qwen-main"
+    main = deployments["main"]
+    decode = main.child("decode-0")
+    decode.process.send_signal(signal.SIGKILL)
+    decode.process.wait(10)
+
+    seen = []
+    deadline = time.monotonic() + 60
+    while "qwen-backup" not in seen:
+        assert time.monotonic() < deadline, seen
+        status, body = _complete(router, "qwen-main", user=user)
+        seen.append(body.get("model") if status == 200 else status)  # the first may fail: that opens the circuit
+    assert seen.count("qwen-main") == 0 and all(s in ("qwen-backup", 503, 500) for s in seen), seen
+
+    # The primary's decode worker comes back on its address: once its circuit closes, it answers again.
+    decode.process = subprocess.Popen(decode.argv, env={**os.environ, **main.env, **decode.env},
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    main.wait_healthy(60)
+    deadline = time.monotonic() + 60
+    while (answer := _complete(router, "qwen-main", user=user))[1].get("model") != "qwen-main":
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.5)
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{router}/metrics", timeout=5).read().decode()
+    fallbacks = re.search(r'qwenserve_router_fallbacks_total\{fallback="qwen-backup",model="qwen-main"\} (\S+)',
+                          metrics)
+    assert fallbacks and float(fallbacks.group(1)) >= 1, metrics[-2000:]
