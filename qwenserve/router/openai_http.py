@@ -354,6 +354,11 @@ class OpenAIFront:
         with tracer.start_as_current_span("rate_limit", attributes={Attr.TENANT: tenant.id}):
             ticket = await self.gatekeeper.admit(tenant, preps, copies=parsed.n)
         answer = _Answer(parsed, request_id, model, preps, router.token_bytes)
+        if parsed.echo:  # the prompt as given, or as its token ids read
+            for choice in answer.choices:
+                given = parsed.prompts[choice.prompt_index]
+                choice.echo = given.prompt if given.HasField("prompt") else router.detokenize(
+                    preps[choice.prompt_index].prompt_ids)
         generations = _Generations(router, answer.runs(), self._timer(arrived))
         watcher = asyncio.create_task(_watch_disconnect(request, generations))
         outcome = "cancelled"
@@ -588,6 +593,7 @@ class _Choice:
     top_logprobs: int
     want_logprobs: bool
     parallel_tool_calls: bool = True
+    echo: str = ""  # the prompt, sent before the first token's text (the legacy API's echo)
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
@@ -631,7 +637,8 @@ class _Choice:
             if calls:
                 delta["tool_calls"] = calls
             return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
-        return {"index": self.index, "text": msg.text, "logprobs": logprobs, "finish_reason": None}
+        echo, self.echo = self.echo, ""  # streamed once, before the first token's text
+        return {"index": self.index, "text": echo + msg.text, "logprobs": logprobs, "finish_reason": None}
 
     def _calls(self, msg: router_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """A message's tool calls as OpenAI writes them (only the first of an answer without parallel calls)."""
@@ -683,7 +690,7 @@ class _Choice:
                 if not text.strip():  # the whitespace around the calls is not an answer
                     message["content"] = None
             return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason}
-        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        return {"index": self.index, "text": self.echo + text, "logprobs": logprobs, "finish_reason": self.finish_reason}
 
     def _logprobs(self, items: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any]:
         name = self._token

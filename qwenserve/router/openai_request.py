@@ -5,7 +5,7 @@ the OpenAI parameter at fault (it becomes the error's `param`). Types and shapes
 here; value ranges of sampling settings are checked once, by `Router.prepare()`.
 
 Unknown parameters are ignored (as vLLM does), so clients that send newer OpenAI fields keep
-working; known parameters this server cannot honour (logit_bias, echo, guided decoding, ...) are
+working; known parameters this server cannot honour (logit_bias, beam search, prompt logprobs, ...) are
 refused with a 400 rather than silently dropped.
 """
 
@@ -63,6 +63,7 @@ class ParsedRequest:
     top_logprobs: int = 0
     user: str | None = None
     parallel_tool_calls: bool = True  # false: only an answer's first tool call is returned
+    echo: bool = False  # legacy completions: each answer's text starts with its prompt
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -198,8 +199,7 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
     if "prompt" not in body or body["prompt"] is None:
         raise InvalidRequest("prompt is required", "prompt")
     inputs = _prompts(body["prompt"])
-    if body.get("echo"):
-        raise InvalidRequest("echo is not supported by this server", "echo")
+    echo = _optional(body, "echo", bool, False)
     if body.get("suffix"):
         raise InvalidRequest("suffix (fill-in-the-middle) is not supported by this server", "suffix")
     # Legacy default of the completions API: 16 tokens.
@@ -216,6 +216,10 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
     best_of = _optional(body, "best_of", int, None)
     if best_of is not None and best_of != parsed.n:
         raise InvalidRequest("best_of other than n is not supported by this server", "best_of")
+    if echo and parsed.logprobs:
+        raise InvalidRequest("echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                             "echo")
+    parsed.echo = echo
     return parsed
 
 

@@ -1,4 +1,5 @@
-"""The checkpoint's generation_config.json sets the sampling a request leaves out; the request's own wins."""
+"""The checkpoint's generation_config.json sets the sampling a request leaves out (the request's own wins); echo
+repeats the prompt before a legacy completion (greedy by those defaults, so the two answers can be compared)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,12 @@ def test_defaults_fill_only_what_is_unset_and_max_tokens_fits_the_context() -> N
     filled = with_defaults(given, defaults, room=100)
     assert (filled.temperature, filled.top_k, filled.max_tokens) == (1.0, 0, 100)
     assert not given.HasField("max_tokens")  # a copy
+
+
+def test_echo_starts_each_answer_with_its_prompt(client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    plain = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5)
+    echoed = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5, echo=True)
+    assert echoed.choices[0].text == "Once upon a time" + plain.choices[0].text  # greedy by the model's defaults
+    streamed = client.completions.create(model=model, prompt=[[9707, 1052]], max_tokens=5, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices).startswith("Hello there")

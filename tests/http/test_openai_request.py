@@ -124,7 +124,8 @@ def test_completion_prompts_string_ids_and_batches() -> None:
         ({"prompt": [-1]}, "prompt"),
         ({"prompt": {"text": "a"}}, "prompt"),
         ({"prompt": "a", "logprobs": 6}, "logprobs"),
-        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "a", "echo": "yes"}, "echo"),
         ({"prompt": "a", "best_of": 3}, "best_of"),
     ],
 )
