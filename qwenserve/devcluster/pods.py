@@ -398,10 +398,10 @@ class PodRunner:
             if value is not None:
                 env[var["name"]] = translate(value, paths)
         command = container.get("command") or ENTRYPOINT
-        if command == ENTRYPOINT:
-            command = [sys.executable, "-m", "qwenserve.cli"]
-        argv = [translate(expand(a, env), paths) for a in [*command, *container.get("args", [])]]
-        return argv, env, shm_mount
+        args = [translate(expand(a, env), paths) for a in container.get("args", [])]
+        if command == ENTRYPOINT:  # the image's entrypoint is this host's qwen-serve: a host path, never a volume's
+            return [sys.executable, "-m", "qwenserve.cli", *args], env, shm_mount
+        return [translate(expand(a, env), paths) for a in command] + args, env, shm_mount
 
     async def _env_from(self, pod: Pod, var: dict[str, Any]) -> str | None:
         source = var.get("valueFrom", {})
