@@ -257,6 +257,17 @@ def spec_schema() -> Schema:
             "rateLimits": rate_limits,
             "redis": redis,
             "apiKeysSecret": _secret_key_ref("API keys file for the router (keys, tenants, limits).", "api-keys.yaml"),
+            "fallback": _str("Another QwenDeployment in this namespace that answers this model's requests while its "
+                             "decode pods are all unavailable (it must share this model's vocabulary; answers name it).",
+                             maxLength=52, pattern="^[a-z]([-a-z0-9]*[a-z0-9])?$"),
+            "canary": _obj(
+                "Send a share of tenants (a stable hash of the tenant, or of the request's user) to another "
+                "QwenDeployment in this namespace, a new version of this model (sharing its vocabulary).",
+                {"deployment": _str("The canary's QwenDeployment.", maxLength=52,
+                                    pattern="^[a-z]([-a-z0-9]*[a-z0-9])?$"),
+                 "percent": _num("Share of tenants, 0 to 100.", minimum=0, maximum=100)},
+                required=["deployment", "percent"],
+            ),
             "telemetry": telemetry,
             "routerService": router_service,
         },

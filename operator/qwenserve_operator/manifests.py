@@ -43,6 +43,8 @@ import hashlib
 import json
 from typing import Any
 
+import yaml
+
 from qwenserve_operator.crd import AUTOSCALED_STAGES, GROUP, KIND, STAGES, VERSION
 
 Manifest = dict[str, Any]
@@ -59,6 +61,10 @@ RUN_AS = 10001  # the image's non-root user (Dockerfile)
 SHM_DIR = "/dev/shm"
 MODELS_DIR = "/models"
 API_KEYS_DIR = "/etc/qwen-serve/api-keys"
+ROUTES_DIR = "/etc/qwen-serve/routes"  # the router's models file, when it also routes to other deployments
+# A router pod that may call another QwenDeployment's stages (its fallback, its canary) carries this label
+# with the other's name; that deployment's NetworkPolicies admit it.
+ROUTES_TO = "routes-to.qwenserve.io/"
 MANAGER = "qwen-serve-operator"
 STAGES_WITH_MODEL = ("tokenizer", "prefill", "decode", "router")  # the router detokenizes locally
 # The headless stages: the router resolves every pod behind them through DNS.
@@ -244,6 +250,8 @@ def router_environment(name: str, namespace: str, spec: Spec) -> dict[str, str]:
         env["QWENSERVE_DEFAULT_REQUESTS_PER_MINUTE"] = str(limits["requestsPerMinute"])
     if limits["tokensPerMinute"]:
         env["QWENSERVE_DEFAULT_TOKENS_PER_MINUTE"] = str(limits["tokensPerMinute"])
+    if routed_to(spec):
+        env["QWENSERVE_MODELS_FILE"] = f"{ROUTES_DIR}/models.yaml"
     if not spec.get("apiKeysSecret"):
         # Without a key Secret the router serves everyone as one tenant (still rate-limited).
         env["QWENSERVE_NO_AUTH"] = "true"
@@ -251,6 +259,35 @@ def router_environment(name: str, namespace: str, spec: Spec) -> dict[str, str]:
     if redis.get("url") and not redis.get("urlSecretRef"):
         env["QWENSERVE_REDIS_URL"] = redis["url"]
     return env
+
+
+def routed_to(spec: Spec) -> list[str]:
+    """The other QwenDeployments this one's router sends requests to (fallback, canary)."""
+    others = [spec.get("fallback"), (spec.get("canary") or {}).get("deployment")]
+    return sorted({o for o in others if o})
+
+
+def models_file(name: str, namespace: str, spec: Spec) -> dict[str, Any] | None:
+    """The router's --models-file when it routes to other deployments: this model, then each other one by its
+    QwenDeployment's name, at its Services, read with this model's vocabulary."""
+    if not routed_to(spec):
+        return None
+
+    def entry(deployment: str, served: str, **more: Any) -> dict[str, Any]:
+        def address(stage: str) -> str:
+            return f"{service_host(deployment, namespace, stage)}:{GRPC_PORTS[stage]}"
+
+        return {"name": served, "model": model_dir(spec), "tokenizer": address("tokenizer"),
+                "prefill": [address("prefill")], "decode": [address("decode")], **more}
+
+    more: dict[str, Any] = {}
+    if spec.get("fallback"):
+        more["fallback"] = spec["fallback"]
+    if spec.get("canary"):
+        more["canary"] = {"model": spec["canary"]["deployment"], "percent": spec["canary"]["percent"]}
+    own = spec["model"]["name"]
+    return {"default": own,
+            "models": [entry(name, own, **more), *(entry(other, other) for other in routed_to(spec) if other != own)]}
 
 
 def config_map(name: str, namespace: str, uid: str, spec: Spec) -> Manifest:
@@ -261,12 +298,15 @@ def config_map(name: str, namespace: str, uid: str, spec: Spec) -> Manifest:
         "slo": spec["slo"],
         "endpoints": {stage: f"{service_host(name, namespace, stage)}:{GRPC_PORTS[stage]}" for stage in STAGES},
     }
+    data = {**router_environment(name, namespace, spec), "qwenserve.json": json.dumps(resolved, indent=2, sort_keys=True)}
+    models = models_file(name, namespace, spec)
+    if models is not None:  # not a variable name: envFrom skips it; the router mounts it as a file
+        data["models.yaml"] = yaml.safe_dump(models, sort_keys=False)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(name, namespace, uid, config_map_name(name), None),
-        "data": {**router_environment(name, namespace, spec),
-                 "qwenserve.json": json.dumps(resolved, indent=2, sort_keys=True)},
+        "data": data,
     }
 
 
@@ -363,7 +403,7 @@ def _spread(name: str, stage: str, spec: Spec) -> list[dict[str, Any]]:
     }]
 
 
-def _volumes(stage: str, spec: Spec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(name: str, stage: str, spec: Spec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
     model = _model_volume(spec)
@@ -380,12 +420,16 @@ def _volumes(stage: str, spec: Spec) -> tuple[list[dict[str, Any]], list[dict[st
     if stage == "router" and spec.get("apiKeysSecret"):
         volumes.append({"name": "api-keys", "secret": {"secretName": spec["apiKeysSecret"]["name"]}})
         mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+    if stage == "router" and routed_to(spec):
+        volumes.append({"name": "routes", "configMap": {"name": config_map_name(name),
+                                                        "items": [{"key": "models.yaml", "path": "models.yaml"}]}})
+        mounts.append({"name": "routes", "mountPath": ROUTES_DIR, "readOnly": True})
     return volumes, mounts
 
 
 def _container(name: str, namespace: str, stage: str, spec: Spec) -> dict[str, Any]:
     stage_spec = spec["stages"][stage]
-    _, mounts = _volumes(stage, spec)
+    _, mounts = _volumes(name, stage, spec)
     container: dict[str, Any] = {
         "name": stage,
         "image": _image(spec),
@@ -409,7 +453,7 @@ def deployment(name: str, namespace: str, uid: str, stage: str, spec: Spec, repl
                config_digest: str = "") -> Manifest:
     """The Deployment of one stage with `replicas` pods."""
     stage_spec = spec["stages"][stage]
-    volumes, _ = _volumes(stage, spec)
+    volumes, _ = _volumes(name, stage, spec)
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the stages never call the Kubernetes API
         "enableServiceLinks": False,
@@ -443,7 +487,7 @@ def deployment(name: str, namespace: str, uid: str, stage: str, spec: Spec, repl
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 3,
             "template": {
-                "metadata": {"labels": labels(name, stage), "annotations": annotations},
+                "metadata": {"labels": {**labels(name, stage), **_routes_to(stage, spec)}, "annotations": annotations},
                 "spec": pod_spec,
             },
         },
@@ -472,6 +516,11 @@ def _pods_of(name: str, *stages: str) -> list[dict[str, Any]]:
     return [{"podSelector": {"matchLabels": selector_labels(name, stage)}} for stage in stages]
 
 
+def _routes_to(stage: str, spec: Spec) -> dict[str, str]:
+    """The router's labels that let it through the NetworkPolicies of the deployments it routes to."""
+    return {ROUTES_TO + other: "true" for other in routed_to(spec)} if stage == "router" else {}
+
+
 def network_policy(name: str, namespace: str, uid: str, stage: str, spec: Spec) -> Manifest:
     """Who may reach one stage's pods; everything else is refused once a policy selects them.
 
@@ -488,7 +537,9 @@ def network_policy(name: str, namespace: str, uid: str, stage: str, spec: Spec) 
     if stage == "router":
         rules: list[dict[str, Any]] = [{"ports": tcp(GRPC_PORTS[stage], HTTP_PORT)}]  # no `from`: anyone
     else:
-        rules = [{"from": _pods_of(name, *GRPC_CALLERS[stage]), "ports": tcp(GRPC_PORTS[stage])}]
+        # Another deployment's router that names this one its fallback or canary (labelled so) may call it too.
+        callers = [*_pods_of(name, *GRPC_CALLERS[stage]), {"podSelector": {"matchLabels": {ROUTES_TO + name: "true"}}}]
+        rules = [{"from": callers, "ports": tcp(GRPC_PORTS[stage])}]
     if stage == "prefill" and spec["kvTransfer"]["mode"] == "mooncake":
         rules.append({"from": _pods_of(name, "decode")})
     scrapers = [{"namespaceSelector": spec["telemetry"]["monitoringNamespaceSelector"]},

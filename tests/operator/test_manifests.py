@@ -6,6 +6,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from qwenserve_operator import manifests
 from qwenserve_operator.crd import STAGES
@@ -334,10 +335,12 @@ def test_only_the_router_and_decode_reach_the_workers_grpc_ports_and_the_router_
     children = _children(make_spec(kvTransfer={"mode": mode}))
     policy = {stage: _by(children, "NetworkPolicy", stage) for stage in STAGES}
     grpc = manifests.GRPC_PORTS
-    assert _admitted(policy["tokenizer"], grpc["tokenizer"]) == _pods("router")
+    # Besides its own router: another deployment's router that routes to this one (labelled so).
+    routed = [{"podSelector": {"matchLabels": {"routes-to.qwenserve.io/demo": "true"}}}]
+    assert _admitted(policy["tokenizer"], grpc["tokenizer"]) == _pods("router") + routed
     # KVTransfer (Fetch, Release) shares prefill's port: decode calls it in every mode.
-    assert _admitted(policy["prefill"], grpc["prefill"]) == _pods("router", "decode")
-    assert _admitted(policy["decode"], grpc["decode"]) == _pods("router")
+    assert _admitted(policy["prefill"], grpc["prefill"]) == _pods("router", "decode") + routed
+    assert _admitted(policy["decode"], grpc["decode"]) == _pods("router") + routed
     assert _admitted(policy["router"], grpc["router"]) == [ANYONE]
     assert _admitted(policy["router"], manifests.HTTP_PORT) == [ANYONE]
     for stage in STAGES:
@@ -366,3 +369,31 @@ def test_metrics_ports_admit_the_monitoring_namespaces_the_operator_and_the_rout
             operator, *_pods("router")]
         assert _admitted(_by(custom, "NetworkPolicy", stage), manifests.METRICS_PORT)[0] == {
             "namespaceSelector": VARIANTS["monitoring"]["telemetry"]["monitoringNamespaceSelector"]}
+
+
+def test_a_fallback_and_a_canary_become_the_routers_models_file_and_open_their_policies(make_spec) -> None:
+    spec = make_spec(fallback="backup", canary={"deployment": "demo-next", "percent": 10})
+    children = _children(spec)
+    config = next(c for c in children if c["kind"] == "ConfigMap")
+    models = yaml.safe_load(config["data"]["models.yaml"])
+    own = spec["model"]["name"]
+    assert models["default"] == own
+    assert [m["name"] for m in models["models"]] == [own, "backup", "demo-next"]
+    first = models["models"][0]
+    assert first["fallback"] == "backup" and first["canary"] == {"model": "demo-next", "percent": 10}
+    assert models["models"][1]["decode"] == [f"{manifests.service_host('backup', 'ns1', 'decode')}:50053"]
+    assert all(m["model"] == first["model"] for m in models["models"])  # read with this model's vocabulary
+    assert config["data"]["QWENSERVE_MODELS_FILE"] == "/etc/qwen-serve/routes/models.yaml"
+    router = _by(children, "Deployment", "router")["spec"]["template"]
+    assert router["metadata"]["labels"]["routes-to.qwenserve.io/backup"] == "true"
+    assert router["metadata"]["labels"]["routes-to.qwenserve.io/demo-next"] == "true"
+    mount = next(m for m in router["spec"]["containers"][0]["volumeMounts"] if m["name"] == "routes")
+    assert mount["mountPath"] == "/etc/qwen-serve/routes"
+    # The backup deployment's own policies admit that router.
+    backup = manifests.network_policy("backup", "ns1", UID, "decode", make_spec())
+    assert {"podSelector": {"matchLabels": {"routes-to.qwenserve.io/backup": "true"}}} in _admitted(
+        backup, manifests.GRPC_PORTS["decode"])
+    for child in children:
+        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+    # Without them: no models file, as before.
+    assert "models.yaml" not in next(c for c in _children(make_spec()) if c["kind"] == "ConfigMap")["data"]
