@@ -11,6 +11,8 @@ import importlib
 import sys
 from collections.abc import Iterable
 
+from qwenserve import supervision
+
 # subcommand -> (module:function, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("qwenserve.launcher:main", "run tokenizer, prefill, decode and router on loopback"),
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "serve":
+        supervision.apply()  # started by `qwen-serve up`: die with it, at the priority it gave
         if rest and rest[0] in ("-h", "--help"):
             print(_serve_usage())
             return 0

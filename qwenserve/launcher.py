@@ -11,14 +11,13 @@ stage's strict parser and runs the stage's start-up checks, so a mistake is one 
 The launcher waits until every child's gRPC health check says SERVING, prints one line containing `ready`
 with the router's addresses, then one line per service with its gRPC and metrics addresses, and on
 Ctrl-C / SIGTERM (or when any child dies: it names the child and its last line of output) stops them all.
-Children get SIGTERM from the kernel if the launcher itself is killed (PR_SET_PDEATHSIG), so no orphans
-are left behind.
+Children get SIGTERM from the kernel if the launcher itself is killed (PR_SET_PDEATHSIG, armed by each child:
+qwenserve/supervision.py), so no orphans are left behind.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import logging
 import os
@@ -36,7 +35,7 @@ from typing import IO, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from qwenserve import progress
+from qwenserve import progress, supervision
 from qwenserve.flags import (
     FlagError,
     FlagSpec,
@@ -50,7 +49,6 @@ from qwenserve.flags import (
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
 from qwenserve.telemetry.logs import console
 
-PR_SET_PDEATHSIG = 1
 # Plans a start may try when a picked port was taken before its child bound it.
 PORT_ATTEMPTS = 3
 
@@ -71,23 +69,6 @@ def _port_open(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(2.0)
         return s.connect_ex((host, port)) == 0
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _child_setup(nice: int) -> Callable[[], None]:
-    """What runs in a child before exec: die with the launcher, and lower its CPU priority by `nice` (every
-    thread it will start inherits it)."""
-
-    def setup() -> None:
-        _die_with_parent()
-        if nice:
-            os.nice(nice)
-
-    return setup
 
 
 @dataclass
@@ -201,10 +182,18 @@ class LocalCluster:
     prefill_nice: int = 10
     children: list[Child] = field(default_factory=list)
     stage_values: dict[str, Any] = field(default_factory=dict)
+    _picked: set[int] = field(default_factory=set, init=False, repr=False)  # the ports this plan chose so far
+
+    def _port(self) -> int:
+        """A free port no other child of this plan got: the OS may hand out a port again until it is bound."""
+        while (port := free_port(self.host)) in self._picked:
+            pass
+        self._picked.add(port)
+        return port
 
     def _stage(self, stage: str, port: int, values: dict[str, Any], extra: Sequence[str] = ()) -> Child:
         name = stage if stage in ("tokenizer", "router") else f"{stage}-{sum(c.name.startswith(stage) for c in self.children)}"
-        metrics_port = free_port(self.host)
+        metrics_port = self._port()
         own = {"host": self.host, "port": port, "model": str(self.model), "metrics_port": metrics_port}
         argv, env = argv_for(stage_configs()[stage], {**self.stage_values, **values, **own})
         argv = [sys.executable, "-m", "qwenserve.cli", "serve", stage, *argv, *extra]
@@ -213,15 +202,16 @@ class LocalCluster:
     def plan(self) -> list[Child]:
         """Decide ports and command lines (no processes yet)."""
         self.children = []
-        self.children.append(self._stage("tokenizer", free_port(self.host), {}))
+        self._picked = {p for p in (self.router_port, self.http_port) if p}
+        self.children.append(self._stage("tokenizer", self._port(), {}))
         workers = route_args(self.extra_worker_args, ("prefill", "decode"))
         for _ in range(self.prefill):
-            self.children.append(self._stage("prefill", free_port(self.host), {"kv_transfer": self.kv_transfer},
+            self.children.append(self._stage("prefill", self._port(), {"kv_transfer": self.kv_transfer},
                                              workers["prefill"]))
         for _ in range(self.decode):
-            self.children.append(self._stage("decode", free_port(self.host), {}, workers["decode"]))
-        self.router_port = self.router_port or free_port(self.host)
-        self.http_port = self.http_port or free_port(self.host)
+            self.children.append(self._stage("decode", self._port(), {}, workers["decode"]))
+        self.router_port = self.router_port or self._port()
+        self.http_port = self.http_port or self._port()
         keys_given = bool({"--api-keys-file", "--api-key"} & {a.split("=")[0] for a in self.extra_router_args}) or any(
             k in {**os.environ, **self.env, **self.stage_env()}
             for k in ("QWENSERVE_API_KEYS_FILE", "QWENSERVE_API_KEYS", "QWENSERVE_API_KEY")
@@ -280,10 +270,10 @@ class LocalCluster:
                 out = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - lives as long as the child
             # Children's own output never mixes with the launcher's stdout (which carries the ready line).
             # Progress as named lines, never bars: the children share the launcher's terminal or write files.
+            nice = self.prefill_nice if child.name.startswith("prefill") else 0
             child.process = subprocess.Popen(
-                child.argv, env={**env, **child.env, **progress.child_env(child.name, env)},
+                child.argv, env={**env, **child.env, **progress.child_env(child.name, env), **supervision.child_env(nice)},
                 stdout=subprocess.PIPE if out is not None else sys.stderr, stderr=subprocess.STDOUT,
-                preexec_fn=_child_setup(self.prefill_nice if child.name.startswith("prefill") else 0),
             )
             if out is not None and child.process.stdout is not None:
                 child.relay = threading.Thread(target=_relay, args=(child, child.process.stdout, out),

@@ -31,7 +31,7 @@ KV_TRANSFER_MODES = ("shm", "network", "mooncake")
 #: What every stage reads from the environment besides its flags' variables: `--log-json`'s QWENSERVE_LOG_FORMAT
 #: (the operator sets it), the first-use progress mode and name, and where the built-in model is cached.
 COMMON_ENVIRONMENT = frozenset({"QWENSERVE_LOG_FORMAT", "QWENSERVE_PROGRESS", "QWENSERVE_PROGRESS_NAME",
-                                "QWENSERVE_CACHE"})
+                                "QWENSERVE_CACHE", "QWENSERVE_SUPERVISOR"})
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from qwenserve.engine.errors import (
     KVLayoutMismatchError,
     RequestError,
 )
+from qwenserve.engine.grammar import GrammarBackend
 from qwenserve.engine.host_memory import keep_freed_memory
 from qwenserve.engine.kv_layout import KVExportSink, KVImport, KVLayout, check_compatible
 from qwenserve.engine.mailbox import LoopMailbox
@@ -50,7 +51,7 @@ from qwenserve.engine.sampler import Sampler, SamplingRow
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerLimits
 from qwenserve.engine.sequence import Sequence, SequenceStatus
-from qwenserve.engine.structured import GrammarBackend, StructuredOutputError
+from qwenserve.engine.structured import StructuredOutputError
 from qwenserve.engine.weights import load_checkpoint
 from qwenserve.models import ModelConfig, model_class
 from qwenserve.models.layers import pack_linear_weights

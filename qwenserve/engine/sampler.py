@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from qwenserve import cpu_kernels
+from qwenserve.engine.grammar import GrammarBackend
 from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.sampling_params import SamplingParams
-from qwenserve.engine.structured import GrammarBackend
 
 
 @dataclass(slots=True)
