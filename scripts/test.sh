@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/python scripts/gen_proto.py --check
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"

@@ -121,10 +121,11 @@ def _fast_bf16() -> bool:
         return False
 
 
+@pytest.mark.skipif(not _fast_bf16(), reason="no AMX on this CPU: bf16 products run ~6x slower than fp32 here "
+                    "(a 768-token bf16 prefill took minutes), so this machine serves fp32; the fp32 test covers the "
+                    "handoff's overflow path, the bf16 layout is covered by tests/kv_transfer")
 def test_bf16_prompt_larger_than_the_pool_hands_off_exactly(bf16_model: Path, tmp_path: Path) -> None:
-    # 2k tokens where bf16 is fast; elsewhere 768 (a 2k bf16 prefill takes minutes on an AVX2 core pair), whose
-    # ~88 MB of KV still overflows the pool.
-    prompts = [_prompt(2048 if _fast_bf16() else 768, 3)]
+    prompts = [_prompt(2048, 3)]  # ~235 MB of bf16 KV: overflows the pool
     expected = _reference(bf16_model, "bfloat16", prompts)
     with _cluster(bf16_model, tmp_path, "bfloat16") as cluster:
         tokens, last = asyncio.run(_generate(cluster, prompts[0]))
