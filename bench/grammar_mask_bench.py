@@ -52,11 +52,15 @@ def _new_schema(n: int) -> dict:
     return {**SCHEMA, "title": f"person-{n}-{time.monotonic_ns()}"}
 
 
-def mask_llguidance(tokenizer_json: str, ids: list[int], batch: int) -> tuple[float, float]:
+def mask_llguidance(folder: Path, ids: list[int], batch: int) -> tuple[float, float] | None:
     """Seconds from a new schema to its first matcher, and the median seconds to fill `batch` rows' masks per
-    token of the answer."""
-    import llguidance
-    import llguidance.torch as llg_torch
+    token of the answer (None when llguidance is not installed)."""
+    try:
+        import llguidance
+        import llguidance.torch as llg_torch
+    except ImportError:
+        return None
+    tokenizer_json = (folder / "tokenizer.json").read_text()
 
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=VOCAB, eos_token=151645)
     started = time.perf_counter()
@@ -76,13 +80,12 @@ def mask_llguidance(tokenizer_json: str, ids: list[int], batch: int) -> tuple[fl
     return setup, statistics.median(times)
 
 
-def mask_xgrammar(tokenizer_file: Path, ids: list[int], batch: int) -> tuple[float, float] | None:
-    try:
-        import transformers
-        import xgrammar
-    except ImportError:
-        return None
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file))
+def mask_xgrammar(folder: Path, ids: list[int], batch: int) -> tuple[float, float]:
+    """As mask_llguidance, for xgrammar (the engine's)."""
+    import transformers
+    import xgrammar
+
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
     info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=VOCAB, stop_token_ids=[151645])
     compiler = xgrammar.GrammarCompiler(info)
     started = time.perf_counter()
@@ -103,24 +106,56 @@ def mask_xgrammar(tokenizer_file: Path, ids: list[int], batch: int) -> tuple[flo
     return setup, statistics.median(times)
 
 
+def mask_outlines(folder: Path, ids: list[int], batch: int) -> tuple[float, float] | None:
+    """As mask_llguidance, for outlines-core (None when it is not installed)."""
+    try:
+        from outlines_core import Guide, Index, Vocabulary
+        from outlines_core.json_schema import build_regex_from_schema
+    except ImportError:
+        return None
+    tokenizer = Tokenizer.from_dir(folder)
+    eos = 151645
+    by_bytes: dict[bytes, list[int]] = {}
+    for token in range(tokenizer.vocab_size):
+        raw = tokenizer.token_bytes(token) if token != eos else b""
+        if raw:
+            by_bytes.setdefault(raw, []).append(token)
+    vocabulary = Vocabulary(eos, by_bytes)
+    started = time.perf_counter()
+    index = Index(build_regex_from_schema(json.dumps(_new_schema(batch)), None), vocabulary)
+    guides = [Guide(index)]
+    setup = time.perf_counter() - started
+    guides += [Guide(index) for _ in range(batch - 1)]
+    mask = torch.zeros(batch, (VOCAB + 31) // 32, dtype=torch.int32)
+    times = []
+    for token in ids[:-1]:
+        started = time.perf_counter()
+        for j, guide in enumerate(guides):
+            guide.write_mask_into(mask[j].data_ptr(), mask[j].numel(), 4)
+        times.append(time.perf_counter() - started)
+        for guide in guides:
+            guide.advance(token)
+    return setup, statistics.median(times)
+
+
 def masks() -> None:
     folder = ensure_default_model()
     tokenizer = Tokenizer.from_dir(folder)
     ids = _answer_ids(tokenizer)
-    text = (folder / "tokenizer.json").read_text()
-    print(f"1. mask per token, JSON schema answer of {len(ids)} tokens, vocabulary {VOCAB}")
+    print(f"1. mask per token, JSON schema answer of {len(ids)} tokens, vocabulary {VOCAB} (llguidance and "
+          "outlines-core when installed: `pip install llguidance outlines-core`)")
     for batch in (1, 32):
-        llg_setup, llg = mask_llguidance(text, ids, batch)
-        line = (f"   batch {batch:2d}: llguidance {llg * 1e3:7.3f} ms/step ({llg / batch * 1e6:5.1f} us/row), "
-                f"new schema to first matcher {llg_setup * 1e3:6.1f} ms")
-        xgr = mask_xgrammar(folder / "tokenizer.json", ids, batch)
-        if xgr is not None:
-            xgr_setup, xgr_step = xgr
-            line += (f"; xgrammar {xgr_step * 1e3:7.3f} ms/step ({xgr_step / batch * 1e6:5.1f} us/row), new schema "
-                     f"{xgr_setup * 1e3:6.1f} ms; per-row ratio xgrammar/llguidance {xgr_step / llg:.2f}")
-        else:
-            line += "; xgrammar: not installed"
-        print(line)
+        xgr_setup, xgr = mask_xgrammar(folder, ids, batch)
+        print(f"   batch {batch:2d}: xgrammar      {xgr * 1e3:7.3f} ms/step ({xgr / batch * 1e6:6.1f} us/row), "
+              f"a new schema {xgr_setup * 1e3:8.1f} ms")
+        for name, measure in (("llguidance", mask_llguidance), ("outlines-core", mask_outlines)):
+            other = measure(folder, ids, batch)
+            if other is None:
+                print(f"             {name}: not installed")
+                continue
+            setup, step = other
+            print(f"             {name:13s} {step * 1e3:7.3f} ms/step ({step / batch * 1e6:6.1f} us/row), a new "
+                  f"schema {setup * 1e3:8.1f} ms; per-row cost {step / xgr:.1f}x xgrammar's")
 
 
 def engine_overhead(threads: int) -> None:
