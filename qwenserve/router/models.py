@@ -26,7 +26,7 @@ The models file (`--models-file`):
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,13 +128,6 @@ def canary_share(key: str, model: str) -> float:
     return int.from_bytes(digest, "big") % 1_000_000 / 10_000
 
 
-class Serving:
-    """What the router needs of one model's deployment to choose it (generation.Router is one)."""
-
-    def can_serve(self) -> bool:  # pragma: no cover - an interface
-        raise NotImplementedError
-
-
 @dataclass
 class ModelRoutes:
     """The models one router serves, by name, and the choice of which one answers a request."""
@@ -175,9 +168,3 @@ class ModelRoutes:
     def single(self) -> bool:
         return len(self.routers) == 1
 
-
-def check_names(names: Sequence[str], models: Sequence[str], where: str) -> None:
-    """A tenant's allowed models must be served here."""
-    unknown = [n for n in names if n not in models]
-    if unknown:
-        raise ModelsConfigError(f"{where}: {unknown} are not served by this router ({list(models)})")

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from qwenserve import supervision
 from qwenserve.launcher import Child, LocalCluster, wait_serving
 from qwenserve.v1 import router_pb2, router_pb2_grpc
 from tests.fuzz.answers import Answer, grpc_generate, http_post
@@ -152,23 +152,15 @@ class Deployment:
         wait_serving(child.address, time.monotonic() + timeout_s, child.process, name)
 
     def _spawn(self, child: Child) -> None:
-        """Start `child` as LocalCluster.start does (it dies with this process; prefill runs at lower
-        priority), but without a preexec_fn: a fork that runs Python while this process has gRPC channels
-        open can abort the child."""
+        """Start `child` again as LocalCluster.start does: it dies with this process and prefill runs at a lower
+        priority (both armed by the child itself, qwenserve/supervision.py)."""
         nice = self.cluster.prefill_nice if child.name.startswith("prefill") else 0
         log_dir = self.cluster.log_dir or Path("/tmp")
         with open(log_dir / f"{child.name}.log", "ab") as out:
             child.process = subprocess.Popen(
-                [sys.executable, "-c", _CHILD_SHIM, str(nice), *child.argv],
-                env={**os.environ, **self.cluster.env}, stdout=out, stderr=subprocess.STDOUT,
+                child.argv, env={**os.environ, **self.cluster.env, **child.env, **supervision.child_env(nice)},
+                stdout=out, stderr=subprocess.STDOUT,
             )
-
-
-# Runs in the new process: die with the parent (PR_SET_PDEATHSIG survives exec), lower the priority, exec.
-_CHILD_SHIM = (
-    "import ctypes, os, signal, sys; ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM); "
-    "os.nice(int(sys.argv[1])); os.execv(sys.argv[2], sys.argv[2:])"
-)
 
 
 def grpc_health(address: str, timeout_s: float = 3.0) -> str:
