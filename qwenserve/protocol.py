@@ -8,7 +8,12 @@ from collections.abc import Sequence
 
 from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
-from qwenserve.engine.structured import StructuredOutput, StructuredOutputError, compiled_grammar
+from qwenserve.engine.structured import (
+    ReasoningFirst,
+    StructuredOutput,
+    StructuredOutputError,
+    compiled_grammar,
+)
 from qwenserve.v1 import common_pb2
 
 FINISH_REASONS: dict[str, int] = {
@@ -51,8 +56,17 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int 
         stop_token_ids=tuple(msg.stop_token_ids),
         logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         structured=structured_from_proto(msg.structured) if msg.HasField("structured") else None,
+        reasoning_first=reasoning_first_from_proto(msg.structured) if msg.HasField("structured") else None,
     )
+
+
+def reasoning_first_from_proto(msg: common_pb2.StructuredOutput) -> ReasoningFirst | None:
+    if not msg.HasField("reasoning_first"):
+        return None
+    first = msg.reasoning_first
+    return ReasoningFirst(first.start_id, first.end_id, first.open_in_prompt)
 
 
 def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
@@ -81,8 +95,14 @@ def logprobs_to_proto(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]
     """The engine's per-token logprobs as wire messages (empty when they were not asked for)."""
     result = []
     for token_id, entry in zip(token_ids, logprobs or [], strict=False):
-        msg = common_pb2.TokenLogprob(token_id=token_id, logprob=entry.logprob)
+        msg = common_pb2.TokenLogprob(token_id=token_id, logprob=entry.logprob, rank=entry.rank)
         for alt_id, alt_lp in entry.top:
             msg.top.add(token_id=alt_id, logprob=alt_lp)
         result.append(msg)
     return result
+
+
+def prompt_logprobs_to_proto(entries: Sequence[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
+    """The prompt's logprobs (each entry names its own token) as wire messages."""
+    entries = entries or []
+    return logprobs_to_proto([e.token_id for e in entries], entries)

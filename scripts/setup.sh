@@ -17,15 +17,21 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "$torch_spec"
 pip install -e ".[${extras}]"
 
-# The tests talk to a real Redis server; Mooncake's engine loads libibverbs even over TCP.
+# The tests talk to a real Redis server; Mooncake's engine loads libibverbs even over TCP; the chart's alerts are
+# tested with promtool (Debian's prometheus package; nothing is started).
 debs=()
 command -v redis-server >/dev/null 2>&1 || debs+=(redis-server)
 ldconfig -p | grep -q libibverbs.so.1 || debs+=(libibverbs1 librdmacm1 libnuma1)
-if [ ${#debs[@]} -gt 0 ]; then
+lean=()  # without their recommendations (prometheus would bring a node exporter)
+command -v promtool >/dev/null 2>&1 || lean+=(prometheus)
+if [ ${#debs[@]} -gt 0 ] || [ ${#lean[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${debs[@]}" >/dev/null
+    apt-get update -qq
+    [ ${#debs[@]} -eq 0 ] || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${debs[@]}" >/dev/null
+    [ ${#lean[@]} -eq 0 ] || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${lean[@]}" >/dev/null
   else
-    echo "setup: missing Debian packages: ${debs[*]}" >&2
+    echo "setup: missing Debian packages: ${debs[*]} ${lean[*]}" >&2
   fi
 fi
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

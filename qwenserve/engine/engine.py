@@ -360,7 +360,10 @@ class LLMEngine:
         token, a failover's resumed ones); None for free text. StructuredOutputError: a 400 for the client."""
         if sampling.structured is None:
             return None
-        matcher = self.grammar.matcher(sampling.structured)
+        first = sampling.reasoning_first
+        if first is not None and max(first.start_id, first.end_id) >= self.model_config.vocab_size:
+            raise StructuredOutputError("reasoning_first names a token outside the vocabulary")
+        matcher = self.grammar.matcher_for(sampling.structured, first)
         for token in resume_token_ids:
             if not matcher.accept_token(int(token)):
                 raise StructuredOutputError(f"the tokens already generated do not fit the grammar (token {token})")
@@ -534,11 +537,20 @@ class LLMEngine:
         reason = self._stop_reason(seq, token)
         if reason is None and seq.kv_export is not None:
             reason = self._export(seq)
-        new = RequestOutput(seq.request_id, [token], [lp] if lp is not None else None, False, None, self._usage(seq))
+        new = RequestOutput(seq.request_id, [token], [lp] if lp is not None else None, False, None, self._usage(seq),
+                            prompt_logprobs=self._take_prompt_logprobs(seq))
         if reason is None:
             seq.emit(new)
         else:
             self._finish(seq, reason, last=new)
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> list[TokenLogprob] | None:
+        """The prompt's logprobs, once, with the first token (a resumed or preempted request computes none again)."""
+        if seq.sampling.prompt_logprobs is None or seq.prompt_logprobs_sent:
+            return None
+        seq.prompt_logprobs_sent = True
+        return seq.prompt_logprobs
 
     def _banned_until_min_tokens(self, p: SamplingParams) -> tuple[int, ...]:
         if not p.min_tokens:
@@ -577,4 +589,5 @@ class LLMEngine:
             self._finished += 1
         new_tokens = last.new_token_ids if last else []
         logprobs = last.logprobs if last else None
-        seq.emit(RequestOutput(seq.request_id, new_tokens, logprobs, True, reason, self._usage(seq), error))
+        seq.emit(RequestOutput(seq.request_id, new_tokens, logprobs, True, reason, self._usage(seq), error,
+                               prompt_logprobs=last.prompt_logprobs if last else None))

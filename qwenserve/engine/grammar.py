@@ -11,7 +11,12 @@ from typing import Any
 import torch
 
 from qwenserve import cpu_kernels
-from qwenserve.engine.structured import StructuredOutput, StructuredOutputError, compiled_grammar
+from qwenserve.engine.structured import (
+    ReasoningFirst,
+    StructuredOutput,
+    StructuredOutputError,
+    compiled_grammar,
+)
 
 # Bytes to bits, least significant first: how the mask packs 32 tokens into each int32 (the PyTorch path).
 _BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
@@ -59,6 +64,11 @@ class GrammarBackend:
             self._compiled[structured] = compiled
         return xgrammar.GrammarMatcher(compiled)
 
+    def matcher_for(self, structured: StructuredOutput, reasoning_first: ReasoningFirst | None) -> Any:
+        """A request's matcher: the constraint's, behind its reasoning block when the model thinks first."""
+        matcher = self.matcher(structured)
+        return matcher if reasoning_first is None else AfterReasoning(matcher, reasoning_first, self._vocab_size)
+
     def mask_rows(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
         """Set to -inf, in place, every token the matcher of each of `rows` does not allow next."""
         words = (self._vocab_size + 31) // 32
@@ -72,3 +82,39 @@ class GrammarBackend:
             return
         allowed = _BITS[bitmask.view(torch.uint8).long()].view(len(rows), -1)[:, : logits.shape[1]]
         logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+class AfterReasoning:
+    """A matcher that waits out a thinking model's reasoning block.
+
+    First token: the grammar's tokens or the block's opening tag. Inside the block every token is allowed (the
+    end-of-sequence too: an answer may end while thinking, as one cut off by max_tokens does). After the
+    closing tag the grammar's matcher sees every token, from its start state.
+    """
+
+    def __init__(self, inner: Any, reasoning: ReasoningFirst, vocab_size: int) -> None:
+        self._inner, self._ids = inner, reasoning
+        self._words = (vocab_size + 31) // 32
+        self._state = "reasoning" if reasoning.open_in_prompt else "first"
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._state == "reasoning":
+            bitmask[row, : self._words] = -1
+            return
+        self._inner.fill_next_token_bitmask(bitmask, row)
+        if self._state == "first":
+            word, bit = divmod(self._ids.start_id, 32)
+            value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # an int32's bits
+
+    def accept_token(self, token: int) -> bool:
+        if self._state == "reasoning":
+            if token == self._ids.end_id:
+                self._state = "answer"
+            return True
+        if self._state == "first":
+            self._state = "answer"
+            if token == self._ids.start_id:
+                self._state = "reasoning"
+                return True
+        return bool(self._inner.accept_token(token))

@@ -11,9 +11,13 @@ import torch
 from qwenserve import cpu_kernels
 from qwenserve.engine.attention.base import AttentionBackend, AttentionBatch, ForwardContext
 from qwenserve.engine.kv_layout import KVExportTarget
+from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.scheduler import ScheduledSequence
 from qwenserve.engine.sequence import Sequence
 from qwenserve.models import QwenForCausalLM
+
+#: Prompt positions whose logits are computed at once for prompt logprobs (~80 MB of fp32 logits at a 152k vocabulary).
+PROMPT_LOGPROB_ROWS = 128
 
 
 class ModelRunner:
@@ -48,9 +52,15 @@ class ModelRunner:
         slots: list[int] = []
         sample_index: list[int] = []
         sampling: list[ScheduledSequence] = []
+        scored: list[tuple[Sequence, int, int]] = []  # (sequence, first row, rows) to score for prompt logprobs
         for item in items:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
+            if seq.needs_prompt_logprobs:
+                first = max(start, len(seq.prompt_logprobs))  # a recomputed position keeps its first entry
+                last = min(end, seq.prompt_len - 1)  # position p's logits predict the prompt's token p + 1
+                if first < last:
+                    scored.append((seq, len(input_ids) + first - start, last - first))
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             table = seq.block_table
@@ -71,10 +81,29 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True),
             ctx,
         )
+        for seq, row, count in scored:
+            self._score_prompt(seq, hidden[row : row + count])
         if not sampling:
             return torch.empty(0), sampling
         rows = hidden[torch.tensor(sample_index, device=self.device)]
         return self.model.compute_logits(rows, self._logits_buffer(len(sampling))).cpu(), sampling
+
+    def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Append the logprobs of the prompt tokens these rows predict (the model's raw distribution), each with its
+        rank and the `prompt_logprobs` most likely alternatives. In slices: a 4k-token prompt's logits over a 152k
+        vocabulary would be 2.5 GB at once."""
+        top = seq.sampling.prompt_logprobs or 0
+        for lo in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS):
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[lo : lo + PROMPT_LOGPROB_ROWS]), dim=-1)
+            first = len(seq.prompt_logprobs) + 1
+            targets = torch.tensor(seq.token_ids[first : first + logprobs.shape[0]], device=logprobs.device)
+            chosen = logprobs.gather(1, targets[:, None])
+            ranks = (logprobs > chosen).sum(dim=1) + 1
+            best = logprobs.topk(top, dim=1) if top else None
+            for i, token in enumerate(targets.tolist()):
+                alternatives = () if best is None else tuple(
+                    zip(best.indices[i].tolist(), best.values[i].tolist(), strict=True))
+                seq.prompt_logprobs.append(TokenLogprob(token, chosen[i, 0].item(), alternatives, int(ranks[i])))
 
     def _logits_buffer(self, rows: int) -> torch.Tensor | None:
         """A reused [rows, vocab] buffer for the CPU's logits, or None elsewhere: at 64 rows of a 152k vocabulary

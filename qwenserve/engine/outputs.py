@@ -13,6 +13,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0  # 1 for the most likely token; 0 where it was not computed (sampled tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,9 @@ class RequestOutput:
     finish_reason: str | None
     usage: Usage
     error: str | None = None
+    # With the first token, when `prompt_logprobs` was asked for: one entry per prompt position after the
+    # first (the first token has nothing before it to be predicted from).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from qwenserve.engine.structured import StructuredOutput
+from qwenserve.engine.structured import ReasoningFirst, StructuredOutput
 
 #: More stop ids than any real use needs; bounds the per-step masking work a single request can ask for.
 MAX_STOP_TOKEN_IDS = 1024
@@ -46,8 +46,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: bool = False
     top_logprobs: int = 0
+    # Log-probabilities of the prompt's own tokens, with this many alternatives each; None: not computed.
+    # The whole prompt is then computed, so such a request never takes prefix-cache hits.
+    prompt_logprobs: int | None = None
     # Every token must keep the answer inside this grammar (a JSON schema, a regex, ...); None: free text.
     structured: StructuredOutput | None = None
+    # With `structured`: the reasoning block a thinking model writes first is not constrained.
+    reasoning_first: ReasoningFirst | None = None
 
     def __post_init__(self) -> None:
         floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -66,6 +71,7 @@ class SamplingParams:
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
             ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
             ("seed", self.seed is None or 0 <= self.seed < 2**64, "must be in [0, 2^64)"),
             ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} ids"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "token ids must be >= 0"),

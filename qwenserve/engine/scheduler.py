@@ -212,7 +212,7 @@ class Scheduler:
         """Take cached prefix blocks and fresh blocks covering the sequence's tokens, if they fit."""
         bs = self.block_size
         hashes: list[bytes] = []
-        if seq.kv_import is None:
+        if seq.kv_import is None and not seq.needs_prompt_logprobs:
             # The last token is always computed: its logits are needed to sample.
             parent = root_hash(seq.cache_salt)
             for b in range((seq.num_tokens - 1) // bs):

@@ -9,7 +9,7 @@ from enum import Enum, auto
 from typing import Any
 
 from qwenserve.engine.kv_layout import KVExportSink, KVImport
-from qwenserve.engine.outputs import RequestOutput
+from qwenserve.engine.outputs import RequestOutput, TokenLogprob
 from qwenserve.engine.sampling_params import SamplingParams
 
 
@@ -41,6 +41,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prefix-cache hit at first admission (reported in usage)
     admitted_once: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # position p+1's, at index p
+    prompt_logprobs_sent: bool = False
     grammar: Any = None  # the structured-output matcher (llguidance), fed every output token
 
     @property
@@ -58,6 +60,11 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.prompt_len]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions are still without their logprobs (each needs its position computed here)."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -62,6 +62,16 @@ class StructuredOutput:
         return self.spec
 
 
+@dataclass(frozen=True, slots=True)
+class ReasoningFirst:
+    """A thinking model's constrained answer: its reasoning block (opened by `start_id` as the first token, or
+    already open in the prompt) is free text, and the grammar applies from the token after `end_id`."""
+
+    start_id: int
+    end_id: int
+    open_in_prompt: bool = False
+
+
 def check_grammar(structured: StructuredOutput) -> Any:
     """The constraint parsed into an xgrammar Grammar (no tokenizer needed), or StructuredOutputError saying
     what is wrong with it."""

@@ -58,6 +58,7 @@ class Ticket:
     prompt_tokens: int
     output_budget: int
     finished: bool = False
+    model: str = ""  # the model that answers, for the meter (a fallback that took over sets its own)
 
     @property
     def cost_tokens(self) -> int:
@@ -105,7 +106,8 @@ class Gatekeeper:
                 "sampling.max_tokens",
             )
 
-    async def admit(self, tenant: Tenant, preps: Sequence[PreparedRequest], copies: int = 1) -> Ticket:
+    async def admit(self, tenant: Tenant, preps: Sequence[PreparedRequest], copies: int = 1,
+                    model: str = "") -> Ticket:
         """Charge the requests' cost to the tenant's window before any prefill work starts.
 
         `preps` are distinct prompts (a completions batch has several), each to be answered
@@ -128,7 +130,7 @@ class Gatekeeper:
             raise LimiterUnavailable(f"the rate limiter is unavailable, try again shortly: {e}") from e
         if self.metrics is not None:
             self.metrics.record_ratelimit(True)
-        return Ticket(tenant, admission, prompt_tokens, output_budget)
+        return Ticket(tenant, admission, prompt_tokens, output_budget, model=model)
 
     async def finish(self, ticket: Ticket, usage: common_pb2.Usage) -> None:
         """Settle the ticket to what was really used and meter it; once per ticket, never raises.
@@ -159,6 +161,8 @@ class Gatekeeper:
                 prompt_tokens=usage.prompt_tokens,
                 completion_tokens=usage.completion_tokens,
                 cached_prompt_tokens=min(usage.cached_prompt_tokens, usage.prompt_tokens),
+                reasoning_tokens=min(usage.reasoning_tokens, usage.completion_tokens),
+                model=ticket.model,
             )
             try:
                 await self.meter.record(ticket.tenant, record)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -33,12 +34,13 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from qwenserve.engine.structured import ReasoningFirst
 from qwenserve.protocol import sampling_from_proto
 from qwenserve.router.chat_output import TOOL_CHOICES, ChatOutput, ChatShape, forced_prefix
 from qwenserve.router.discovery import Change, PodDiscovery, Resolver, system_resolver
 from qwenserve.router.errors import ContextLengthExceeded, InvalidRequest, ServiceUnavailable, UnknownModel
 from qwenserve.router.generation_defaults import with_defaults
-from qwenserve.router.reasoning import thinking_open_in_prompt
+from qwenserve.router.reasoning import thinking_closed_in_prompt, thinking_open_in_prompt
 from qwenserve.router.request_ids import REQUEST_ID_RULE, internal_id, new_request_id, valid_request_id
 from qwenserve.router.stop_strings import StopStringMatcher
 from qwenserve.router.workers import NoWorkerAvailable, WorkerPool
@@ -168,6 +170,7 @@ class _Progress:
     cached_prompt_tokens: int = 0
     first_token_at: float | None = None
     handoff_sent: bool = False  # a decode call carried the prefill's handoff: its worker releases it
+    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None  # once a worker computed them
 
 
 class Router:
@@ -197,6 +200,11 @@ class Router:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.vocab_size = 0
         self.metrics = metrics if metrics is not None else router_metrics(CollectorRegistry())
+        # A stage given no workers (prefill=0: decode prefills) is not a stage that is down.
+        for stage, pool, given in (("prefill", self.prefill_pool, config.prefill_addresses),
+                                   ("decode", self.decode_pool, config.decode_addresses)):
+            if given:
+                self.metrics.available_workers.labels(config.model_name, stage).set_function(pool.num_available)
         self._drain_deadline: float | None = None  # time.monotonic(); set once the router drains
         self._background: set[asyncio.Task[None]] = set()  # handoff releases still on their way
         self._closing = asyncio.Event()  # set by close(): delayed releases go out at once
@@ -460,11 +468,24 @@ class Router:
                 f"{limit} tokens; lower max_tokens to at most {room}",
                 "sampling.max_tokens",
             )
+        first = sampling.reasoning_first
+        if first is not None and max(first.start_id, first.end_id) >= self.vocab_size:
+            raise InvalidRequest(f"reasoning_first names a token outside the vocabulary of {self.vocab_size}",
+                                 "sampling.structured.reasoning_first")
         bad_stop = next((t for t in sampling.stop_token_ids if t >= self.vocab_size), None)
         if bad_stop is not None:
             raise InvalidRequest(
                 f"stop token id {bad_stop} is outside the vocabulary of {self.vocab_size}", "sampling.stop_token_ids"
             )
+        chat = self._chat_shape(req, prompt_ids, chat_tools) if req.WhichOneof("input") == "chat" else None
+        if chat is not None and chat.reasoning and sampling.structured is not None and \
+                not thinking_closed_in_prompt(prompt_ids, chat.think_end_id, self.detokenize):
+            # The model thinks before it answers: the grammar constrains the answer, not the thinking.
+            start_id, end_id = self.config.think_token_ids or (0, 0)
+            wire.structured.reasoning_first.CopyFrom(common_pb2.ReasoningFirst(
+                start_id=start_id, end_id=end_id, open_in_prompt=chat.open_in_prompt))
+            sampling = dataclasses.replace(sampling, reasoning_first=ReasoningFirst(start_id, end_id,
+                                                                                     chat.open_in_prompt))
         return PreparedRequest(
             request_id=request_id,
             prompt_ids=prompt_ids,
@@ -476,7 +497,7 @@ class Router:
             deadline=deadline,
             echo_prompt=req.echo_prompt_token_ids,
             arrived=arrived,
-            chat=self._chat_shape(req, prompt_ids, chat_tools) if req.WhichOneof("input") == "chat" else None,
+            chat=chat,
             content_filter=content_filter,
         )
 
@@ -606,6 +627,8 @@ class Router:
                     msg.tool_calls.extend(calls)
                 if first and prep.echo_prompt:
                     msg.prompt_token_ids.extend(prep.prompt_ids)
+                if first and progress.prompt_logprobs:
+                    msg.prompt_logprobs.extend(progress.prompt_logprobs)
                 first = False
                 if finish:
                     msg.finish_reason = finish
@@ -650,6 +673,8 @@ class Router:
             return
         progress.generated.append(resp.first_token_id)
         progress.cached_prompt_tokens = resp.cached_prompt_tokens
+        if prep.wire_sampling.HasField("prompt_logprobs"):
+            progress.prompt_logprobs = list(resp.prompt_logprobs)
         logprobs = [resp.first_logprob] if resp.HasField("first_logprob") else []
         if resp.finish_reason:  # no handoff was made
             yield [resp.first_token_id], logprobs, resp.finish_reason, None
@@ -803,6 +828,8 @@ class Router:
                             continue  # a heartbeat: the worker is busy on this request (a long prompt)
                         if msg.token_ids:
                             progress.generated.extend(msg.token_ids)
+                        if msg.prompt_logprobs and progress.prompt_logprobs is None:
+                            progress.prompt_logprobs = list(msg.prompt_logprobs)
                         if msg.finish_reason:
                             if msg.HasField("usage") and not progress.cached_prompt_tokens:
                                 progress.cached_prompt_tokens = msg.usage.cached_prompt_tokens
@@ -862,6 +889,10 @@ class Router:
             sampling=prep.wire_sampling,
             cache_salt=prep.cache_salt,
         )
+        if start is not None or progress.prompt_logprobs is not None:
+            # Computed once, where the prompt was first computed: a decode worker that imports the KV or resumes
+            # after a failover takes prefix-cache hits instead of scoring the prompt again.
+            request.sampling.ClearField("prompt_logprobs")
         if start is not None and len(progress.generated) == 1:
             request.prefilled.CopyFrom(start)
         else:

@@ -114,7 +114,7 @@ async def _generate(
         deadline = None if remaining is None else time.monotonic() + remaining
         prep = await router.prepare(request, deadline, content_filter=tenant.content_filter)
         with tracer.start_as_current_span("rate_limit", attributes={Attr.TENANT: tenant.id}):
-            ticket = await gatekeeper.admit(tenant, [prep])
+            ticket = await gatekeeper.admit(tenant, [prep], model=model)
     except RouterError as e:
         if gatekeeper.metrics is not None:
             gatekeeper.metrics.record_finished(outcome_for(e), "none")
@@ -130,10 +130,12 @@ async def _generate(
     first = True
     try:
         # Closed explicitly: a client that leaves cancels the decode call now, not at garbage collection.
-        async with contextlib.aclosing(router.run(prep)) as stream:
+        runs = router.run(prep) if isinstance(routes, Router) else routes.run(model, prep, tenant.models)
+        async with contextlib.aclosing(runs) as stream:
             async for msg in stream:
                 if first:
-                    msg.model, first = model, False
+                    msg.model, first = msg.model or model, False  # a fallback's run names itself
+                    ticket.model = msg.model
                 # Counted as they stream, so a cancelled call still settles what it consumed.
                 usage.completion_tokens += len(msg.token_ids)
                 if msg.token_ids and timer is not None:
@@ -145,11 +147,13 @@ async def _generate(
                 yield msg
     finally:
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        await gatekeeper.finish(ticket, usage)
-        if metrics is not None and timer is not None:
-            metrics.in_flight.dec()
-            timer.finish()
-            outcome = "cancelled" if not finish else "error" if finish == "error" else "ok"
-            metrics.record_finished(outcome, finish)
+        try:
+            await gatekeeper.finish(ticket, usage)  # runs to its end even if this call is cancelled
+        finally:
+            if metrics is not None and timer is not None:
+                metrics.in_flight.dec()
+                timer.finish()
+                outcome = "cancelled" if not finish else "error" if finish == "error" else "ok"
+                metrics.record_finished(outcome, finish)
         span.set_attribute(Attr.FINISH_REASON, finish or "none")
         span.set_attribute(Attr.COMPLETION_TOKENS, usage.completion_tokens)

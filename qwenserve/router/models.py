@@ -5,8 +5,11 @@ Each served name is one model deployment with its own tokenizer, prefill and dec
 a model may send a share of tenants to a canary (a stable hash of the tenant, or of the request's
 `user` when the tenant is the shared default, so a tenant always sees the same version); and a model
 whose decode workers are all unavailable (none found, or every circuit open) hands its requests to its
-fallback, which the answer's `model` field names and `qwenserve_router_fallbacks_total` counts. Once
-a worker of the primary is back (its circuit closes), the primary answers again.
+fallback, which the answer's `model` field names and `qwenserve_router_fallbacks_total` counts. A request
+admitted to the primary whose workers then fail it before its first token (a retryable error: they died
+since the last look) is handed over too, so the first request after a failure is not lost. Once a worker
+of the primary is back (its circuit closes), the primary answers again. A fallback must share its
+primary's vocabulary: the prompt is tokenized once.
 
 The models file (`--models-file`):
 
@@ -25,8 +28,9 @@ The models file (`--models-file`):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ from typing import Any
 import yaml
 
 from qwenserve.router.errors import ModelNotAllowed, UnknownModel
+from qwenserve.v1 import common_pb2, router_pb2
 
 
 class ModelsConfigError(ValueError):
@@ -145,7 +150,7 @@ class ModelRoutes:
                key: str = "") -> tuple[str, Any]:
         """(served name, its router) for a request naming `requested` (None: the default), from a tenant
         limited to `allowed` (None: any), split by `key` for canaries."""
-        name = requested or self.default
+        name = self.default if requested is None else requested
         if name not in self.routers:
             raise UnknownModel(f"the model {name!r} does not exist; this server serves {', '.join(self.routers)}",
                                "model")
@@ -157,14 +162,56 @@ class ModelRoutes:
             if allowed_set is None or entry.canary in allowed_set:
                 name = entry.canary
                 entry = self.entries.get(name)
-        if entry is not None and entry.fallback and not self.routers[name].can_serve():
-            fallback = entry.fallback
-            if self.routers[fallback].can_serve() and (allowed_set is None or fallback in allowed_set):
-                if self.on_fallback is not None:
-                    self.on_fallback(name, fallback)
+        if not self.routers[name].can_serve():
+            fallback = self._fallback(name, allowed_set)
+            if fallback is not None:
+                self._note_fallback(name, fallback)
                 name = fallback
         return name, self.routers[name]
 
+    async def run(self, name: str, prep: Any, allowed: Iterable[str] | None = None
+                  ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """`name`'s answer to a prepared request, from its fallback when the primary fails it before the first
+        token with a retryable error; the fallback's first message names it in `model`."""
+        allowed_set = None if allowed is None else set(allowed)
+        fallback = None
+        async with contextlib.aclosing(self.routers[name].run(prep)) as stream:
+            first = True
+            async for msg in stream:
+                if first and _failed_before_start(msg):
+                    fallback = self._fallback(name, allowed_set)
+                    if fallback is not None:
+                        break
+                first = False
+                yield msg
+        if fallback is None:
+            return
+        self._note_fallback(name, fallback)
+        async with contextlib.aclosing(self.routers[fallback].run(prep)) as stream:
+            first = True
+            async for msg in stream:
+                if first:
+                    msg.model, first = fallback, False
+                yield msg
+
+    def _fallback(self, name: str, allowed: set[str] | None) -> str | None:
+        """`name`'s fallback if it can serve and the tenant may use it."""
+        entry = self.entries.get(name)
+        fallback = entry.fallback if entry is not None else None
+        if fallback is None or not self.routers[fallback].can_serve():
+            return None
+        return fallback if allowed is None or fallback in allowed else None
+
+    def _note_fallback(self, name: str, fallback: str) -> None:
+        if self.on_fallback is not None:
+            self.on_fallback(name, fallback)
+
     def single(self) -> bool:
         return len(self.routers) == 1
+
+
+def _failed_before_start(msg: router_pb2.GenerateResponse) -> bool:
+    """A first message that ends the answer with a retryable error and no token: nothing reached the client."""
+    return (msg.finish_reason == common_pb2.FINISH_REASON_ERROR and not msg.token_ids and not msg.text
+            and msg.error.retryable)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import ssl
@@ -352,14 +353,15 @@ class OpenAIFront:
             except InvalidRequest as e:
                 raise _with_openai_param(e, kind) from e
         with tracer.start_as_current_span("rate_limit", attributes={Attr.TENANT: tenant.id}):
-            ticket = await self.gatekeeper.admit(tenant, preps, copies=parsed.n)
+            ticket = await self.gatekeeper.admit(tenant, preps, copies=parsed.n, model=model)
         answer = _Answer(parsed, request_id, model, preps, router.token_bytes)
         if parsed.echo:  # the prompt as given, or as its token ids read
             for choice in answer.choices:
                 given = parsed.prompts[choice.prompt_index]
                 choice.echo = given.prompt if given.HasField("prompt") else router.detokenize(
                     preps[choice.prompt_index].prompt_ids)
-        generations = _Generations(router, answer.runs(), self._timer(arrived))
+        generations = _Generations(functools.partial(self.routes.run, model, allowed=tenant.models), answer.runs(),
+                                   self._timer(arrived))
         watcher = asyncio.create_task(_watch_disconnect(request, generations))
         outcome = "cancelled"
         try:
@@ -371,9 +373,14 @@ class OpenAIFront:
             return response
         finally:
             watcher.cancel()
-            await generations.cancel()
-            await self.gatekeeper.finish(ticket, answer.usage())
-            self._record(generations, outcome, answer)
+            try:
+                await generations.cancel()
+                ticket.model = answer.answered_by
+                await self.gatekeeper.finish(ticket, answer.usage())
+            finally:
+                # A client leaving while we settle cancels this handler again (aiohttp's handler
+                # cancellation): the gauges must still come down.
+                self._record(generations, outcome, answer)
             log.info("%s tenant=%s %s n=%d prompt=%d completion=%d finish=%s %.3fs", request_id,
                      tenant.id, kind, parsed.n, answer.prompt_tokens, answer.completion_tokens(),
                      ",".join(c.summary() for c in answer.choices), time.monotonic() - arrived)
@@ -450,6 +457,7 @@ class OpenAIFront:
                 await response.write_eof()
                 return response
             # Settled before [DONE], so a client's next request already sees the refund.
+            ticket.model = answer.answered_by
             await self.gatekeeper.finish(ticket, answer.usage())
             if answer.parsed.include_usage:
                 await _send(response, answer.chunk([], usage=answer.usage_json()))
@@ -467,7 +475,10 @@ async def _relay(response: web.StreamResponse, answer: _Answer, index: int,
     # Tokens that decode to no text yet (a partial character, special tokens, a possible stop
     # string) still get their chunk: the client sees them arrive and, with usage, counts them.
     if msg.token_ids or msg.text or msg.logprobs:
-        await _send(response, answer.chunk([choice.delta(msg)]))
+        chunk = answer.chunk([choice.delta(msg)])
+        if answer.parsed.kind == "chat" and answer.parsed.prompt_logprobs is not None and msg.prompt_logprobs:
+            chunk["prompt_logprobs"] = choice.prompt_logprobs_json()  # the first chunk with tokens, as vLLM
+        await _send(response, chunk)
     if choice.failed:
         return choice.failure()[1]
     if msg.finish_reason:
@@ -528,9 +539,9 @@ def _with_openai_param(error: InvalidRequest, kind: str) -> InvalidRequest:
 class _Generations:
     """The request's generations as concurrent tasks, merged into one stream of (choice index, message)."""
 
-    def __init__(self, router: Router, runs: Sequence[tuple[int, PreparedRequest]],
-                 timer: StreamTimer | None = None) -> None:
-        self._router = router
+    def __init__(self, run: Callable[[PreparedRequest], AsyncIterator[router_pb2.GenerateResponse]],
+                 runs: Sequence[tuple[int, PreparedRequest]], timer: StreamTimer | None = None) -> None:
+        self._run = run
         self.timer = timer
         self._queue: asyncio.Queue[tuple[int, router_pb2.GenerateResponse | None]] = asyncio.Queue()
         self._open = len(runs)
@@ -538,7 +549,7 @@ class _Generations:
         self._tasks = [asyncio.create_task(self._pump(index, prep)) for index, prep in runs]
 
     async def _pump(self, index: int, prep: PreparedRequest) -> None:
-        stream = self._router.run(prep)
+        stream = self._run(prep)
         try:
             async for msg in stream:
                 self._queue.put_nowait((index, msg))
@@ -594,6 +605,12 @@ class _Choice:
     want_logprobs: bool
     parallel_tool_calls: bool = True
     echo: str = ""  # the prompt, sent before the first token's text (the legacy API's echo)
+    model: str = ""  # the model that answered, when it is not the one chosen at admission
+    want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs: shown per choice (chat: on the response)
+    echo_logprobs: bool = False  # legacy echo with logprobs: the prompt's tokens lead `logprobs`
+    first_prompt_token: int = 0  # the prompt's first token, which has no logprob
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
@@ -606,9 +623,13 @@ class _Choice:
 
     def add(self, msg: router_pb2.GenerateResponse) -> None:
         self.text.append(msg.text)
+        if msg.model:
+            self.model = msg.model  # a fallback took over after admission
         self.reasoning.append(msg.reasoning_text)
         self.tool_calls.extend(self._calls(msg))
         self.logprobs.extend(msg.logprobs)
+        if msg.prompt_logprobs:
+            self.prompt_logprobs = list(msg.prompt_logprobs)
         self.completion_tokens += len(msg.token_ids)
         if msg.finish_reason:
             self.finish_reason = FINISH_REASON_NAMES.get(msg.finish_reason, "error")
@@ -626,7 +647,8 @@ class _Choice:
 
     def delta(self, msg: router_pb2.GenerateResponse) -> dict[str, Any]:
         """A streamed chunk's choice for one message's text and logprobs."""
-        logprobs = self._logprobs(msg.logprobs) if self.want_logprobs else None
+        leading = self._leading_prompt_logprobs() if msg.prompt_logprobs else None
+        logprobs = self._logprobs(msg.logprobs, leading) if self.want_logprobs else None
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             calls = self._calls(msg)
@@ -638,7 +660,10 @@ class _Choice:
                 delta["tool_calls"] = calls
             return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
         echo, self.echo = self.echo, ""  # streamed once, before the first token's text
-        return {"index": self.index, "text": echo + msg.text, "logprobs": logprobs, "finish_reason": None}
+        out = {"index": self.index, "text": echo + msg.text, "logprobs": logprobs, "finish_reason": None}
+        if self.want_prompt_logprobs and msg.prompt_logprobs:
+            out["prompt_logprobs"] = self.prompt_logprobs_json()
+        return out
 
     def _calls(self, msg: router_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """A message's tool calls as OpenAI writes them (only the first of an answer without parallel calls)."""
@@ -679,7 +704,7 @@ class _Choice:
     def full(self) -> dict[str, Any]:
         """The choice of a non-streamed answer."""
         text = "".join(self.text)
-        logprobs = self._logprobs(self.logprobs) if self.want_logprobs else None
+        logprobs = self._logprobs(self.logprobs, self._leading_prompt_logprobs()) if self.want_logprobs else None
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             reasoning = "".join(self.reasoning)
@@ -690,9 +715,33 @@ class _Choice:
                 if not text.strip():  # the whitespace around the calls is not an answer
                     message["content"] = None
             return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason}
-        return {"index": self.index, "text": self.echo + text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        out = {"index": self.index, "text": self.echo + text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        if self.want_prompt_logprobs:
+            out["prompt_logprobs"] = self.prompt_logprobs_json()
+        return out
 
-    def _logprobs(self, items: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any]:
+    def prompt_logprobs_json(self) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then for each position its token and the
+        most likely alternatives by id (as a string), with logprob, rank and decoded text."""
+        out: list[dict[str, Any] | None] = [None]
+        for lp in self.prompt_logprobs:
+            entries = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                          "decoded_token": self._token(lp.token_id)[0]}}
+            for rank, top in enumerate(lp.top, start=1):
+                entries.setdefault(str(top.token_id), {"logprob": top.logprob, "rank": rank,
+                                                       "decoded_token": self._token(top.token_id)[0]})
+            out.append(entries)
+        return out
+
+    def _leading_prompt_logprobs(self) -> list[common_pb2.TokenLogprob | None] | None:
+        """The echoed prompt's entries that lead a legacy `logprobs` (once); None when not asked for."""
+        if not self.echo_logprobs or self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent = True
+        return [common_pb2.TokenLogprob(token_id=self.first_prompt_token), *self.prompt_logprobs]
+
+    def _logprobs(self, items: Sequence[common_pb2.TokenLogprob],
+                  leading: Sequence[common_pb2.TokenLogprob] | None = None) -> dict[str, Any]:
         name = self._token
         if self.kind == "chat":
             content = []
@@ -707,16 +756,20 @@ class _Choice:
                     ],
                 })
             return {"content": content, "refusal": None}
-        tokens = [name(lp.token_id)[0] for lp in items]
+        # With echo, the prompt's tokens come first; the very first has no logprob (null, as OpenAI writes it).
+        entries = [*(leading or []), *items]
+        tokens = [name(lp.token_id)[0] for lp in entries]
         offsets, at = [], 0
         for token in tokens:
             offsets.append(at)
             at += len(token)
+        none_first = bool(leading)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in items],
-            "top_logprobs": [{name(t.token_id)[0]: t.logprob for t in lp.top[: self.top_logprobs]}
-                             for lp in items] if self.top_logprobs else None,
+            "token_logprobs": [None if none_first and i == 0 else lp.logprob for i, lp in enumerate(entries)],
+            "top_logprobs": [None if none_first and i == 0 else
+                             {name(t.token_id)[0]: t.logprob for t in lp.top[: self.top_logprobs]}
+                             for i, lp in enumerate(entries)] if self.top_logprobs else None,
             "text_offset": offsets,
         }
 
@@ -743,10 +796,18 @@ class _Answer:
         self.choices = [
             _Choice(index=p * parsed.n + j, prompt_index=p, kind=parsed.kind, token_bytes=token_bytes,
                     top_logprobs=parsed.top_logprobs, want_logprobs=parsed.logprobs,
-                    parallel_tool_calls=parsed.parallel_tool_calls)
+                    parallel_tool_calls=parsed.parallel_tool_calls,
+                    want_prompt_logprobs=parsed.prompt_logprobs is not None and parsed.kind == "completion",
+                    echo_logprobs=parsed.echo_logprobs,
+                    first_prompt_token=preps[p].prompt_ids[0] if preps[p].prompt_ids else 0)
             for p in range(len(preps))
             for j in range(parsed.n)
         ]
+
+    @property
+    def answered_by(self) -> str:
+        """The model chosen at admission, or the fallback that took over when its workers failed the request."""
+        return next((c.model for c in self.choices if c.model), self.model)
 
     def runs(self) -> list[tuple[int, PreparedRequest]]:
         """(choice index, prepared request) for every generation; copies get their own seeds and ids."""
@@ -793,7 +854,7 @@ class _Answer:
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
-                               "model": self.model, "choices": choices}
+                               "model": self.answered_by, "choices": choices}
         if usage is not None:
             out["usage"] = usage
         elif self.parsed.continuous_usage:
@@ -803,8 +864,11 @@ class _Answer:
         return out
 
     def full_body(self) -> dict[str, Any]:
-        return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
+        body = {"id": self.request_id, "object": self.object, "created": self.created, "model": self.answered_by,
                 "choices": [c.full() for c in self.choices], "usage": self.usage_json()}
+        if self.parsed.kind == "chat" and self.parsed.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.choices[0].prompt_logprobs_json()  # vLLM: on the response, not a choice
+        return body
 
 
 def _copy_for_choice(prep: PreparedRequest, copy: int) -> PreparedRequest:

@@ -34,7 +34,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 # vLLM's and OpenAI's spellings of what this server does not do yet: a 400 naming them, never ignored.
 NOT_SUPPORTED = {
-    "prompt_logprobs": "prompt logprobs", "use_beam_search": "beam search", "logit_bias": "logit_bias",
+    "use_beam_search": "beam search", "logit_bias": "logit_bias",
     "prediction": "predicted outputs", "audio": "audio output",
 }
 # vLLM's spellings of a constraint, each to the wire's StructuredOutput field (structured_outputs' keys too).
@@ -64,6 +64,8 @@ class ParsedRequest:
     user: str | None = None
     parallel_tool_calls: bool = True  # false: only an answer's first tool call is returned
     echo: bool = False  # legacy completions: each answer's text starts with its prompt
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt tokens' logprobs, this many alternatives
+    echo_logprobs: bool = False  # legacy completions with echo and logprobs: the prompt's tokens lead `logprobs`
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -216,10 +218,12 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
     best_of = _optional(body, "best_of", int, None)
     if best_of is not None and best_of != parsed.n:
         raise InvalidRequest("best_of other than n is not supported by this server", "best_of")
-    if echo and parsed.logprobs:
-        raise InvalidRequest("echo with logprobs needs the prompt's logprobs, which this server does not compute",
-                             "echo")
     parsed.echo = echo
+    if echo and parsed.logprobs:
+        # OpenAI's legacy API: the echoed prompt's tokens lead the logprobs (the first one without a value).
+        parsed.echo_logprobs = True
+        for req in parsed.prompts:
+            req.sampling.prompt_logprobs = max(req.sampling.prompt_logprobs, parsed.top_logprobs)
     return parsed
 
 
@@ -284,6 +288,12 @@ def _common(
     salt = _optional(body, "cache_salt", str, None)
     if salt:
         req.cache_salt = _text(salt, "cache_salt")
+    prompt_logprobs = _optional(body, "prompt_logprobs", int, None)
+    if prompt_logprobs is not None:
+        if not 0 <= prompt_logprobs <= 20:
+            raise InvalidRequest("prompt_logprobs must be in [0, 20] (alternatives per prompt token)",
+                                 "prompt_logprobs")
+        s.prompt_logprobs = prompt_logprobs
     for name, what in NOT_SUPPORTED.items():
         if body.get(name) not in (None, False, {}, []):
             raise InvalidRequest(f"{name}: {what} is not supported by this server yet", name)
@@ -313,6 +323,7 @@ def _common(
         continuous_usage=continuous,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
         user=user,
     )
 

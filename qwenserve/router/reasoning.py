@@ -9,7 +9,7 @@ block starts in reasoning. An answer cut off inside the block (max_tokens) is al
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -29,6 +29,19 @@ def thinking_open_in_prompt(prompt_ids: Sequence[int], start_id: int, end_id: in
             return False
         if token == start_id:
             return True
+    return False
+
+
+def thinking_closed_in_prompt(prompt_ids: Sequence[int], end_id: int, text_of: Callable[[Sequence[int]], str]) -> bool:
+    """Whether the prompt ends with a closed thinking block (a template's way to turn thinking off: Qwen3's
+    "<think>\n\n</think>\n\n"): nothing but whitespace after its last end tag."""
+    tail = 0
+    for token in reversed(prompt_ids):
+        if token == end_id:
+            return not text_of(prompt_ids[len(prompt_ids) - tail:]).strip()
+        tail += 1
+        if tail > 8:  # more than whitespace follows
+            return False
     return False
 
 

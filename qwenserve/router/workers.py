@@ -90,6 +90,11 @@ class WorkerPool:
                 return preferred
         return least
 
+    def num_available(self) -> int:
+        """Workers that would be chosen now (for the router's gauge and alerts)."""
+        now = time.monotonic()
+        return sum(1 for w in self.workers.values() if w.available(now))
+
     def started(self, worker: Worker, tokens: int) -> None:
         worker.outstanding += 1
         worker.outstanding_tokens += tokens

@@ -236,6 +236,13 @@ class RouterMetrics:
             ["tenant", "kind"],
             registry=r,
         )
+        self.available_workers = Gauge(
+            "qwenserve_router_available_workers",
+            "Workers of a stage the router can send requests to now (known, not circuit-broken, not draining); "
+            "0: the stage cannot serve.",
+            ["model", "worker_stage"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "qwenserve_router_fallbacks_total",
             "Requests handed from a model whose decode workers were unavailable to its fallback.",

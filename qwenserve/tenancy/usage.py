@@ -1,7 +1,8 @@
-"""Usage metering: per-tenant counters of requests, prompt, cached prompt and completion tokens.
+"""Usage metering: per-tenant counters of requests, prompt, cached prompt, completion and reasoning tokens, in
+total and per model (what `pricing.py` bills).
 
-Redis layout: one hash per tenant, `<prefix>:{<tenant>}` with the fields of `USAGE_FIELDS`, and
-a set `<prefix>:tenants` of the tenants seen. These are billing totals, so they never expire;
+Redis layout: one hash per tenant, `<prefix>:{<tenant>}` with the fields of `USAGE_FIELDS` (the totals) and
+`model:<model>:<field>` (the same per model), and a set `<prefix>:tenants` of the tenants seen. These are billing totals, so they never expire;
 they grow with the number of tenants, not requests. One `record()` is one round trip (a
 MULTI/EXEC pipeline of HINCRBYs, so a request's counters always move together).
 """
@@ -21,13 +22,14 @@ from qwenserve.tenancy.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
-USAGE_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
+USAGE_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "reasoning_tokens")
+MODEL_FIELD_PREFIX = "model:"
 
 TENANT_REQUESTS = Counter("qwenserve_tenant_requests_total", "Finished requests per tenant.", ["tenant"])
 TENANT_TOKENS = Counter(
     "qwenserve_tenant_tokens_total",
     "Tokens per tenant: prompt (all prompt tokens), cached_prompt (of which served from the prefix cache), "
-    "completion.",
+    "completion, reasoning (of which spent thinking).",
     ["tenant", "kind"],
 )
 METERING_ERRORS = Counter(
@@ -49,6 +51,8 @@ class Usage:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0  # part of prompt_tokens served from the prefix cache
     requests: int = 1
+    reasoning_tokens: int = 0  # part of completion_tokens spent thinking
+    model: str = ""  # the model that answered; "" when not known (billed at the default prices)
 
     def __post_init__(self) -> None:
         for name in USAGE_FIELDS:
@@ -57,6 +61,8 @@ class Usage:
                 raise ValueError(f"Usage.{name} must be a non-negative int, got {value!r}")
         if self.cached_prompt_tokens > self.prompt_tokens:
             raise ValueError("Usage.cached_prompt_tokens cannot exceed prompt_tokens")
+        if self.reasoning_tokens > self.completion_tokens:
+            raise ValueError("Usage.reasoning_tokens cannot exceed completion_tokens")
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a dict with the names of `USAGE_FIELDS`."""
@@ -72,6 +78,7 @@ def _observe(tenant_id: str, usage: Usage) -> None:
     TENANT_TOKENS.labels(tenant_id, "prompt").inc(usage.prompt_tokens)
     TENANT_TOKENS.labels(tenant_id, "cached_prompt").inc(usage.cached_prompt_tokens)
     TENANT_TOKENS.labels(tenant_id, "completion").inc(usage.completion_tokens)
+    TENANT_TOKENS.labels(tenant_id, "reasoning").inc(usage.reasoning_tokens)
 
 
 class UsageMeter(ABC):
@@ -85,6 +92,10 @@ class UsageMeter(ABC):
     async def read(self, tenant: Tenant | str | None = None) -> dict:
         """One tenant's totals `{field: int}`, or with None every tenant's `{tenant_id: {field: int}}`."""
 
+    @abstractmethod
+    async def read_by_model(self, tenant: Tenant | str) -> dict[str, dict[str, int]]:
+        """One tenant's usage per model `{model: {field: int}}`; usage recorded without a model is under ""."""
+
     async def close(self) -> None:
         """Release connections. The in-process meter holds none."""
         return None
@@ -95,6 +106,7 @@ class InProcessUsageMeter(UsageMeter):
 
     def __init__(self) -> None:
         self._totals: dict[str, dict[str, int]] = {}
+        self._by_model: dict[str, dict[str, dict[str, int]]] = {}
         self._lock = threading.Lock()
 
     async def record(self, tenant: Tenant | str, usage: Usage) -> None:
@@ -102,9 +114,17 @@ class InProcessUsageMeter(UsageMeter):
         tenant_id = _tenant_id(tenant)
         with self._lock:
             totals = self._totals.setdefault(tenant_id, dict.fromkeys(USAGE_FIELDS, 0))
+            models = self._by_model.setdefault(tenant_id, {})
+            per_model = models.setdefault(usage.model, dict.fromkeys(USAGE_FIELDS, 0))
             for name, value in usage.as_dict().items():
                 totals[name] += value
+                per_model[name] += value
         _observe(tenant_id, usage)
+
+    async def read_by_model(self, tenant: Tenant | str) -> dict[str, dict[str, int]]:
+        """See `UsageMeter.read_by_model`."""
+        with self._lock:
+            return {model: dict(c) for model, c in self._by_model.get(_tenant_id(tenant), {}).items()}
 
     async def read(self, tenant: Tenant | str | None = None) -> dict:
         """See `UsageMeter.read`."""
@@ -133,6 +153,7 @@ class RedisUsageMeter(UsageMeter):
                 for name, value in usage.as_dict().items():
                     if value:
                         pipe.hincrby(key, name, value)
+                        pipe.hincrby(key, f"{MODEL_FIELD_PREFIX}{usage.model}:{name}", value)
                 pipe.sadd(f"{self._prefix}:tenants", tenant_id)
                 await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:
@@ -157,6 +178,21 @@ class RedisUsageMeter(UsageMeter):
         except (RedisError, OSError, TimeoutError) as exc:
             raise UsageMeterUnavailable(f"could not read usage: {exc}") from exc
         return {tenant_id: _decode(row) for tenant_id, row in zip(tenant_ids, rows, strict=True)}
+
+    async def read_by_model(self, tenant: Tenant | str) -> dict[str, dict[str, int]]:
+        """See `UsageMeter.read_by_model`. Raises `UsageMeterUnavailable` when Redis fails."""
+        try:
+            row = await self._client.hgetall(self._key(_tenant_id(tenant)))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise UsageMeterUnavailable(f"could not read usage: {exc}") from exc
+        models: dict[str, dict[str, int]] = {}
+        for name, value in row.items():
+            name = name.decode() if isinstance(name, bytes) else name
+            if name.startswith(MODEL_FIELD_PREFIX):
+                model, _, counter = name[len(MODEL_FIELD_PREFIX):].rpartition(":")
+                if counter in USAGE_FIELDS:
+                    models.setdefault(model, dict.fromkeys(USAGE_FIELDS, 0))[counter] = int(value)
+        return models
 
     async def close(self) -> None:
         """Close the Redis client."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from qwenserve.v1 import common_pb2 as qwenserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19qwenserve/v1/router.proto\x12\x0cqwenserve.v1\x1a\x19qwenserve/v1/common.proto\"\xfa\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.qwenserve.v1.ChatInputH\x00\x12\x32\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x16.qwenserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.qwenserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x08 \x01(\x03\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0b \x01(\t\x12\x1d\n\x15\x65\x63ho_prompt_token_ids\x18\x0c \x01(\x08\x42\x07\n\x05inputB\x16\n\x14_skip_special_tokensJ\x04\x08\n\x10\x0bR\x01n\"\xe3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.qwenserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.qwenserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.qwenserve.v1.Usage\x12(\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x19.qwenserve.v1.ErrorDetail\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x16\n\x0ereasoning_text\x18\t \x01(\t\x12*\n\ntool_calls\x18\n \x03(\x0b\x32\x16.qwenserve.v1.ToolCall\x12\r\n\x05model\x18\x0b \x01(\t\"\x13\n\x11ListModelsRequest\"@\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.qwenserve.v1.ModelCard\"\x12\n\x10GetStatusRequest\"\xcf\x01\n\x0bStageStatus\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x12\n\nload_known\x18\x05 \x01(\x08\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x10\n\x08kv_usage\x18\x08 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\t \x01(\x01\x12\x15\n\rmax_model_len\x18\n \x01(\r\">\n\x11GetStatusResponse\x12)\n\x06stages\x18\x01 \x03(\x0b\x32\x19.qwenserve.v1.StageStatus2\xf4\x01\n\x06Router\x12K\n\x08Generate\x12\x1d.qwenserve.v1.GenerateRequest\x1a\x1e.qwenserve.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.qwenserve.v1.ListModelsRequest\x1a .qwenserve.v1.ListModelsResponse\x12L\n\tGetStatus\x12\x1e.qwenserve.v1.GetStatusRequest\x1a\x1f.qwenserve.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19qwenserve/v1/router.proto\x12\x0cqwenserve.v1\x1a\x19qwenserve/v1/common.proto\"\xfa\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.qwenserve.v1.ChatInputH\x00\x12\x32\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x16.qwenserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.qwenserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x08 \x01(\x03\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0b \x01(\t\x12\x1d\n\x15\x65\x63ho_prompt_token_ids\x18\x0c \x01(\x08\x42\x07\n\x05inputB\x16\n\x14_skip_special_tokensJ\x04\x08\n\x10\x0bR\x01n\"\x98\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.qwenserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.qwenserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.qwenserve.v1.Usage\x12(\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x19.qwenserve.v1.ErrorDetail\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x16\n\x0ereasoning_text\x18\t \x01(\t\x12*\n\ntool_calls\x18\n \x03(\x0b\x32\x16.qwenserve.v1.ToolCall\x12\r\n\x05model\x18\x0b \x01(\t\x12\x33\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1a.qwenserve.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"@\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.qwenserve.v1.ModelCard\"\x12\n\x10GetStatusRequest\"\xcf\x01\n\x0bStageStatus\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x12\n\nload_known\x18\x05 \x01(\x08\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x10\n\x08kv_usage\x18\x08 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\t \x01(\x01\x12\x15\n\rmax_model_len\x18\n \x01(\r\">\n\x11GetStatusResponse\x12)\n\x06stages\x18\x01 \x03(\x0b\x32\x19.qwenserve.v1.StageStatus2\xf4\x01\n\x06Router\x12K\n\x08Generate\x12\x1d.qwenserve.v1.GenerateRequest\x1a\x1e.qwenserve.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.qwenserve.v1.ListModelsRequest\x1a .qwenserve.v1.ListModelsResponse\x12L\n\tGetStatus\x12\x1e.qwenserve.v1.GetStatusRequest\x1a\x1f.qwenserve.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=71
   _globals['_GENERATEREQUEST']._serialized_end=449
   _globals['_GENERATERESPONSE']._serialized_start=452
-  _globals['_GENERATERESPONSE']._serialized_end=807
-  _globals['_LISTMODELSREQUEST']._serialized_start=809
-  _globals['_LISTMODELSREQUEST']._serialized_end=828
-  _globals['_MODELCARD']._serialized_start=830
-  _globals['_MODELCARD']._serialized_end=894
-  _globals['_LISTMODELSRESPONSE']._serialized_start=896
-  _globals['_LISTMODELSRESPONSE']._serialized_end=957
-  _globals['_GETSTATUSREQUEST']._serialized_start=959
-  _globals['_GETSTATUSREQUEST']._serialized_end=977
-  _globals['_STAGESTATUS']._serialized_start=980
-  _globals['_STAGESTATUS']._serialized_end=1187
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1189
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1251
-  _globals['_ROUTER']._serialized_start=1254
-  _globals['_ROUTER']._serialized_end=1498
+  _globals['_GENERATERESPONSE']._serialized_end=860
+  _globals['_LISTMODELSREQUEST']._serialized_start=862
+  _globals['_LISTMODELSREQUEST']._serialized_end=881
+  _globals['_MODELCARD']._serialized_start=883
+  _globals['_MODELCARD']._serialized_end=947
+  _globals['_LISTMODELSRESPONSE']._serialized_start=949
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1010
+  _globals['_GETSTATUSREQUEST']._serialized_start=1012
+  _globals['_GETSTATUSREQUEST']._serialized_end=1030
+  _globals['_STAGESTATUS']._serialized_start=1033
+  _globals['_STAGESTATUS']._serialized_end=1240
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1242
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1304
+  _globals['_ROUTER']._serialized_start=1307
+  _globals['_ROUTER']._serialized_end=1551
 # @@protoc_insertion_point(module_scope)

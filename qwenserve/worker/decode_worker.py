@@ -13,7 +13,7 @@ from opentelemetry import trace
 from qwenserve.engine.errors import KVLayoutMismatchError
 from qwenserve.engine.kv_layout import KVImport
 from qwenserve.kv_transfer.errors import KVEndpointUnreachable, KVLayoutMismatch, KVTransferError
-from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto
+from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto, prompt_logprobs_to_proto
 from qwenserve.telemetry.engine_steps import EngineStepObserver
 from qwenserve.telemetry.metrics import HandoffMetrics
 from qwenserve.telemetry.tracing import Attr, get_tracer
@@ -310,6 +310,7 @@ async def _coalesced(
                 for out in batch:
                     msg.token_ids.extend(out.new_token_ids)
                     msg.logprobs.extend(logprobs_to_proto(out.new_token_ids, out.logprobs))
+                    msg.prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
                 last = batch[-1]
                 if last.finished:
                     msg.finish_reason = finish_reason_to_proto(last.finish_reason)

@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from qwenserve.kv_transfer.errors import KVHandoffExists, KVPoolExhausted
-from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto
+from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto, prompt_logprobs_to_proto
 from qwenserve.telemetry.engine_steps import EngineStepObserver
 from qwenserve.telemetry.metrics import HandoffMetrics
 from qwenserve.telemetry.tracing import Attr, get_tracer
@@ -78,6 +78,7 @@ class PrefillWorker:
 
         first: list[int] = []
         logprobs: list[common_pb2.TokenLogprob] = []
+        prompt_logprobs: list[common_pb2.TokenLogprob] = []
         finish, cached, error = None, 0, None
         traced = span.is_recording()
         if traced and self.steps is not None:
@@ -89,6 +90,7 @@ class PrefillWorker:
             ):
                 first.extend(out.new_token_ids)
                 logprobs.extend(logprobs_to_proto(out.new_token_ids, out.logprobs))
+                prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
                 if out.finished:
                     finish, error = out.finish_reason, out.error
                     cached = out.usage.cached_prompt_tokens
@@ -110,6 +112,7 @@ class PrefillWorker:
         )
         if logprobs:
             response.first_logprob.CopyFrom(logprobs[0])
+        response.prompt_logprobs.extend(prompt_logprobs)
         if finish in ("stop", "length") or not slots:
             # The first token already ends the request: there is nothing for decode to continue.
             for slot in slots:

@@ -144,13 +144,13 @@ def test_the_fallback_answers_while_the_primarys_decode_is_gone_and_hands_back(
     decode.process.send_signal(signal.SIGKILL)
     decode.process.wait(10)
 
-    seen = []
-    deadline = time.monotonic() + 60
-    while "qwen-backup" not in seen:
-        assert time.monotonic() < deadline, seen
-        status, body = _complete(router, "qwen-main", user=user)
-        seen.append(body.get("model") if status == 200 else status)  # the first may fail: that opens the circuit
-    assert seen.count("qwen-main") == 0 and all(s in ("qwen-backup", 503, 500) for s in seen), seen
+    # The first request still goes to the primary (nothing has failed there yet): its decode call fails before
+    # any token and the fallback answers it; that failure opened the circuit, so the next go to the fallback.
+    seen = [_complete(router, "qwen-main", user=user) for _ in range(3)]
+    assert [(status, body.get("model")) for status, body in seen] == [(200, "qwen-backup")] * 3, seen
+    assert seen[0][1] == seen[1][1] | {"id": seen[0][1]["id"], "created": seen[0][1]["created"]}
+    assert _available_decode_workers(router, "qwen-main") == 0  # what the StageUnavailable alert reads
+    assert _available_decode_workers(router, "qwen-backup") == 1
 
     # The primary's decode worker comes back on its address: once its circuit closes, it answers again.
     decode.process = subprocess.Popen(decode.argv, env={**os.environ, **main.env, **decode.env},
@@ -160,7 +160,15 @@ def test_the_fallback_answers_while_the_primarys_decode_is_gone_and_hands_back(
     while (answer := _complete(router, "qwen-main", user=user))[1].get("model") != "qwen-main":
         assert time.monotonic() < deadline, answer
         time.sleep(0.5)
+    assert _available_decode_workers(router, "qwen-main") == 1
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{router}/metrics", timeout=5).read().decode()
     fallbacks = re.search(r'qwenserve_router_fallbacks_total\{fallback="qwen-backup",model="qwen-main"\} (\S+)',
                           metrics)
     assert fallbacks and float(fallbacks.group(1)) >= 1, metrics[-2000:]
+
+
+def _available_decode_workers(port: int, model: str) -> float:
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    found = re.search(rf'qwenserve_router_available_workers{{model="{model}",worker_stage="decode"}} (\S+)', metrics)
+    assert found, metrics[-2000:]
+    return float(found.group(1))

@@ -93,3 +93,32 @@ def test_sampler_filters_restrict_the_support():
 
 def _fields(p: SamplingParams) -> dict:
     return {f: getattr(p, f) for f in p.__slots__}
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_skip_the_prefix_cache(make_engine, checkpoint):
+    from engine_checkpoints import load_reference
+
+    name = "qwen3_untied"
+    engine = make_engine(name, max_num_batched_tokens=16)  # a 61-token prompt takes four chunks
+    prompt, other = random_prompts(2, 61, 61, seed=21)
+    with torch.inference_mode():
+        ref = torch.log_softmax(load_reference(checkpoint(name))(torch.tensor([prompt])).logits[0], dim=-1)
+    scored = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    plain = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for _ in range(2):  # the second time every full block of the prompt is in the prefix cache
+        outs, _unscored = engine.generate_sync_outputs([prompt, other], [scored, plain])
+        firsts = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+        assert len(firsts) == 1 and outs[0].prompt_logprobs is firsts[0]  # once, with the first token
+        entries = firsts[0]
+        assert [e.token_id for e in entries] == prompt[1:]
+        for position, entry in enumerate(entries):
+            row = ref[position]
+            assert entry.logprob == pytest.approx(row[entry.token_id].item(), abs=1e-4)
+            assert entry.rank == int((row > row[entry.token_id]).sum()) + 1
+            assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
+        assert outs[-1].usage.cached_prompt_tokens == 0
+
+
+def test_prompt_logprobs_out_of_range_are_refused() -> None:
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)

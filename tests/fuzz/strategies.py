@@ -82,6 +82,7 @@ max_tokens_values = st.one_of(
 
 COMMON_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "model": st.just(MODEL_NAME),
+    "prompt_logprobs": st.integers(0, 3),
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0.01, 1.0),
     "top_k": st.integers(-1, 50),
@@ -107,6 +108,7 @@ TARGETED: dict[str, st.SearchStrategy[Any]] = {
     "model": st.one_of(weird_text, st.sampled_from(["gpt-4o", f"{MODEL_NAME} ", MODEL_NAME.upper()])),
     "max_tokens": max_tokens_values,
     "max_completion_tokens": max_tokens_values,
+    "prompt_logprobs": st.sampled_from([-1, 21, 2**32, "2"]),
     "n": st.sampled_from([0, -1, 17, 10**6, 2**64]),
     "stream_options": st.one_of(hostile,
                                 st.sampled_from([{"include_usage": "yes"}, {"continuous_usage_stats": 1}])),
@@ -366,6 +368,7 @@ GRPC_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = 
     "stop_token_ids": (st.lists(st.integers(0, VOCAB - 1), max_size=3), st.lists(st.integers(0, 2**32 - 1),
                                                                                   min_size=1, max_size=3)),
     "top_logprobs": (st.integers(0, 5), st.sampled_from([21, 2**32 - 1])),
+    "prompt_logprobs": (st.one_of(st.just(OMIT), st.integers(0, 3)), st.sampled_from([21, 2**32 - 1])),
     "seed": (st.one_of(st.just(OMIT), st.integers(0, 2**64 - 1)), st.sampled_from([0, 2**64 - 1])),
     "stop": (st.lists(plain_text, max_size=3), st.one_of(st.lists(grpc_text, min_size=1, max_size=3),
                                                          st.lists(plain_text, min_size=17, max_size=18))),
@@ -417,6 +420,8 @@ def grpc_refusal_reason(req: router_pb2.GenerateRequest) -> str | None:
         return "a model this server does not serve"
     if any(t >= VOCAB for t in s.stop_token_ids):
         return "stop_token_ids outside the vocabulary"
+    if s.HasField("prompt_logprobs") and s.prompt_logprobs > 20:
+        return "prompt_logprobs above 20"
     if req.WhichOneof("input") == "prompt_token_ids" and any(t >= VOCAB for t in req.prompt_token_ids.ids):
         return "prompt token ids outside the vocabulary"
     if s.HasField("max_tokens") and s.max_tokens >= POOL_TOKENS:

@@ -26,6 +26,7 @@ API_KEYS = {
     "sk-refund": "refund",
     "sk-capped": "capped",
     "sk-flags": "flags",
+    "sk-billed": "billed",
 }
 TENANT_LIMITS = {
     "acme": {},
@@ -33,6 +34,7 @@ TENANT_LIMITS = {
     "refund": {"tokens_per_minute": 300},
     "capped": {"max_tokens": 8},
     "flags": {"tokens_per_minute": 1000},
+    "billed": {},
 }
 
 

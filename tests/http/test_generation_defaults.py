@@ -85,3 +85,29 @@ def test_echo_starts_each_answer_with_its_prompt(client: openai.OpenAI) -> None:
     assert echoed.choices[0].text == "Once upon a time" + plain.choices[0].text  # greedy by the model's defaults
     streamed = client.completions.create(model=model, prompt=[[9707, 1052]], max_tokens=5, echo=True, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices).startswith("Hello there")
+
+
+def test_prompt_logprobs_come_from_the_decode_worker_that_computed_the_prompt(client: openai.OpenAI) -> None:
+    # prefill=0: the decode worker computes the prompt itself (the handoff path is in test_openai_cluster.py).
+    model = client.models.list().data[0].id
+    reply = client.completions.create(model=model, prompt=[9707, 1052, 374, 264], max_tokens=2,
+                                      extra_body={"prompt_logprobs": 2})
+    positions = reply.choices[0].model_extra["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == 4
+    for token, entries in zip([1052, 374, 264], positions[1:], strict=True):
+        assert entries[str(token)]["logprob"] <= 0 and entries[str(token)]["rank"] >= 1
+        assert len(entries) in (2, 3)  # the token and the two most likely (it may be one of them)
+        assert all(e["rank"] in (1, 2) for t, e in entries.items() if t != str(token))
+
+
+def test_echo_with_logprobs_leads_with_the_prompts_tokens(client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    for stream in (False, True):
+        reply = client.completions.create(model=model, prompt=[9707, 1052, 374], max_tokens=3, echo=True, logprobs=2,
+                                          stream=stream)
+        chunks = list(reply) if stream else [reply]
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        values = [v for c in chunks if c.choices and c.choices[0].logprobs
+                  for v in c.choices[0].logprobs.token_logprobs]
+        assert len(tokens) == 6 and values[0] is None and all(v <= 0 for v in values[1:]), (tokens, values)
+        assert "".join(tokens) == "".join(c.choices[0].text for c in chunks if c.choices)

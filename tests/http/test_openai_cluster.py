@@ -216,3 +216,19 @@ def test_grpc_generate_checks_the_same_keys(cluster) -> None:
         assert replies[-1].finish_reason and replies[-1].usage.prompt_tokens >= 1
         replies = list(stub.Generate(request, metadata=[("x-api-key", "sk-acme")], timeout=60))
         assert replies[-1].finish_reason
+
+
+def test_prompt_logprobs_cross_the_handoff_streamed_or_not_and_skip_the_prefix_cache(acme: openai.OpenAI,
+                                                                                      model: str) -> None:
+    args = dict(model=model, messages=PROMPT, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 1})
+    first = acme.chat.completions.create(**args)
+    again = acme.chat.completions.create(**args)  # the prompt's blocks are cached by now
+    chunks = list(acme.chat.completions.create(**args, stream=True))
+    streamed = [c.model_extra["prompt_logprobs"] for c in chunks if c.model_extra.get("prompt_logprobs")]
+    assert len(streamed) == 1  # on the first chunk with tokens
+    positions = first.model_extra["prompt_logprobs"]
+    assert len(positions) == first.usage.prompt_tokens and positions[0] is None
+    assert positions == again.model_extra["prompt_logprobs"] == streamed[0]
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    for entries in positions[1:]:
+        assert 1 <= len(entries) <= 2 and all(e["logprob"] <= 0 and e["rank"] >= 1 for e in entries.values())

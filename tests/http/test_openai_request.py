@@ -124,10 +124,16 @@ def test_completion_prompts_string_ids_and_batches() -> None:
         ({"prompt": [-1]}, "prompt"),
         ({"prompt": {"text": "a"}}, "prompt"),
         ({"prompt": "a", "logprobs": 6}, "logprobs"),
-        ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "a", "prompt_logprobs": -1}, "prompt_logprobs"),
         ({"prompt": "a", "echo": "yes"}, "echo"),
         ({"prompt": "a", "best_of": 3}, "best_of"),
     ],
 )
 def test_bad_completion_bodies_name_the_parameter(body: dict, param: str) -> None:
     rejected(parse_completion, body, param)
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs_with_as_many_alternatives() -> None:
+    parsed = parse_completion({"prompt": ["a", "b"], "echo": True, "logprobs": 3, "prompt_logprobs": 1})
+    assert parsed.echo_logprobs and parsed.prompt_logprobs == 1
+    assert [p.sampling.prompt_logprobs for p in parsed.prompts] == [3, 3]

@@ -3,7 +3,9 @@
 A random-weight model is the hardest client of a grammar (it wants any token at all), and each answer
 here goes through prefill (the first token) and a handoff to decode (the rest), so both engines keep
 the same grammar state. Schemas bound their strings and numbers: an unbounded one lets a model write
-digits until max_tokens, which no grammar can prevent.
+digits until max_tokens, which no grammar can prevent. Chat requests turn thinking off (the template then closes an
+empty block in the prompt and the grammar applies from the first token): asked to think, a random model may think
+until max_tokens, as the grammar lets it (tests/http/test_reasoning_and_tools.py covers thinking first).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ PERSON = {
     "additionalProperties": False,
 }
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,8 @@ def test_fifty_sampled_answers_to_a_json_schema_all_validate(client: openai.Open
 
     def ask(seed: int) -> tuple[str, str]:
         reply = client.chat.completions.create(model=model, messages=ASK, response_format=response_format,
-                                               max_tokens=200, temperature=1.0, seed=seed)
+                                               max_tokens=200, temperature=1.0, seed=seed,
+                                               extra_body=NO_THINKING)
         return reply.choices[0].message.content or "", reply.choices[0].finish_reason
 
     with ThreadPoolExecutor(8) as pool:
@@ -78,10 +82,10 @@ def test_fifty_sampled_answers_to_a_json_schema_all_validate(client: openai.Open
 def test_greedy_and_streamed_answers_validate_too(client: openai.OpenAI) -> None:
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     greedy = client.chat.completions.create(model=_model(client), messages=ASK, response_format=response_format,
-                                            max_tokens=200, temperature=0)
+                                            max_tokens=200, temperature=0, extra_body=NO_THINKING)
     jsonschema.validate(json.loads(greedy.choices[0].message.content), PERSON)
     stream = client.chat.completions.create(model=_model(client), messages=ASK, response_format=response_format,
-                                            max_tokens=200, temperature=0, stream=True)
+                                            max_tokens=200, temperature=0, stream=True, extra_body=NO_THINKING)
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == greedy.choices[0].message.content
 
@@ -89,9 +93,10 @@ def test_greedy_and_streamed_answers_validate_too(client: openai.OpenAI) -> None
 def test_json_object_regex_and_choice_in_openai_and_vllm_spellings(client: openai.OpenAI) -> None:
     model = _model(client)
 
-    def answer(**settings: object) -> str:
+    def answer(response_format: dict | None = None, extra_body: dict | None = None) -> str:
+        more = {"response_format": response_format} if response_format else {}
         reply = client.chat.completions.create(model=model, messages=ASK, max_tokens=120, temperature=1.0, seed=7,
-                                               **settings)
+                                               extra_body={**NO_THINKING, **(extra_body or {})}, **more)
         return reply.choices[0].message.content or ""
 
     assert isinstance(json.loads(answer(response_format={"type": "json_object"})), dict)

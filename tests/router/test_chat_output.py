@@ -8,7 +8,7 @@ import random
 import pytest
 
 from qwenserve.router.chat_output import ChatOutput, ChatShape, forced_prefix
-from qwenserve.router.reasoning import ReasoningSplitter, thinking_open_in_prompt
+from qwenserve.router.reasoning import ReasoningSplitter, thinking_closed_in_prompt, thinking_open_in_prompt
 from qwenserve.router.tool_calls import ToolCallParser, parse_call
 
 THINK_START_ID, THINK_END_ID = 151667, 151668
@@ -124,3 +124,17 @@ def test_chat_output_counts_thinking_tokens_up_to_the_closing_tag() -> None:
     plain = ChatOutput(ChatShape(reasoning=True, think_end_id=THINK_END_ID))
     plain.push("Paris", [5])
     assert plain.reasoning_tokens == 0 and not plain.called
+
+
+def test_a_prompt_that_ends_in_a_closed_thinking_block_has_turned_thinking_off() -> None:
+    text = {7: "\n\n", 8: "Hi", 9: " "}.get
+
+    def text_of(ids: list[int]) -> str:
+        return "".join(text(i, "?") for i in ids)
+
+    end = 2
+    assert thinking_closed_in_prompt([5, 1, end, 7], end, text_of)  # "<think>\n\n</think>\n\n"
+    assert thinking_closed_in_prompt([5, 1, end], end, text_of)
+    assert not thinking_closed_in_prompt([5, 1, end, 7, 8, 9], end, text_of)  # a past turn's block, then text
+    assert not thinking_closed_in_prompt([5, 1, 7], end, text_of)
+    assert not thinking_closed_in_prompt([end] + [9] * 9, end, text_of)
