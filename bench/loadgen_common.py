@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from qwenserve.default_model import ensure_default_model
 from qwenserve.launcher import LocalCluster
@@ -32,10 +33,12 @@ def model_path(arg: Path | None) -> Path:
 
 
 @contextmanager
-def cluster(model: Path, prefill: int, decode: int, env: dict[str, str]) -> Iterator[LocalCluster]:
-    """A `qwen-serve up` on loopback with the given worker environment; logs in a temporary folder."""
+def cluster(model: Path, prefill: int, decode: int, env: dict[str, str], **more: Any) -> Iterator[LocalCluster]:
+    """A `qwen-serve up` on loopback with the given worker environment (and LocalCluster settings); logs in a
+    temporary folder."""
     logs = Path(tempfile.mkdtemp(prefix="qwenserve-bench-"))
-    with LocalCluster(model=model, prefill=prefill, decode=decode, env={**WORKER_ENV, **env}, log_dir=logs) as c:
+    with LocalCluster(model=model, prefill=prefill, decode=decode, env={**WORKER_ENV, **env}, log_dir=logs,
+                      **more) as c:
         yield c
 
 

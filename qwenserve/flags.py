@@ -359,8 +359,12 @@ def print_config(component: str, config: object) -> None:
     """Print a component's configuration once at start-up; secret options show as `***`."""
     from qwenserve.telemetry.logs import console  # here: importing the flags stays cheap
 
-    body = " ".join(f"{k}={v}" for k, v in _printable(config).items())
-    console("%s config: %s", component, body, stderr=True)
+    console("%s config: %s", component, config_line(config), stderr=True)
+
+
+def config_line(config: object) -> str:
+    """`field=value ...` of a configuration on one line (nested ones in braces); secrets as `***`."""
+    return " ".join(f"{k}={v}" for k, v in _printable(config).items())
 
 
 def _console_error(message: str, *args: object) -> None:

@@ -43,10 +43,12 @@ from qwenserve.flags import (
     add_options,
     argv_for,
     config_from_args,
+    config_line,
     option,
     option_specs,
 )
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
+from qwenserve.presets import preset_defaults, preset_named
 from qwenserve.telemetry.logs import console
 
 # Plans a start may try when a picked port was taken before its child bound it.
@@ -368,13 +370,16 @@ class UpConfig:
     prefill_nice: int = option(
         10, help="lower prefill processes' CPU priority by this much, so that on shared cores their long prompt "
                  "steps yield to decode steps and the router's relay (0: equal priority)")
+    print_config: bool = option(False, env=False,
+                                help="print every stage's configuration as it would start (preset applied), then exit")
 
 
-def up_parser() -> tuple[StrictParser, dict[str, list[FlagSpec]]]:
-    """`qwen-serve up`'s parser: its own options, then every stage flag it passes on (by stage)."""
+def up_parser(argv: Sequence[str] = ()) -> tuple[StrictParser, dict[str, list[FlagSpec]]]:
+    """`qwen-serve up`'s parser: its own options (with the defaults of the preset `argv` names), then every stage
+    flag it passes on (by stage)."""
     parser = StrictParser(prog="qwen-serve up", description=__doc__.splitlines()[0],
                           epilog="Every flag also reads QWENSERVE_<FLAG> from the environment.")
-    add_options(parser, UpConfig)
+    add_options(parser, UpConfig, defaults=preset_defaults(preset_named(argv)))
     routed: dict[str, list[FlagSpec]] = {}
     for stage, cls in stage_configs().items():
         group = parser.add_argument_group(f"{stage} flags", "passed to every stage that has them")
@@ -385,7 +390,7 @@ def up_parser() -> tuple[StrictParser, dict[str, list[FlagSpec]]]:
 
 def main(argv: list[str]) -> int:
     """`qwen-serve up`: run the whole stack until Ctrl-C."""
-    parser, routed = up_parser()
+    parser, routed = up_parser(argv)
     args = parser.parse_args(argv)
     try:
         up: UpConfig = config_from_args(UpConfig, args)
@@ -403,6 +408,11 @@ def main(argv: list[str]) -> int:
             prefill_nice=up.prefill_nice, stage_values=stage_values,
         )
         cluster.plan()
+        if up.print_config:
+            for name, config in _child_configs(cluster):
+                print(f"{name}: {config_line(config)}")
+            print(f"up: prefill_nice={up.prefill_nice}")
+            return 0
         _check_plan(cluster, up)
     except StartupError as e:
         console("qwen-serve up: cannot start: %s", one_line(e), level=logging.ERROR, stderr=True)
@@ -444,6 +454,18 @@ def _checked_model(model: str | None) -> str:
         return str(ensure_default_model())
     check_model_folder(model, "MODEL", needs_tokenizer=True)
     return model
+
+
+def _child_configs(cluster: LocalCluster) -> list[tuple[str, Any]]:
+    """(child name, its stage's configuration parsed from its planned command line), without starting anything."""
+    configs = []
+    for child in cluster.children:
+        stage = child.argv[child.argv.index("serve") + 1]
+        module = importlib.import_module(f"qwenserve_services.{stage}.config")
+        with _environment(child.env):
+            configs.append((child.name, module.parse_config(child.argv[child.argv.index("serve") + 2:],
+                                                            prog="qwen-serve up")))
+    return configs
 
 
 def _check_plan(cluster: LocalCluster, up: UpConfig) -> None:

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import ClassVar, TypeVar
 
 from qwenserve.addresses import is_wildcard_host
+from qwenserve.engine.admission_policy import WatermarkSettings
 from qwenserve.engine.config import EngineConfig
 from qwenserve.flags import StrictParser, add_options, nested, option, option_specs
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
+from qwenserve.presets import PRESET_NAMES, preset_defaults, preset_named
 
 C = TypeVar("C", bound="StageConfig")
 
@@ -64,15 +66,20 @@ class EngineStageConfig(StageConfig):
     served_model_name: str = option(
         "", help="the model's name in vLLM's metrics' model_name label, as the router's (default: the folder's)")
     tensor_parallel_size: int = option(1, help="GPUs one engine spans; only 1 is supported")
+    preset: str = option("none", choices=PRESET_NAMES,
+                         help="latency or throughput: sets the step budget, max sequences, admission policy, burst "
+                              "steps and (decode) stream interval together; flags given beside it win")
     engine: EngineConfig = nested(EngineConfig, kv_cache_memory_gb=1.0)
 
     ENVIRONMENT: ClassVar[frozenset[str]] = COMMON_ENVIRONMENT | {"QWENSERVE_CPU_KERNEL"}  # 0: PyTorch's own ops
 
 
-def stage_parser(stage: str, config_class: type, description: str, prog: str | None = None) -> StrictParser:
-    """The strict parser of a stage, every flag derived from `config_class`."""
+def stage_parser(stage: str, config_class: type, description: str, prog: str | None = None,
+                 argv: Sequence[str] = ()) -> StrictParser:
+    """The strict parser of a stage, every flag derived from `config_class`; the defaults are the preset's that
+    `argv` (or QWENSERVE_PRESET) names, where the stage has those options."""
     parser = StrictParser(prog=prog or f"qwen-serve serve {stage}", description=description)
-    add_options(parser, config_class)
+    add_options(parser, config_class, defaults=preset_defaults(preset_named(argv)))
     return parser
 
 
@@ -104,6 +111,14 @@ def check_advertise_host(parser: StrictParser, host: str, dialled_by: str) -> No
 
 def check_engine_options(parser: StrictParser, config: EngineStageConfig) -> None:
     """Refuse what an engine stage cannot do here, in one line (tensor parallelism on a host without GPUs)."""
+    engine = config.engine
+    try:
+        WatermarkSettings(engine.watermark_window, engine.watermark_percentile, engine.watermark_decay,
+                          engine.watermark_reset_idle_s)
+    except ValueError as e:
+        parser.error(str(e))
+    if engine.priority_aging_s < 0:
+        parser.error("--priority-aging-s must be >= 0 (0: priorities never age)")
     tp = config.tensor_parallel_size
     if tp < 1:
         parser.error(f"--tensor-parallel-size {tp}: give 1")

@@ -26,6 +26,8 @@ SHORT_NAMES = ["qwd", "qwendep"]
 STAGES: tuple[str, ...] = ("tokenizer", "prefill", "decode", "router")
 # The stages' --kv-transfer choices (qwenserve_services.stage_config.KV_TRANSFER_MODES; a test keeps them equal).
 KV_TRANSFER_MODES: tuple[str, ...] = ("shm", "network", "mooncake")
+# The engine stages' --preset choices (qwenserve.presets.PRESET_NAMES; a test keeps them equal).
+PRESET_NAMES: tuple[str, ...] = ("none", "latency", "throughput")
 # Only the engine stages carry an autoscaler: tokenizer and router are cheap and stateless.
 AUTOSCALED_STAGES: tuple[str, ...] = ("prefill", "decode")
 
@@ -251,6 +253,9 @@ def spec_schema() -> Schema:
             "model": model,
             "image": image,
             "kvTransfer": kv,
+            "preset": _str("Operating mode of prefill and decode: latency (short steps, short prompts first, every "
+                           "token sent at once) or throughput (long steps, arrival order, tokens coalesced); a "
+                           "stage's own args win over it.", enum=list(PRESET_NAMES), default="none"),
             "stages": stages,
             "slo": slo,
             "prefillDecodeRatio": ratio,

@@ -48,8 +48,8 @@ class EngineConfig:
     max_num_seqs: int = option(256, help="running sequences at once")
     enable_prefix_caching: bool = option(True, help="share the KV cache of common prompt prefixes")
     # "short_first" protects the TTFT of short prompts in a burst (see scheduler.py); "fcfs" is plain order.
-    admission_policy: str = option("short_first", choices=("short_first", "fcfs"),
-                                   help="which waiting request is admitted first")
+    admission_policy: str = option("short_first", choices=("short_first", "fcfs", "watermark"),
+                                   help="which waiting request is admitted first (admission_policy.py)")
     # A waiting request older than this is admitted before any shorter one (no starvation).
     max_queue_delay_s: float = 2.0
     # short_first: while more prompt tokens wait than a step with decodes could take, up to this many
@@ -58,6 +58,14 @@ class EngineConfig:
         2, help="short_first: prefill-only steps in a row allowed while prompts queue up (0: never)")
     # ... and only while those steps together are expected to last no longer than this.
     burst_max_stall_s: float = 0.25
+    # watermark: the window of recent request scores, its percentile, the per-second decay of a held request's
+    # score, and how long an empty queue makes it forget the window.
+    watermark_window: int = option(48, help="watermark policy: recent requests the watermark is taken from")
+    watermark_percentile: float = option(90.0, help="watermark policy: the window's percentile that is the watermark")
+    watermark_decay: float = option(0.95, help="watermark policy: a held request's score shrinks by this per second")
+    watermark_reset_idle_s: float = option(3.0, help="watermark policy: an empty queue this long forgets the window")
+    # A waiting request's priority improves by one level per this many seconds (low tiers never starve).
+    priority_aging_s: float = option(5.0, help="seconds of waiting that raise a request's priority by one level")
     # Fraction of the pool kept free when admitting, so running requests can grow without preemption.
     admission_watermark: float = 0.01
     attention_backend: str = option("auto", choices=("auto", "torch", "flash_attn"),

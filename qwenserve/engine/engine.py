@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from qwenserve import cpu_kernels
+from qwenserve.engine.admission_policy import WatermarkSettings
 from qwenserve.engine.attention import default_block_size, select_backend
 from qwenserve.engine.block_pool import BlockPool
 from qwenserve.engine.config import EngineConfig, KVCapacity, derived_max_model_len, resolve_max_model_len
@@ -103,6 +104,9 @@ class LLMEngine:
                 burst_prefill_steps=config.burst_prefill_steps,
                 burst_max_stall_s=config.burst_max_stall_s,
                 watermark_blocks=int(config.admission_watermark * num_blocks),
+                priority_aging_s=config.priority_aging_s,
+                watermark=WatermarkSettings(config.watermark_window, config.watermark_percentile,
+                                            config.watermark_decay, config.watermark_reset_idle_s),
             ),
             self.pool,
         )
@@ -171,6 +175,7 @@ class LLMEngine:
         resume_token_ids: Seq[int] = (),
         kv_import: KVImport | None = None,
         kv_export: KVExportSink | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; the last has finished=True. Raises a RequestError subclass
         for an invalid request. Stopping the iteration early (or cancelling) aborts the request.
@@ -178,7 +183,8 @@ class LLMEngine:
         resume_token_ids: tokens already generated elsewhere; they count as output (penalties, max_tokens,
         seed positions) and are not emitted again. kv_import: KV for the first tokens, computed elsewhere.
         kv_export: prefill-only; after the first token, the KV of every computed token is written into the
-        tensor the sink returns and the request finishes with finish_reason "export".
+        tensor the sink returns and the request finishes with finish_reason "export". priority: lower is admitted
+        first (a tenant's tier; admission_policy.py).
         Raises EngineDeadError, instead of a last output, when the compute loop dies meanwhile.
         """
         loop = asyncio.get_running_loop()
@@ -194,6 +200,7 @@ class LLMEngine:
         seq = self._new_sequence(
             request_id, prompt_token_ids, sampling, cache_salt, resume_token_ids, kv_import, kv_export, emit
         )
+        seq.priority = priority
         self._submit(seq)
         finished = False
         try:

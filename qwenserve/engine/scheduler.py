@@ -9,8 +9,11 @@ a running sequence needs a block and none is free, the newest running sequence i
 are freed and it goes back to the front of the queue to be recomputed (its full blocks usually survive in
 the prefix cache, so recomputation is cheap).
 
-Admission policies:
+Admission policies (the order of the waiting queue is admission_policy.py's; each keeps priorities and
+lets nothing starve):
 - "fcfs": decodes, then in-flight prefill chunks, then new requests in arrival order.
+- "watermark": as fcfs, but a request whose cost scores above the sliding watermark of recent requests
+  waits while cheaper ones do.
 - "short_first" (default): decodes, then waiting requests whose whole remaining prompt fits in what is
   left of this step's budget, shortest first, then in-flight prefill chunks, then the rest. In a burst a
   short prompt gets its first token in the next step instead of queueing behind long prompts' chunks.
@@ -33,6 +36,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from qwenserve.engine.admission_policy import WatermarkSettings, make_policy
 from qwenserve.engine.block_pool import BlockPool, chain_hash, root_hash
 from qwenserve.engine.sequence import Sequence, SequenceStatus
 
@@ -71,14 +75,16 @@ class SchedulerLimits:
     watermark_blocks: int = 0
     burst_prefill_steps: int = 2
     burst_max_stall_s: float = 0.25
+    priority_aging_s: float = 5.0
+    watermark: WatermarkSettings = field(default_factory=WatermarkSettings)
 
 
 class Scheduler:
     """Owns the waiting queue and the running batch; the block pool backs its decisions."""
 
     def __init__(self, limits: SchedulerLimits, pool: BlockPool) -> None:
-        if limits.admission_policy not in ("fcfs", "short_first"):
-            raise ValueError(f"admission_policy {limits.admission_policy!r}: use fcfs or short_first")
+        self.policy = make_policy(limits.admission_policy, limits.max_queue_delay_s, limits.priority_aging_s,
+                                  limits.watermark)
         self.limits = limits
         self.pool = pool
         self.block_size = pool.block_size
@@ -90,9 +96,12 @@ class Scheduler:
         self._burst_step_s: float | None = None  # how long prefill-only steps take here, as measured
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        self._empty_since: float | None = time.monotonic()  # when the queue last became empty
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request."""
+        self.policy.on_arrival(seq, self._empty_since, time.monotonic())
+        self._empty_since = None
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -124,17 +133,19 @@ class Scheduler:
                 return out
         self._decodes_skipped = 0
         budget = self._schedule_running(decoding, budget, out)
-        if self.limits.admission_policy == "short_first":
+        if self.policy.prefers_short:
             budget = self._admit(budget, out, only_whole=True)
             budget = self._schedule_running(prefilling, budget, out)
         else:
             budget = self._schedule_running(prefilling, budget, out)
-        self._admit(budget, out, only_whole=False)
+        self._admit(budget, out, only_whole=False, prefilling=bool(prefilling))
+        if not self.waiting and self._empty_since is None:
+            self._empty_since = time.monotonic()
         return out
 
     def _backlogged(self, decoding: list[Sequence], prefilling: list[Sequence]) -> bool:
         """short_first: should this step leave the decodes out and prefill alone?"""
-        if (self.limits.admission_policy != "short_first" or not decoding
+        if (not self.policy.prefers_short or not decoding
                 or self._decodes_skipped >= self.limits.burst_prefill_steps):
             return False
         # Only where such steps are short: the decodes must not wait longer than burst_max_stall_s in all.
@@ -180,18 +191,8 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _admission_order(self) -> list[Sequence]:
-        if self.limits.admission_policy == "fcfs":
-            return list(self.waiting)
-        deadline = time.monotonic() - self.limits.max_queue_delay_s
-        # Preempted sequences (already admitted once) and starving ones keep their place at the front.
-        urgent = [s for s in self.waiting if s.admitted_once or s.arrival_time < deadline]
-        urgent_ids = {id(s) for s in urgent}
-        rest = sorted((s for s in self.waiting if id(s) not in urgent_ids), key=lambda s: s.num_uncomputed_tokens)
-        return urgent + rest
-
-    def _admit(self, budget: int, out: SchedulerOutput, only_whole: bool) -> int:
-        for seq in self._admission_order():
+    def _admit(self, budget: int, out: SchedulerOutput, only_whole: bool, prefilling: bool = False) -> int:
+        for seq in self.policy.order(self.waiting, time.monotonic(), prefilling):
             if budget == 0 or len(self.running) >= self.limits.max_num_seqs:
                 break
             if only_whole and seq.num_tokens > budget and not seq.admitted_once:

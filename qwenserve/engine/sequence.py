@@ -41,6 +41,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prefix-cache hit at first admission (reported in usage)
     admitted_once: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower is served first (vLLM's convention); a tenant's tier
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # position p+1's, at index p
     prompt_logprobs_sent: bool = False
     grammar: Any = None  # the structured-output matcher (llguidance), fed every output token

@@ -117,6 +117,7 @@ class Gatekeeper:
         for prep in preps:
             _clamp_output(prep, tenant.limits.max_tokens)
             prep.cache_salt = f"tenant={tenant.id};{prep.cache_salt}"
+            prep.priority = tenant.priority
         prompt_tokens = sum(len(p.prompt_ids) for p in preps)
         output_budget = copies * sum(p.sampling.max_tokens or 0 for p in preps)
         request_id = preps[0].request_id
@@ -155,6 +156,8 @@ class Gatekeeper:
                 prompt=usage.prompt_tokens,
                 cached=usage.cached_prompt_tokens,
                 completion=usage.completion_tokens,
+                tier=ticket.tenant.tier,
+                reasoning=usage.reasoning_tokens,
             )
         if self.meter is not None:
             record = Usage(

@@ -151,6 +151,7 @@ class PreparedRequest:
     internal_id: str = ""  # what the stages know it by (unique even when client ids repeat); made if empty
     chat: ChatShape | None = None  # a chat answer: how its text is split (None: text as generated)
     content_filter: ContentFilter | None = None  # the tenant's words that must never be sent (the fronts set it)
+    priority: int = 0  # the tenant's tier: lower is admitted first by the engines (the gatekeeper sets it)
 
     def __post_init__(self) -> None:
         if not self.internal_id:
@@ -738,6 +739,7 @@ class Router:
             prompt_token_ids=prep.prompt_ids,
             sampling=prep.wire_sampling,
             cache_salt=prep.cache_salt,
+            priority=prep.priority,
         )
         tokens = len(prep.prompt_ids)
         for attempt in range(self.config.prefill_attempts):
@@ -888,6 +890,7 @@ class Router:
             prompt_token_ids=prep.prompt_ids,
             sampling=prep.wire_sampling,
             cache_salt=prep.cache_salt,
+            priority=prep.priority,
         )
         if start is not None or progress.prompt_logprobs is not None:
             # Computed once, where the prompt was first computed: a decode worker that imports the KV or resumes

@@ -232,8 +232,15 @@ class RouterMetrics:
         )
         self.tokens = Counter(
             "qwenserve_router_tokens_total",
-            "Tokens by tenant and kind (prompt, cached, completion).",
+            "Tokens by tenant and kind (prompt, cached, completion, reasoning).",
             ["tenant", "kind"],
+            registry=r,
+        )
+        self.tier_tokens = Counter(
+            "qwenserve_router_tier_tokens_total",
+            "Tokens by tenant tier (the key file's tiers; none: no tier) and kind (prompt, cached, completion, "
+            "reasoning).",
+            ["tier", "kind"],
             registry=r,
         )
         self.available_workers = Gauge(
@@ -263,12 +270,14 @@ class RouterMetrics:
         if reason is not None:
             self.vllm.request_success.labels(self.model_name, reason).inc()
 
-    def record_tokens(self, tenant: str, prompt: int = 0, cached: int = 0, completion: int = 0) -> None:
-        """Add a request's usage to the tenant's token counters."""
+    def record_tokens(self, tenant: str, prompt: int = 0, cached: int = 0, completion: int = 0,
+                      tier: str = "", reasoning: int = 0) -> None:
+        """Add a request's usage to the tenant's and its tier's token counters."""
         t = self.tenant_label(tenant or "default")
-        for kind, n in (("prompt", prompt), ("cached", cached), ("completion", completion)):
+        for kind, n in (("prompt", prompt), ("cached", cached), ("completion", completion), ("reasoning", reasoning)):
             if n:
                 self.tokens.labels(t, kind).inc(n)
+                self.tier_tokens.labels(tier or "none", kind).inc(n)
         if prompt:
             self.vllm.prompt_tokens.labels(self.model_name).inc(prompt)
         if completion:

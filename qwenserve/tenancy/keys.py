@@ -7,8 +7,12 @@ The key file (YAML or JSON, same schema; a Kubernetes Secret mounted as a file w
     default_limits:                  # optional; limits of tenants named only in QWENSERVE_API_KEYS
       requests_per_minute: 60
       tokens_per_minute: 100000
+    tiers:                           # optional; a tier's priority (lower is admitted first) and limits
+      paid: {priority: 0, tokens_per_minute: 500000}
+      free: {priority: 2, tokens_per_minute: 20000, max_tokens: 512}
     tenants:                         # tenant id -> limits; an omitted or null limit is unlimited
       acme:
+        tier: paid                   # optional: the tier's priority and limits (its own limits win)
         requests_per_minute: 600
         tokens_per_minute: 200000
         max_tokens: 4096             # cap on one request's output budget
@@ -56,7 +60,7 @@ from qwenserve.tenancy.tenants import (
 )
 
 DEFAULT_TENANT = "default"
-TENANT_EXTRAS = ("content_filter", "models")  # a tenant's entries besides its limits
+TENANT_EXTRAS = ("content_filter", "models", "tier", "priority")  # a tenant's entries besides its limits
 
 
 class Unauthenticated(Exception):
@@ -94,7 +98,7 @@ def parse_key_file(data: object, where: str) -> KeyFileContents:
         return KeyFileContents()
     if not isinstance(data, Mapping):
         raise TenancyConfigError(f"{where}: expected a mapping at the top level")
-    unknown = set(data) - {"tenants", "keys", "default_tenant", "default_limits"}
+    unknown = set(data) - {"tenants", "keys", "default_tenant", "default_limits", "tiers"}
     if unknown:
         raise TenancyConfigError(f"{where}: unknown field(s) {sorted(unknown)}")
     out = KeyFileContents()
@@ -102,6 +106,7 @@ def parse_key_file(data: object, where: str) -> KeyFileContents:
         out.default_tenant = check_tenant_id(data["default_tenant"], f"{where}: default_tenant")
     if data.get("default_limits") is not None:
         out.default_limits = parse_limits(data["default_limits"], f"{where}: default_limits")
+    tiers = _tiers(data.get("tiers"), where)
     tenants = data.get("tenants") or {}
     if not isinstance(tenants, Mapping):
         raise TenancyConfigError(f"{where}: 'tenants' must map tenant ids to limits")
@@ -117,8 +122,15 @@ def parse_key_file(data: object, where: str) -> KeyFileContents:
         models = extras.get("models")
         if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) for m in models)):
             raise TenancyConfigError(f"{here}.models: expected a list of model names")
-        out.tenants[tenant_id] = Tenant(tenant_id, parse_limits(limits, here), rules,
-                                        tuple(models) if models is not None else None)
+        tier_name = extras.get("tier") or ""
+        if tier_name and tier_name not in tiers:
+            raise TenancyConfigError(f"{here}.tier: {tier_name!r} is not one of the tiers ({', '.join(tiers) or 'none'})")
+        tier_priority, tier_limits = tiers.get(tier_name, (0, {}))
+        priority = _priority(extras.get("priority", tier_priority), f"{here}.priority")
+        own = limits if isinstance(limits, Mapping) else {}
+        merged = {**tier_limits, **{k: v for k, v in own.items() if v is not None}} if tier_name else limits
+        out.tenants[tenant_id] = Tenant(tenant_id, parse_limits(merged, here), rules,
+                                        tuple(models) if models is not None else None, tier_name, priority)
     keys = data.get("keys") or []
     if not isinstance(keys, list):
         raise TenancyConfigError(f"{where}: 'keys' must be a list")
@@ -145,6 +157,29 @@ def parse_key_file(data: object, where: str) -> KeyFileContents:
                 raise TenancyConfigError(f"{here}.sha256: expected 64 hex digits")
         out.keys.append((digest, tenant_id))
     return out
+
+
+def _priority(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
+        raise TenancyConfigError(f"{where}: expected an integer in [0, 100] (lower is admitted first), got {value!r}")
+    return value
+
+
+def _tiers(raw: object, where: str) -> dict[str, tuple[int, dict[str, object]]]:
+    """Tier name -> (priority, its limits as a raw mapping the tenants' own limits are laid over)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise TenancyConfigError(f"{where}: 'tiers' must map tier names to a priority and limits")
+    tiers = {}
+    for name, entry in raw.items():
+        here = f"{where}: tiers.{name}"
+        if not isinstance(name, str) or not name or not isinstance(entry, Mapping):
+            raise TenancyConfigError(f"{here}: expected a mapping of priority and limits")
+        limits = {k: v for k, v in entry.items() if k != "priority"}
+        parse_limits(limits, here)  # checked here, where the mistake is
+        tiers[name] = (_priority(entry.get("priority", 0), f"{here}.priority"), limits)
+    return tiers
 
 
 def parse_api_keys_env(value: str) -> list[tuple[str, str]]:

@@ -40,6 +40,10 @@ class Tenant:
     content_filter: ContentFilter | None = None
     # The models it may use, on a router serving several (router/models.py); None: any.
     models: tuple[str, ...] | None = None
+    # Its tier (key file `tiers:`) and admission priority: lower is admitted first by the engines, and a
+    # waiting request's priority improves with time (engine/admission_policy.py), so no tier starves.
+    tier: str = ""
+    priority: int = 0
 
 
 def parse_limits(raw: object, where: str) -> TenantLimits:

@@ -20,7 +20,7 @@ class PrefilledStart(_message.Message):
     def __init__(self, kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefilled", "local_prefill", "resume_token_ids", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefilled", "local_prefill", "resume_token_ids", "cache_salt", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class DecodeRequest(_message.Message):
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -35,7 +36,8 @@ class DecodeRequest(_message.Message):
     local_prefill: bool
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefilled: _Optional[_Union[PrefilledStart, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefilled: _Optional[_Union[PrefilledStart, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "usage", "error", "prompt_logprobs")

@@ -137,6 +137,7 @@ class DecodeWorker:
         timing.submitted = time.time_ns()
         outputs = self.engine.generate(
             request_id, prompt, sampling, cache_salt=cache_salt, resume_token_ids=resume, kv_import=kv_import,
+            priority=request.priority,
         )
         if handle is not None:
             outputs = _release_after_first(outputs, held)

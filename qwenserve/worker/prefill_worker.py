@@ -54,10 +54,10 @@ class PrefillWorker:
             kv_capacity=self.engine.pool.num_blocks * self.engine.pool.block_size,
         )
         with tracer.start_as_current_span("prefill", attributes={Attr.PROMPT_TOKENS: len(prompt)}) as span:
-            return await self._prefill(request_id, prompt, sampling, cache_salt, span)
+            return await self._prefill(request_id, prompt, sampling, cache_salt, span, request.priority)
 
     async def _prefill(
-        self, request_id: str, prompt: list[int], sampling: Any, cache_salt: str | None, span: Any
+        self, request_id: str, prompt: list[int], sampling: Any, cache_salt: str | None, span: Any, priority: int = 0
     ) -> prefill_pb2.PrefillResponse:
         slots: list[Any] = []
         no_room: list[KVPoolExhausted] = []
@@ -86,7 +86,7 @@ class PrefillWorker:
         submitted = time.time_ns()
         try:
             async for out in self.engine.generate(
-                request_id, prompt, sampling, cache_salt=cache_salt, kv_export=sink
+                request_id, prompt, sampling, cache_salt=cache_salt, kv_export=sink, priority=priority
             ):
                 first.extend(out.new_token_ids)
                 logprobs.extend(logprobs_to_proto(out.new_token_ids, out.logprobs))

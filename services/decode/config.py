@@ -35,15 +35,15 @@ class DecodeServiceConfig(EngineStageConfig):
                  "primary address when --host is a wildcard; a pod: its pod IP)")
 
 
-def build_parser(prog: str | None = None) -> StrictParser:
+def build_parser(prog: str | None = None, argv: Sequence[str] = ()) -> StrictParser:
     """`qwen-serve serve decode`'s parser."""
     return stage_parser("decode", DecodeServiceConfig,
-                        "The Decode stage: import a handoff (or prefill locally) and stream tokens.", prog)
+                        "The Decode stage: import a handoff (or prefill locally) and stream tokens.", prog, argv)
 
 
 def parse_config(argv: Sequence[str], prog: str | None = None) -> DecodeServiceConfig:
     """Flags, falling back to QWENSERVE_* environment variables, falling back to defaults."""
-    parser = build_parser(prog)
+    parser = build_parser(prog, argv)
     config: DecodeServiceConfig = parser.parse_config(DecodeServiceConfig, argv)
     check_engine_options(parser, config)
     check_advertise_host(parser, config.advertise_host, "prefill workers")

@@ -35,15 +35,15 @@ class PrefillServiceConfig(EngineStageConfig):
     kv_max_mib: int = option(4096, help="most memory unreleased handoffs may hold")
 
 
-def build_parser(prog: str | None = None) -> StrictParser:
+def build_parser(prog: str | None = None, argv: Sequence[str] = ()) -> StrictParser:
     """`qwen-serve serve prefill`'s parser."""
     return stage_parser("prefill", PrefillServiceConfig,
-                        "The Prefill stage: prompt in, first token and a KV handoff out.", prog)
+                        "The Prefill stage: prompt in, first token and a KV handoff out.", prog, argv)
 
 
 def parse_config(argv: Sequence[str], prog: str | None = None) -> PrefillServiceConfig:
     """Flags, falling back to QWENSERVE_* environment variables, falling back to defaults."""
-    parser = build_parser(prog)
+    parser = build_parser(prog, argv)
     config: PrefillServiceConfig = parser.parse_config(PrefillServiceConfig, argv)
     check_engine_options(parser, config)
     check_advertise_host(parser, config.advertise_host, "decode workers")

@@ -115,6 +115,25 @@ def test_the_crd_offers_exactly_the_transports_the_stages_define() -> None:
         assert tuple(parser._option_string_actions["--kv-transfer"].choices) == KV_TRANSFER_MODES
 
 
+def test_a_presets_crd_field_reaches_prefill_and_decode_as_their_flag() -> None:
+    from qwenserve.presets import PRESET_NAMES as STAGE_PRESETS
+    from qwenserve_operator.crd import PRESET_NAMES, spec_schema, with_defaults
+    from qwenserve_operator.manifests import stage_args
+    from qwenserve_services.decode.config import parse_config as decode_config
+    from qwenserve_services.prefill.config import parse_config as prefill_config
+
+    assert PRESET_NAMES == STAGE_PRESETS and spec_schema()["properties"]["preset"]["enum"] == list(PRESET_NAMES)
+    spec = with_defaults({"model": {"name": "m", "source": "image"}, "preset": "throughput"})
+    decode = decode_config(stage_args("d", "ns", "decode", spec)[2:])
+    prefill = prefill_config(stage_args("d", "ns", "prefill", spec)[2:])
+    assert decode.preset == prefill.preset == "throughput"
+    assert decode.engine.max_num_batched_tokens == prefill.engine.max_num_batched_tokens == 2048
+    assert decode.stream_interval_ms == 25.0 and decode.engine.admission_policy == "fcfs"
+    spec["stages"]["decode"]["args"] = ["--max-num-batched-tokens", "1024", "--preset", "latency"]
+    decode = decode_config(stage_args("d", "ns", "decode", spec)[2:])
+    assert (decode.preset, decode.engine.max_num_batched_tokens, decode.stream_interval_ms) == ("latency", 1024, 0.0)
+
+
 def test_the_stages_refuse_a_flag_they_do_not_define(capsys: pytest.CaptureFixture[str]) -> None:
     """What let --shm-dir through for months: a stage that ignored what it did not know."""
     from qwenserve_services.prefill.config import parse_config

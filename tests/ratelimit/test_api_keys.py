@@ -140,3 +140,25 @@ def test_bearer_token_parsing() -> None:
     assert bearer_token("Basic abc") is None
     assert bearer_token("Bearer ") is None
     assert bearer_token(None) is None
+
+
+def test_tiers_give_their_tenants_a_priority_and_limits_that_the_tenants_own_refine() -> None:
+    from qwenserve.tenancy.keys import parse_key_file
+
+    data = {"tiers": {"paid": {"priority": 0, "tokens_per_minute": 5000},
+                      "free": {"priority": 3, "tokens_per_minute": 100, "max_tokens": 64}},
+            "tenants": {"acme": {"tier": "paid", "requests_per_minute": 10},
+                        "student": {"tier": "free", "max_tokens": 32},
+                        "vip": {"tier": "free", "priority": 1},
+                        "plain": None}}
+    tenants = parse_key_file(data, "keys.yaml").tenants
+    assert (tenants["acme"].priority, tenants["acme"].limits.tokens_per_minute,
+            tenants["acme"].limits.requests_per_minute) == (0, 5000, 10)
+    assert (tenants["student"].tier, tenants["student"].priority, tenants["student"].limits.max_tokens,
+            tenants["student"].limits.tokens_per_minute) == ("free", 3, 32, 100)
+    assert tenants["vip"].priority == 1 and tenants["plain"].priority == 0 and tenants["plain"].tier == ""
+    for bad, where in (({"tenants": {"a": {"tier": "gold"}}}, "tenants.a.tier"),
+                       ({"tiers": {"x": {"priority": -1}}}, "tiers.x.priority"),
+                       ({"tiers": {"x": {"tokens_per_minute": 0}}}, "tiers.x.tokens_per_minute")):
+        with pytest.raises(TenancyConfigError, match=where.replace(".", r"\.")):
+            parse_key_file(bad, "keys.yaml")
