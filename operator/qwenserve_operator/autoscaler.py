@@ -4,7 +4,8 @@ Signals (Prometheus text from each pod's `:9090/metrics`):
 - prefill pods: `qwenserve_engine_waiting_requests` (queued prompts);
 - decode pods: `qwenserve_engine_waiting_requests`, `qwenserve_engine_running_requests`,
   `qwenserve_kv_blocks_usage_ratio`;
-- router pods: `qwenserve_router_ttft_seconds` (judges prefill) and
+- router pods: `qwenserve_router_held_requests{worker_stage}` (requests waiting for a stage that has no
+  worker: scaled to zero), `qwenserve_router_ttft_seconds` (judges prefill) and
   `qwenserve_router_inter_token_latency_seconds` (judges decode). These are cumulative histograms,
   so a latency quantile is computed from the difference between two scrapes: the latency of the
   last interval, not of the process's whole life.
@@ -16,6 +17,10 @@ The policy, like the Horizontal Pod Autoscaler's, but with the latency SLO as a 
 - scaling up is immediate (at most `maxScaleUpStep` at once); scaling down goes only to the highest
   recommendation seen during `scaleDownStabilizationSeconds`, against flapping;
 - min/max bounds always hold; then the prefill:decode ratio is kept by raising the smaller side.
+
+Scale to zero: with `minReplicas: 0` a stage with nothing running, waiting or held recommends 0 replicas, so
+after `scaleDownStabilizationSeconds` of that it has no pods; a request held by a router for it, or any work
+on its pods, recommends at least one, at once.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 WAITING = "qwenserve_engine_waiting_requests"
 RUNNING = "qwenserve_engine_running_requests"
 KV_USAGE = "qwenserve_kv_blocks_usage_ratio"
+HELD = "qwenserve_router_held_requests"
 TTFT = "qwenserve_router_ttft_seconds"
 ITL = "qwenserve_router_inter_token_latency_seconds"
 HISTOGRAMS = (TTFT, ITL)
@@ -44,14 +50,20 @@ class PodMetrics:
 
     gauges: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, Buckets] = field(default_factory=dict)
+    held: dict[str, float] = field(default_factory=dict)  # a router's held requests by the stage they wait for
 
 
 def parse_metrics(text: str) -> PodMetrics:
     """Parse Prometheus text exposition; unknown metrics are ignored."""
     gauges: dict[str, float] = {}
     histograms: dict[str, Buckets] = {}
+    held: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name in (WAITING, RUNNING, KV_USAGE):
+        if family.name == HELD:
+            for sample in family.samples:
+                stage = sample.labels.get("worker_stage", "")
+                held[stage] = held.get(stage, 0.0) + sample.value
+        elif family.name in (WAITING, RUNNING, KV_USAGE):
             values = [s.value for s in family.samples if s.name == family.name]
             if values:
                 # KV usage is a ratio: the busiest pool is what matters, never a sum.
@@ -63,7 +75,12 @@ def parse_metrics(text: str) -> PodMetrics:
                     bound = float(sample.labels["le"])
                     buckets[bound] = buckets.get(bound, 0.0) + sample.value
             histograms[family.name] = buckets
-    return PodMetrics(gauges=gauges, histograms=histograms)
+    return PodMetrics(gauges=gauges, histograms=histograms, held=held)
+
+
+def held_requests(routers: Iterable[PodMetrics], stage: str) -> float:
+    """Requests the routers hold for `stage` (it has no worker), summed over router pods."""
+    return sum(pod.held.get(stage, 0.0) for pod in routers)
 
 
 def merge_histograms(pods: Iterable[PodMetrics], name: str) -> Buckets:
@@ -116,9 +133,10 @@ class StageSignals:
     running: float = 0.0
     kv_usage: float = 0.0  # the busiest pod's ratio
     latency: float | None = None
+    held: float = 0.0  # requests routers hold because the stage has no worker
 
 
-def stage_signals(pods: Sequence[PodMetrics], latency: float | None) -> StageSignals:
+def stage_signals(pods: Sequence[PodMetrics], latency: float | None, held: float = 0.0) -> StageSignals:
     """Sum one stage's pods into its signals."""
     return StageSignals(
         pods=len(pods),
@@ -126,6 +144,7 @@ def stage_signals(pods: Sequence[PodMetrics], latency: float | None) -> StageSig
         running=sum(p.gauges.get(RUNNING, 0.0) for p in pods),
         kv_usage=max((p.gauges.get(KV_USAGE, 0.0) for p in pods), default=0.0),
         latency=latency,
+        held=held,
     )
 
 
@@ -191,6 +210,10 @@ def recommend(current: int, signals: StageSignals, policy: Policy) -> Recommenda
                                              f"{text} (breach)"))
         elif ratio > HEADROOM:
             candidates.append(Recommendation(current, f"{text} (near the target: hold)"))
+    if signals.held:
+        candidates.append(Recommendation(1, f"{signals.held:g} requests held by the router: no pod to serve them"))
+    elif signals.running or signals.waiting:
+        candidates.append(Recommendation(1, "busy"))  # never to zero while a pod has work
     return max(candidates, key=lambda r: r.replicas)
 
 
@@ -215,6 +238,9 @@ def decide(current: int, signals: StageSignals, policy: Policy, history: Sequenc
     """
     raw = recommend(current, signals, policy)
     wanted = max(policy.min_replicas, min(policy.max_replicas, raw.replicas))
+    # No history yet (a new deployment, a restarted operator): the window starts as if the current count had
+    # been recommended now, so a stage shrinks (or goes to zero) only after a whole quiet window.
+    history = history or ((now, current),)
     window = tuple((t, r) for t, r in history if now - t < policy.stabilization_seconds) + ((now, wanted),)
     if current > policy.max_replicas:
         replicas, reason = policy.max_replicas, f"scale down: maxReplicas is {policy.max_replicas}"

@@ -83,7 +83,9 @@ def _autoscaling_schema(stage: str) -> Schema:
         "Replicas computed from the stage's metrics instead of `replicas`.",
         {
             "enabled": {"type": "boolean", "default": False},
-            "minReplicas": _int("Lower bound.", minimum=1, default=1),
+            "minReplicas": _int("Lower bound; 0 (prefill and decode): scaled to zero after "
+                                "scaleDownStabilizationSeconds without work, and back to one when a router holds "
+                                "a request for the stage.", minimum=0, default=1),
             "maxReplicas": _int("Upper bound.", minimum=1, default=4),
             "scaleDownStabilizationSeconds": _int(
                 "Scale down only to the highest recommendation seen in this window.", minimum=0, default=300
@@ -253,6 +255,9 @@ def spec_schema() -> Schema:
             "model": model,
             "image": image,
             "kvTransfer": kv,
+            "coldStartTimeoutSeconds": _int(
+                "How long the router holds a request for a stage scaled to zero (autoscaling minReplicas 0) while "
+                "a pod starts; then it answers 503 with Retry-After.", minimum=1, default=120),
             "preset": _str("Operating mode of prefill and decode: latency (short steps, short prompts first, every "
                            "token sent at once) or throughput (long steps, arrival order, tokens coalesced); a "
                            "stage's own args win over it.", enum=list(PRESET_NAMES), default="none"),

@@ -254,6 +254,10 @@ def router_environment(name: str, namespace: str, spec: Spec) -> dict[str, str]:
         env["QWENSERVE_DEFAULT_TOKENS_PER_MINUTE"] = str(limits["tokensPerMinute"])
     if routed_to(spec):
         env["QWENSERVE_MODELS_FILE"] = f"{ROUTES_DIR}/models.yaml"
+    if any((scaling := spec["stages"][s].get("autoscaling", {})).get("enabled") and scaling.get("minReplicas") == 0
+           for s in AUTOSCALED_STAGES):
+        # A stage may have no pod: hold its requests while the operator starts one (it reads the held count).
+        env["QWENSERVE_COLD_START_WAIT_S"] = str(spec["coldStartTimeoutSeconds"])
     if not spec.get("apiKeysSecret"):
         # Without a key Secret the router serves everyone as one tenant (still rate-limited).
         env["QWENSERVE_NO_AUTH"] = "true"

@@ -123,7 +123,7 @@ class Reconciler:
             stored = ((old_status.get("stages") or {}).get(stage) or {})
             if stage in memory.replicas:
                 current[stage] = memory.replicas[stage]
-            elif stored.get("autoscaled") and stored.get("desiredReplicas"):
+            elif stored.get("autoscaled") and stored.get("desiredReplicas") is not None:
                 current[stage] = int(stored["desiredReplicas"])
         return current
 
@@ -185,9 +185,11 @@ class Reconciler:
         reasons: dict[str, str] = {}
         now = time.monotonic()
         for stage in enabled:
-            if not scraped[stage]:
+            held = autoscaler.held_requests(scraped["router"], stage)
+            if not scraped[stage] and replicas[stage] > 0:
                 continue  # no pod answered: no data is not a reason to scale
-            signals = autoscaler.stage_signals(scraped[stage], latency[stage])
+            # At zero replicas the routers' held requests are the stage's whole load (scale from zero).
+            signals = autoscaler.stage_signals(scraped[stage], latency[stage], held)
             decision = autoscaler.decide(replicas[stage], signals, autoscaler.Policy.from_spec(spec, stage),
                                          memory.windows.get(stage, ()), now)
             memory.windows[stage] = decision.history

@@ -48,9 +48,11 @@ def _failure(deployment: dict[str, Any] | None) -> str | None:
 
 
 def conditions(desired: dict[str, int], deployments: dict[str, dict[str, Any] | None],
-               errors: list[str], generation: int | None) -> list[Condition]:
-    """Ready, Progressing and Degraded (without timestamps; see `merge_conditions`)."""
-    not_ready = [s for s in STAGES if desired[s] < 1 or _ready(deployments.get(s)) < desired[s]]
+               errors: list[str], generation: int | None, may_idle: frozenset[str] = frozenset()) -> list[Condition]:
+    """Ready, Progressing and Degraded (without timestamps; see `merge_conditions`). A stage in `may_idle`
+    (autoscaled with minReplicas 0) is ready at zero replicas: it starts when a request needs it."""
+    not_ready = [s for s in STAGES
+                 if (desired[s] < 1 and s not in may_idle) or _ready(deployments.get(s)) < desired[s]]
     rolling = [s for s in STAGES if _rolling_out(desired[s], deployments.get(s))]
     failures = [f"{s}: {msg}" for s in STAGES if (msg := _failure(deployments.get(s)))]
     problems = errors + failures
@@ -97,7 +99,10 @@ def compute_status(name: str, namespace: str, spec: dict[str, Any], desired: dic
             if previous.get(key):
                 entry[key] = previous[key]
         stages[stage] = entry
-    new_conditions = conditions(desired, deployments, errors, generation)
+    may_idle = frozenset(s for s in AUTOSCALED_STAGES
+                         if (scaling := spec["stages"][s].get("autoscaling", {})).get("enabled")
+                         and scaling.get("minReplicas") == 0)
+    new_conditions = conditions(desired, deployments, errors, generation, may_idle)
     return {
         "observedGeneration": generation,
         "routerEndpoint": router_endpoint(name, namespace),

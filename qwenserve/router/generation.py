@@ -124,6 +124,9 @@ class RouterConfig:
     worker_info_wait_s: float = 30.0
     # How often worker names are resolved again: a new pod gets traffic, a removed one drains, this soon.
     resolve_interval_s: float = 5.0
+    # A request for a stage with no worker at all (scaled to zero) is held this long for one to appear (the
+    # operator starts one when it sees the held count); 0: answered at once (no_decode_worker).
+    cold_start_wait_s: float = 0.0
     # Chat answers: "qwen3" splits <think> blocks into reasoning ("none" leaves them in the text); "hermes"
     # parses <tool_call> blocks into tool calls when the request offers tools ("none" refuses tools).
     reasoning_parser: str = "qwen3"
@@ -206,6 +209,7 @@ class Router:
                                    ("decode", self.decode_pool, config.decode_addresses)):
             if given:
                 self.metrics.available_workers.labels(config.model_name, stage).set_function(pool.num_available)
+        self.metrics.held_requests.labels(config.model_name, "decode").set_function(lambda: self._held["decode"])
         self._drain_deadline: float | None = None  # time.monotonic(); set once the router drains
         self._background: set[asyncio.Task[None]] = set()  # handoff releases still on their way
         self._closing = asyncio.Event()  # set by close(): delayed releases go out at once
@@ -215,6 +219,8 @@ class Router:
         self._limits_changed = asyncio.Event()  # a worker reported, stopped being asked, or joined
         self._asking = False  # start() asks every worker for its limits, and from then on every new one
         self._started = False
+        self._workers_joined = {"prefill": asyncio.Event(), "decode": asyncio.Event()}  # set when a pod joins
+        self._held = {"prefill": 0, "decode": 0}  # requests waiting for a stage's first worker
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -315,6 +321,9 @@ class Router:
             pool.add(address)
             if self._asking:
                 self._ask(stage, address)
+        if change.added:
+            self._workers_joined[stage].set()
+            self._workers_joined[stage] = asyncio.Event()
         for address in change.removed:
             task = self._limit_asks.pop(address, None)
             if task is not None:
@@ -793,6 +802,13 @@ class Router:
             try:
                 worker = self.decode_pool.choose(prep.prompt_ids, exclude=tried)
             except NoWorkerAvailable:
+                if not self.decode_pool.workers and self.config.cold_start_wait_s > 0 and not tried:
+                    if await self._first_worker("decode", prep):
+                        continue
+                    yield [], [], common_pb2.FINISH_REASON_ERROR, _error(
+                        "cold_start_timeout", f"no decode worker is running (scaled to zero) and none became ready "
+                        f"within {self.config.cold_start_wait_s:g}s; retry shortly", retryable=True)
+                    return
                 yield [], [], common_pb2.FINISH_REASON_ERROR, _error(
                     "no_decode_worker", f"no decode worker could finish the request (tried {tried})", retryable=True
                 )
@@ -881,6 +897,27 @@ class Router:
                 start = None  # the failed worker may have consumed the handoff: recompute the prompt
             log.warning("%s: decode on %s failed (%s); resuming after %d tokens", prep.request_id,
                         worker.address, fault, len(progress.generated))
+
+    async def _first_worker(self, stage: str, prep: PreparedRequest) -> bool:
+        """Hold a request while `stage` has no worker, until one joins (True) or the cold-start wait, or the
+        request's own deadline, runs out (False). The held count is what the operator scales up on."""
+        wait = self.config.cold_start_wait_s
+        cutoff = self._cutoff(prep)
+        if cutoff is not None:
+            wait = min(wait, cutoff - time.monotonic())
+        self._held[stage] += 1
+        started = time.monotonic()
+        try:
+            joined = self._workers_joined[stage]
+            await asyncio.wait_for(joined.wait(), timeout=max(0.0, wait))
+            self.metrics.cold_starts.labels(stage, "served").inc()
+            log.info("%s: a %s worker joined after %.1fs held", prep.request_id, stage, time.monotonic() - started)
+            return True
+        except TimeoutError:
+            self.metrics.cold_starts.labels(stage, "timed_out").inc()
+            return False
+        finally:
+            self._held[stage] -= 1
 
     def _decode_request(
         self, prep: PreparedRequest, progress: _Progress, start: decode_pb2.PrefilledStart | None

@@ -85,7 +85,7 @@ DEFAULT_BODY_TIMEOUT_S = 30.0
 DISCONNECT_POLL_S = 0.2
 ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 # Terminal error codes of a generation (ErrorDetail.code) that mean "try again", for the HTTP status.
-RETRYABLE_CODES = {"unavailable", "no_decode_worker", "resource_exhausted", "deadline_exceeded"}
+RETRYABLE_CODES = {"unavailable", "no_decode_worker", "cold_start_timeout", "resource_exhausted", "deadline_exceeded"}
 # Terminal error codes that mean the request itself cannot be served (a worker's own checks refused it).
 CLIENT_FAULT_CODES = {"context_length_exceeded", "invalid_argument"}
 # The finish reasons OpenAI clients know that this server produces; any other ending is a failure.
@@ -410,7 +410,7 @@ class OpenAIFront:
         failed = next((c for c in answer.choices if c.failed), None)
         if failed is not None:
             status, error = failed.failure()
-            response = web.json_response({"error": error}, status=status)
+            response = web.json_response({"error": error}, status=status, headers=_retry_after(status, error))
         else:
             response = web.json_response(answer.full_body())
         response.headers.update(ticket.headers())
@@ -429,7 +429,8 @@ class OpenAIFront:
             choice.add(event[1])
             status, error = choice.failure()
             return web.json_response({"error": error}, status=status,
-                                     headers={"X-Request-Id": answer.request_id, **ticket.headers()})
+                                     headers={"X-Request-Id": answer.request_id, **ticket.headers(),
+                                              **_retry_after(status, error)})
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
@@ -466,6 +467,13 @@ class OpenAIFront:
         except ConnectionError:
             log.info("%s: the client disconnected mid-stream", answer.request_id)
         return response
+
+
+def _retry_after(status: int, error: dict[str, Any]) -> dict[str, str]:
+    """A 503's Retry-After: longer while a stage scaled to zero is still starting."""
+    if status != 503:
+        return {}
+    return {"Retry-After": "10" if error.get("code") == "cold_start_timeout" else "2"}
 
 
 async def _relay(response: web.StreamResponse, answer: _Answer, index: int,

@@ -243,6 +243,19 @@ class RouterMetrics:
             ["tier", "kind"],
             registry=r,
         )
+        self.held_requests = Gauge(
+            "qwenserve_router_held_requests",
+            "Requests held for a stage that has no worker (scaled to zero) while one starts; the operator scales "
+            "the stage up when it sees them.",
+            ["model", "worker_stage"],
+            registry=r,
+        )
+        self.cold_starts = Counter(
+            "qwenserve_router_cold_starts_total",
+            "Requests held for a stage scaled to zero, by how the wait ended (served, timed_out).",
+            ["worker_stage", "outcome"],
+            registry=r,
+        )
         self.available_workers = Gauge(
             "qwenserve_router_available_workers",
             "Workers of a stage the router can send requests to now (known, not circuit-broken, not draining); "

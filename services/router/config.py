@@ -53,6 +53,9 @@ class RouterServiceConfig(StageConfig):
         30.0, help="a decode stream silent this long (first token included) fails over to another worker")
     resolve_interval_s: float = option(
         5.0, help="how often --prefill / --decode names (a headless Service) are resolved again to their pods")
+    cold_start_wait_s: float = option(
+        0.0, help="hold a request this long while the decode stage has no pod (scaled to zero) for one to start; "
+                  "then 503 with Retry-After (0: at once)")
     reasoning_parser: str = option(
         "qwen3", choices=("qwen3", "none"),
         help="chat answers: a <think> block goes to reasoning_content (none: it stays in the content)")

@@ -159,6 +159,7 @@ def _router(config: RouterServiceConfig, metrics: RouterMetrics, name: str, mode
             local_prefill_threshold=config.local_prefill_threshold,
             connect_timeout_s=config.connect_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
             stall_timeout_s=config.stall_timeout_s, resolve_interval_s=config.resolve_interval_s,
+            cold_start_wait_s=config.cold_start_wait_s,
             reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
             think_token_ids=_think_token_ids(vocabulary), sampling_defaults=defaults,
         ),

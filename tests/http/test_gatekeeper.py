@@ -127,7 +127,8 @@ async def test_finish_settles_and_meters_once_even_when_the_caller_is_cancelled(
     await gate.drain()
     await gate.finish(ticket, usage(10, 90))  # a second finish changes nothing
     totals = await gate.meter.read(ACME)
-    assert totals == {"requests": 1, "prompt_tokens": 10, "cached_prompt_tokens": 4, "completion_tokens": 5}
+    assert totals == {"requests": 1, "prompt_tokens": 10, "cached_prompt_tokens": 4, "completion_tokens": 5,
+                      "reasoning_tokens": 0}
     nxt = await gate.admit(ACME, [prep(10, 10, "r2")])
     assert nxt.headers()["X-RateLimit-Remaining-Tokens"] == str(1000 - 15 - 20)
 

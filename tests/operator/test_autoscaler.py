@@ -152,3 +152,31 @@ def test_policy_from_a_defaulted_spec(make_spec) -> None:
     decode = Policy.from_spec(spec, "decode")
     assert decode.max_replicas == 9 and decode.target_kv_usage == 0.75
     assert decode.latency_target == spec["slo"]["interTokenLatencySeconds"]
+
+
+ZERO = Policy(min_replicas=0, max_replicas=4, latency_target=0.05, target_queue_depth=4, target_running=32,
+              target_kv_usage=0.75, stabilization_seconds=60, max_step=4)
+
+
+def test_an_idle_stage_with_min_zero_goes_to_zero_after_the_window_and_never_while_busy() -> None:
+    idle = StageSignals(pods=1)
+    first = decide(1, StageSignals(pods=1, running=1), ZERO, (), now=0)
+    assert first.replicas == 1  # one stream running: a stage never goes to zero under work
+    held = decide(1, idle, ZERO, first.history, now=30)
+    assert held.replicas == 1 and held.reason.startswith("hold")
+    gone = decide(1, idle, ZERO, held.history, now=61)
+    assert gone.replicas == 0 and gone.reason.startswith("scale down")
+
+
+def test_a_request_held_by_the_router_brings_a_stage_back_from_zero_at_once() -> None:
+    decision = decide(0, StageSignals(pods=0, held=2), ZERO, (), now=0)
+    assert decision.replicas == 1 and "held" in decision.reason
+    assert decide(0, StageSignals(pods=0), ZERO, (), now=0).replicas == 0
+
+
+def test_held_requests_are_read_from_the_routers_metrics_by_stage() -> None:
+    text = ('# TYPE qwenserve_router_held_requests gauge\n'
+            'qwenserve_router_held_requests{model="a",worker_stage="decode"} 2\n'
+            'qwenserve_router_held_requests{model="b",worker_stage="decode"} 1\n')
+    routers = [autoscaler.parse_metrics(text), autoscaler.parse_metrics(text)]
+    assert autoscaler.held_requests(routers, "decode") == 6 and autoscaler.held_requests(routers, "prefill") == 0

@@ -397,3 +397,12 @@ def test_a_fallback_and_a_canary_become_the_routers_models_file_and_open_their_p
         kubernetes_validate.validate(child, K8S_VERSION, strict=True)
     # Without them: no models file, as before.
     assert "models.yaml" not in next(c for c in _children(make_spec()) if c["kind"] == "ConfigMap")["data"]
+
+
+def test_a_stage_that_may_scale_to_zero_makes_the_router_hold_its_requests(make_spec) -> None:
+    from qwenserve_operator.manifests import router_environment
+
+    assert "QWENSERVE_COLD_START_WAIT_S" not in router_environment("q", "ns", make_spec())
+    spec = make_spec(stages={"decode": {"autoscaling": {"enabled": True, "minReplicas": 0}}},
+                     coldStartTimeoutSeconds=90)
+    assert router_environment("q", "ns", spec)["QWENSERVE_COLD_START_WAIT_S"] == "90"

@@ -55,6 +55,15 @@ def test_a_stage_scaled_to_zero_is_not_ready() -> None:
         "status"] == "False"
 
 
+def test_a_stage_the_autoscaler_may_take_to_zero_is_ready_at_zero(make_spec) -> None:
+    spec = make_spec(stages={"decode": {"autoscaling": {"enabled": True, "minReplicas": 0}}})
+    desired = {**DESIRED, "decode": 0}
+    deployments = {s: _deployment(0 if s == "decode" else 1) for s in STAGES}
+    built = status.compute_status("q", "ns", spec, desired, deployments, {}, [], 1, "2026-12-01T00:00:00Z")
+    assert _by_type(built["conditions"])["Ready"]["status"] == "True"
+    assert built["stages"]["decode"]["summary"] == "0/0"
+
+
 def test_transition_time_moves_only_when_the_status_changes() -> None:
     old = [{"type": "Ready", "status": "False", "lastTransitionTime": "T0"},
            {"type": "Degraded", "status": "False", "lastTransitionTime": "T0"}]
