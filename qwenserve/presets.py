@@ -1,11 +1,12 @@
 """Operating modes: one flag (`--preset`) that sets the engine's and the stages' knobs together.
 
-The field reports run one model two ways: latency first for chat (short steps, so a decode step never
-waits behind a long prefill chunk; short prompts admitted first; every token sent at once; prefill at a
-lower CPU priority than decode on shared cores) and throughput first for batch work (long steps that keep
-the matrix products large, plain arrival order, tokens coalesced into fewer stream messages, prefill at
-decode's priority). A preset only moves defaults: a flag or its QWENSERVE_* variable still wins.
-`bench/experiment_presets.py` measures both on one mix.
+The field reports run one model two ways: latency first for chat (short prompts admitted first and given
+prefill-only steps in a burst, at most 64 streams in a decode batch, every token sent the moment it exists)
+and throughput first for batch work (plain arrival order, no prefill-only steps, up to 256 streams a batch,
+tokens coalesced into fewer stream messages). Both keep the step budget large and prefill at decode's CPU
+priority: measured on two shared cores (bench/experiment_presets.py), a small budget and a reniced prefill
+cost so much prefill capacity that they raised time to first token fivefold. A preset only moves defaults: a
+flag or its QWENSERVE_* variable still wins.
 """
 
 from __future__ import annotations
@@ -21,19 +22,19 @@ PRESET_NAMES = ("none", "latency", "throughput")
 PRESETS: dict[str, dict[str, Any]] = {
     "none": {},
     "latency": {
-        "max_num_batched_tokens": 256,  # per-step token budget: short steps, low inter-token latency
+        "max_num_batched_tokens": 2048,  # prefill capacity: on shared cores small steps only queued prompts longer
         "max_num_seqs": 64,
-        "admission_policy": "short_first",
+        "admission_policy": "short_first",  # short prompts first, prefill-only steps in a burst
         "burst_prefill_steps": 2,
         "stream_interval_ms": 0.0,  # decode: every token as soon as it exists
-        "prefill_nice": 10,  # qwen-serve up: prefill yields shared cores to decode
+        "prefill_nice": 0,  # measured: a reniced prefill made prompts wait behind decode steps (TTFT x5)
     },
     "throughput": {
         "max_num_batched_tokens": 2048,
         "max_num_seqs": 256,
         "admission_policy": "fcfs",
         "burst_prefill_steps": 0,
-        "stream_interval_ms": 25.0,  # fewer, fuller stream messages
+        "stream_interval_ms": 25.0,  # fewer, fuller stream messages: less relay work per token
         "prefill_nice": 0,
     },
 }

@@ -45,9 +45,10 @@ def test_a_flag_or_variable_beside_the_preset_wins_and_the_variable_names_a_pres
     assert _value(lines["decode-0"], "stream_interval_ms") == "5.0"
     assert _value(lines["decode-0"], "max_num_batched_tokens") == "2048"
     lines = _print_config(env={"QWENSERVE_PRESET": "latency"})
-    assert _value(lines["prefill-0"], "max_num_batched_tokens") == "256"
+    assert _value(lines["decode-0"], "max_num_seqs") == "64" and _value(lines["up"], "prefill_nice") == "0"
     plain = _print_config()
     assert _value(plain["prefill-0"], "preset") == "none" and _value(plain["up"], "prefill_nice") == "10"
+    assert _value(plain["decode-0"], "max_num_seqs") == "256"
 
 
 def test_an_unknown_preset_is_refused_with_the_choices() -> None:
