@@ -4,8 +4,7 @@ so engines with different block sizes can share it."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -57,6 +56,3 @@ class KVLayout:
             for name in COMPATIBILITY_FIELDS
             if getattr(self, name) != getattr(other, name)
         ]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)

@@ -23,7 +23,7 @@ from aiohttp import web
 from qwenserve.flags import add_options, config_from_args, option
 from qwenserve.ratelimit import RateLimiterConfig, make_rate_limiter
 from qwenserve.ratelimit.redis_client import connect
-from qwenserve.router.admission import Gatekeeper
+from qwenserve.router.gatekeeper import Gatekeeper
 from qwenserve.router.generation import Router
 from qwenserve.router.models import ModelRoutes
 from qwenserve.router.openai_http import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, build_app, serve_http

@@ -160,11 +160,6 @@ class PreparedRequest:
         if not self.internal_id:
             self.internal_id = internal_id(self.request_id)
 
-    @property
-    def budget_tokens(self) -> int:
-        """Prompt plus output budget: what the rate limiter charges up front."""
-        return len(self.prompt_ids) + (self.sampling.max_tokens or 0)
-
 
 @dataclass(slots=True)
 class _Progress:

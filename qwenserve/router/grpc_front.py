@@ -24,8 +24,8 @@ import grpc
 from opentelemetry import trace
 
 from qwenserve.protocol import FINISH_REASON_NAMES
-from qwenserve.router.admission import Gatekeeper, api_key_from_grpc_metadata, grpc_error_metadata
 from qwenserve.router.errors import RouterError
+from qwenserve.router.gatekeeper import Gatekeeper, api_key_from_grpc_metadata, grpc_error_metadata
 from qwenserve.router.generation import Router
 from qwenserve.router.models import ModelRoutes
 from qwenserve.router.request_ids import new_request_id, valid_request_id

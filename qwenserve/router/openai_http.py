@@ -48,7 +48,6 @@ from typing import Any
 from aiohttp import web
 
 from qwenserve.protocol import FINISH_REASON_NAMES
-from qwenserve.router.admission import Gatekeeper, Ticket, api_key_from_headers
 from qwenserve.router.errors import InvalidRequest, RouterError, UnknownModel
 from qwenserve.router.front_errors import (
     AuthenticationFailed,
@@ -59,6 +58,7 @@ from qwenserve.router.front_errors import (
     NotFound,
     error_headers,
 )
+from qwenserve.router.gatekeeper import Gatekeeper, Ticket, api_key_from_headers
 from qwenserve.router.generation import PreparedRequest, Router
 from qwenserve.router.grpc_front import outcome_for
 from qwenserve.router.models import ModelRoutes

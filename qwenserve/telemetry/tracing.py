@@ -287,11 +287,6 @@ def _carrier(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, st
     return {key.lower(): value for key, value in (metadata or ()) if isinstance(value, str)}
 
 
-def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context:
-    """The remote parent context carried in incoming gRPC metadata or HTTP headers (`.items()`)."""
-    return propagate.extract(_carrier(metadata))
-
-
 def _rpc_attributes(method: str) -> dict[str, str]:
     if not method.startswith("/"):
         return {}  # not a gRPC method path, e.g. "POST /v1/chat/completions"

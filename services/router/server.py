@@ -27,10 +27,10 @@ from prometheus_client import Gauge
 
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.router import grpc_front
-from qwenserve.router.admission import Gatekeeper, api_key_from_grpc_metadata
 from qwenserve.router.discovery import metrics_address
 from qwenserve.router.errors import RouterError
 from qwenserve.router.front import close_gatekeeper, make_gatekeeper, start_http_front
+from qwenserve.router.gatekeeper import Gatekeeper, api_key_from_grpc_metadata
 from qwenserve.router.generation import Router, RouterConfig
 from qwenserve.router.generation_defaults import load_generation_defaults
 from qwenserve.router.models import ModelRoutes, ModelsConfigError, load_models_file

@@ -19,8 +19,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from qwenserve.launcher import free_port
 from qwenserve.ratelimit import InProcessRateLimiter
-from qwenserve.router.admission import Gatekeeper
 from qwenserve.router.front import FrontConfig, add_front_flags, start_http_front
+from qwenserve.router.gatekeeper import Gatekeeper
 from qwenserve.router.generation import Router, RouterConfig
 from qwenserve.router.openai_http import build_app
 from qwenserve.tenancy import KeyStore, Tenant, key_digest
