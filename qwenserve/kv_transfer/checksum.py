@@ -16,9 +16,8 @@ with every stripe, and the ordered fold, make moved stripes and chunks count. It
 before it is overwritten. Chunks let every core take a share. Where the kernel cannot be built, NumPy computes
 the same digests (slower; tested equal).
 
-Still verified on request: "xxh3_64x256k" (xxh3_64 of the xxh3_64 digests of 256 KiB chunks, the default
-of earlier releases), "xxh3_64" and "crc32". "none" skips hashing, for benchmarks only: importers refuse it
-unless told otherwise.
+The one standard fallback, "crc32" (zlib's), is computed and verified on request. "none" skips hashing, for
+benchmarks only: importers refuse it unless told otherwise.
 """
 
 from __future__ import annotations
@@ -34,17 +33,9 @@ import torch
 from qwenserve import cpu_kernels
 from qwenserve.kv_transfer.errors import KVChecksumMismatch
 
-try:
-    import xxhash
-except ImportError:  # only the xxh3 algorithms need it
-    xxhash = None
-
 NO_CHECKSUM = "none"
 KVSUM = "kvsum64x256k"
-XXH3_CHUNKED = "xxh3_64x256k"
 DEFAULT_ALGORITHM = KVSUM
-#: Algorithms that `fused_copy` hashes while copying.
-FUSED = (KVSUM, XXH3_CHUNKED)
 #: Large enough that the per-call overhead vanishes, small enough to stay in L2 after a copy.
 CHUNK_BYTES = 256 << 10
 #: Below this a second thread costs more than it saves.
@@ -196,21 +187,6 @@ def kvsum_steps(dst: torch.Tensor | memoryview, src: torch.Tensor | memoryview |
     return _kvsum_fold(digests, out.nbytes)
 
 
-def _xxh3_chunked(dst: np.ndarray, src: np.ndarray | None = None) -> str:
-    """The xxh3_64x256k checksum of `dst`; with `src`, each chunk is first copied from there."""
-
-    def job(first: int, end: int) -> np.ndarray:
-        out = np.empty(end - first, dtype=np.uint64)
-        for i in range(first, end):
-            chunk = slice(i * CHUNK_BYTES, (i + 1) * CHUNK_BYTES)
-            if src is not None:
-                np.copyto(dst[chunk], src[chunk])
-            out[i - first] = xxhash.xxh3_64_intdigest(dst[chunk])
-        return out
-
-    return f"{XXH3_CHUNKED}:{xxhash.xxh3_64_hexdigest(_run(job, dst.nbytes).astype('<u8').tobytes())}"
-
-
 def hashes_at_memory_speed(algorithm: str) -> bool:
     """Whether `algorithm` is computed here at memory speed (by the C kernel), or not at all."""
     return algorithm == NO_CHECKSUM or (algorithm == KVSUM and cpu_kernels.available())
@@ -219,14 +195,12 @@ def hashes_at_memory_speed(algorithm: str) -> bool:
 def fused_copy(dst: torch.Tensor, src: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
     """Copy src into dst (same number of bytes, both contiguous on the CPU) and return dst's checksum.
 
-    For the chunked algorithms each chunk is hashed as it is copied, in parallel across cores, so the bytes
-    are read from memory once; other algorithms copy, then hash."""
+    With kvsum each chunk is hashed as it is copied, in parallel across cores, so the bytes are read from
+    memory once; crc32 copies, then hashes."""
     if dst.nbytes != src.nbytes:
         raise ValueError(f"fused_copy: {src.nbytes} bytes into {dst.nbytes}")
     if algorithm == KVSUM:
         return _kvsum(_as_array(dst), _as_array(src))
-    if algorithm == XXH3_CHUNKED and xxhash is not None:
-        return _xxh3_chunked(_as_array(dst), _as_array(src))
     dst.copy_(src)
     return compute_checksum(dst, algorithm)
 
@@ -269,17 +243,9 @@ def compute_checksum(data: torch.Tensor | memoryview, algorithm: str = DEFAULT_A
     buf = _as_array(data)
     if algorithm == KVSUM:
         return _kvsum(buf)
-    if algorithm in (XXH3_CHUNKED, "xxh3_64"):
-        if xxhash is None:
-            raise ValueError(f"{algorithm} needs the `xxhash` package; install it or use {KVSUM}")
-        if algorithm == XXH3_CHUNKED:
-            return _xxh3_chunked(buf)
-        return f"xxh3_64:{xxhash.xxh3_64_hexdigest(buf)}"
     if algorithm == "crc32":
         return f"crc32:{zlib.crc32(buf):08x}"
-    raise ValueError(
-        f"unknown checksum algorithm {algorithm!r}; use {KVSUM}, {XXH3_CHUNKED}, xxh3_64, crc32 or none"
-    )
+    raise ValueError(f"unknown checksum algorithm {algorithm!r}; use {KVSUM}, crc32 or none")
 
 
 def verify_checksum(data: torch.Tensor | memoryview, expected: str, *, allow_none: bool = False) -> None:

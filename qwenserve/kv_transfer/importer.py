@@ -26,7 +26,6 @@ import torch
 
 from qwenserve.addresses import endpoint_host, is_wildcard_host
 from qwenserve.kv_transfer.checksum import (
-    FUSED,
     KVSUM,
     NO_CHECKSUM,
     STEP_BYTES,
@@ -280,7 +279,7 @@ class KVImporter:
         self._check_marker(handle, marker)
         data = segment[start:end]
         algorithm = handle.checksum.partition(":")[0]
-        if out is not None and algorithm in FUSED:
+        if out is not None and algorithm == KVSUM:
             # Hash each chunk as it lands in `out`: the shared bytes are read once.
             target = out.view(-1).view(torch.uint8)
             await self._copy_verified(handle, target, data)
