@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 
 from qwenserve.default_model import TINY_CONFIG, write_checkpoint
-from qwenserve.engine.outputs import RequestOutput, Usage
+from qwenserve.engine.outputs import RequestOutput, TokenCounts
 from qwenserve.launcher import wait_serving
 from qwenserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from qwenserve.worker.decode_worker import DecodeWorker
@@ -73,7 +73,7 @@ class StepEngine:
                 finished = produced >= limit
                 queue.put_nowait(RequestOutput(
                     request_id, [token], None, finished, "length" if finished else None,
-                    Usage(prompt_len, produced, 0),
+                    TokenCounts(prompt_len, produced, 0),
                 ))
                 if finished:
                     del self._running[request_id]

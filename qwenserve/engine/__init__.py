@@ -1,7 +1,7 @@
 """The inference engine: models on a paged KV cache with continuous batching (no network here).
 
 Public API (imported lazily, so `qwenserve.engine.sampling_params` stays cheap to import without torch):
-LLMEngine, EngineConfig, SamplingParams, RequestOutput, TokenLogprob, Usage, EngineStats, KVLayout,
+LLMEngine, EngineConfig, SamplingParams, RequestOutput, TokenLogprob, TokenCounts, EngineStats, KVLayout,
 KVImport, KVExportSink and the error types in `qwenserve.engine.errors`.
 """
 
@@ -17,7 +17,7 @@ _EXPORTS = {
     "InvalidSamplingParams": "qwenserve.engine.sampling_params",
     "RequestOutput": "qwenserve.engine.outputs",
     "TokenLogprob": "qwenserve.engine.outputs",
-    "Usage": "qwenserve.engine.outputs",
+    "TokenCounts": "qwenserve.engine.outputs",
     "EngineStats": "qwenserve.engine.outputs",
     "KVLayout": "qwenserve.engine.kv_layout",
     "KVImport": "qwenserve.engine.kv_layout",

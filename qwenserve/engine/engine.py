@@ -47,7 +47,7 @@ from qwenserve.engine.host_memory import keep_freed_memory
 from qwenserve.engine.kv_layout import KVExportSink, KVImport, KVLayout, check_compatible
 from qwenserve.engine.mailbox import LoopMailbox
 from qwenserve.engine.model_runner import ModelRunner
-from qwenserve.engine.outputs import EngineStats, RequestOutput, TokenLogprob, Usage
+from qwenserve.engine.outputs import EngineStats, RequestOutput, TokenCounts, TokenLogprob
 from qwenserve.engine.sampler import Sampler, SamplingRow
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerLimits
@@ -584,8 +584,8 @@ class LLMEngine:
             return "error"
         return "export"
 
-    def _usage(self, seq: Sequence) -> Usage:
-        return Usage(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens)
+    def _usage(self, seq: Sequence) -> TokenCounts:
+        return TokenCounts(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens)
 
     def _finish(self, seq: Sequence, reason: str, last: RequestOutput | None = None, error: str | None = None) -> None:
         if seq.status is SequenceStatus.FINISHED:

@@ -17,7 +17,7 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
-class Usage:
+class TokenCounts:
     """Token counts. completion_tokens includes tokens passed as `resume_token_ids`, so the last output of
     a resumed request reports the whole request; cached_prompt_tokens are prefix-cache hits."""
 
@@ -36,7 +36,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None
     finished: bool
     finish_reason: str | None
-    usage: Usage
+    usage: TokenCounts
     error: str | None = None
     # With the first token, when `prompt_logprobs` was asked for: one entry per prompt position after the
     # first (the first token has nothing before it to be predicted from).

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from qwenserve.engine.outputs import RequestOutput, Usage
+from qwenserve.engine.outputs import RequestOutput, TokenCounts
 from qwenserve.v1 import common_pb2, decode_pb2
 from qwenserve.worker.decode_worker import STUCK_STEP_S, DecodeWorker, _coalesced
 
 
 async def _slow_outputs(delay_s: float) -> AsyncIterator[RequestOutput]:
     await asyncio.sleep(delay_s)  # a long prompt being prefilled
-    yield RequestOutput("r", [7], None, True, "length", Usage(4, 1, 0))
+    yield RequestOutput("r", [7], None, True, "length", TokenCounts(4, 1, 0))
 
 
 async def _collect(engine_moved: object, delay_s: float = 0.5) -> list[decode_pb2.DecodeResponse]:
