@@ -30,7 +30,9 @@ class TargetError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class Usage:
+class ReportedUsage:
+    """The token counts the server reported for one request (its last message's usage)."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
@@ -42,7 +44,7 @@ class Chunk:
     error_code is set when the server ended the stream with an error."""
 
     tokens: int
-    usage: Usage | None = None
+    usage: ReportedUsage | None = None
     finish_reason: str | None = None
     error_code: str | None = None
     error_message: str = ""
@@ -149,7 +151,7 @@ class GrpcTarget:
                 reason = common_pb2.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
                 u = msg.usage
                 err = msg.error if msg.HasField("error") else None
-                yield Chunk(len(msg.token_ids), Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens),
+                yield Chunk(len(msg.token_ids), ReportedUsage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens),
                             reason, (err.code or "error") if reason == "error" else None, err.message if err else "")
         except grpc.aio.AioRpcError as e:
             kind = "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else f"grpc:{e.code().name}"
@@ -265,7 +267,7 @@ class HttpTarget:
                         error_code = err.get("code") or "error"
                     if usage and not event.get("choices"):
                         details = usage.get("prompt_tokens_details") or {}
-                        yield Chunk(tokens, Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
+                        yield Chunk(tokens, ReportedUsage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
                                                   details.get("cached_tokens", 0) or 0), finish)
                     elif tokens or error_code:
                         yield Chunk(tokens, finish_reason=finish if error_code else None, error_code=error_code)
@@ -318,7 +320,7 @@ class EngineTarget:
                     yield Chunk(len(out.new_token_ids))
                     continue
                 u = out.usage
-                yield Chunk(len(out.new_token_ids), Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens),
+                yield Chunk(len(out.new_token_ids), ReportedUsage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens),
                             out.finish_reason, "error" if out.finish_reason == "error" else None, out.error or "")
         except RequestError as e:
             raise TargetError(f"engine:{type(e).__name__}", str(e)) from None
@@ -367,7 +369,7 @@ class SyntheticTarget:
             if i:
                 await asyncio.sleep(self.itl_s)
             last = i == n - 1
-            usage = Usage(len(req.prompt.token_ids), n) if last else None
+            usage = ReportedUsage(len(req.prompt.token_ids), n) if last else None
             yield Chunk(1, usage, "length" if last else None)
 
 

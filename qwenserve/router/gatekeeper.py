@@ -39,7 +39,7 @@ from qwenserve.router.errors import InvalidRequest, RouterError
 from qwenserve.router.front_errors import AuthenticationFailed, LimiterUnavailable, RateLimited
 from qwenserve.tenancy.keys import KeyStore, Unauthenticated, bearer_token
 from qwenserve.tenancy.tenants import Tenant
-from qwenserve.tenancy.usage import Usage, UsageMeter, UsageMeterUnavailable
+from qwenserve.tenancy.usage import UsageMeter, UsageMeterUnavailable, UsageRecord
 from qwenserve.v1 import common_pb2, router_pb2
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ class Gatekeeper:
                 reasoning=usage.reasoning_tokens,
             )
         if self.meter is not None:
-            record = Usage(
+            record = UsageRecord(
                 prompt_tokens=usage.prompt_tokens,
                 completion_tokens=usage.completion_tokens,
                 cached_prompt_tokens=min(usage.cached_prompt_tokens, usage.prompt_tokens),

@@ -5,9 +5,9 @@ from qwenserve.tenancy.tenants import TenancyConfigError, Tenant, TenantLimits
 from qwenserve.tenancy.usage import (
     InProcessUsageMeter,
     RedisUsageMeter,
-    Usage,
     UsageMeter,
     UsageMeterUnavailable,
+    UsageRecord,
 )
 
 __all__ = [
@@ -18,9 +18,9 @@ __all__ = [
     "Tenant",
     "TenantLimits",
     "Unauthenticated",
-    "Usage",
     "UsageMeter",
     "UsageMeterUnavailable",
+    "UsageRecord",
     "bearer_token",
     "key_digest",
     "load_key_store",

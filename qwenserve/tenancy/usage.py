@@ -44,7 +44,7 @@ class UsageMeterUnavailable(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class Usage:
+class UsageRecord:
     """What one finished request consumed (the terminal event's usage)."""
 
     prompt_tokens: int = 0
@@ -58,11 +58,11 @@ class Usage:
         for name in USAGE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"Usage.{name} must be a non-negative int, got {value!r}")
+                raise ValueError(f"UsageRecord.{name} must be a non-negative int, got {value!r}")
         if self.cached_prompt_tokens > self.prompt_tokens:
-            raise ValueError("Usage.cached_prompt_tokens cannot exceed prompt_tokens")
+            raise ValueError("UsageRecord.cached_prompt_tokens cannot exceed prompt_tokens")
         if self.reasoning_tokens > self.completion_tokens:
-            raise ValueError("Usage.reasoning_tokens cannot exceed completion_tokens")
+            raise ValueError("UsageRecord.reasoning_tokens cannot exceed completion_tokens")
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a dict with the names of `USAGE_FIELDS`."""
@@ -73,7 +73,7 @@ def _tenant_id(tenant: Tenant | str) -> str:
     return tenant if isinstance(tenant, str) else tenant.id
 
 
-def _observe(tenant_id: str, usage: Usage) -> None:
+def _observe(tenant_id: str, usage: UsageRecord) -> None:
     TENANT_REQUESTS.labels(tenant_id).inc(usage.requests)
     TENANT_TOKENS.labels(tenant_id, "prompt").inc(usage.prompt_tokens)
     TENANT_TOKENS.labels(tenant_id, "cached_prompt").inc(usage.cached_prompt_tokens)
@@ -85,7 +85,7 @@ class UsageMeter(ABC):
     """Per-tenant usage totals."""
 
     @abstractmethod
-    async def record(self, tenant: Tenant | str, usage: Usage) -> None:
+    async def record(self, tenant: Tenant | str, usage: UsageRecord) -> None:
         """Add one request's usage to the tenant's totals (and the Prometheus counters)."""
 
     @abstractmethod
@@ -109,7 +109,7 @@ class InProcessUsageMeter(UsageMeter):
         self._by_model: dict[str, dict[str, dict[str, int]]] = {}
         self._lock = threading.Lock()
 
-    async def record(self, tenant: Tenant | str, usage: Usage) -> None:
+    async def record(self, tenant: Tenant | str, usage: UsageRecord) -> None:
         """See `UsageMeter.record`."""
         tenant_id = _tenant_id(tenant)
         with self._lock:
@@ -144,7 +144,7 @@ class RedisUsageMeter(UsageMeter):
     def _key(self, tenant_id: str) -> str:
         return f"{self._prefix}:{{{tenant_id}}}"
 
-    async def record(self, tenant: Tenant | str, usage: Usage) -> None:
+    async def record(self, tenant: Tenant | str, usage: UsageRecord) -> None:
         """See `UsageMeter.record`. Raises `UsageMeterUnavailable` when Redis fails."""
         tenant_id = _tenant_id(tenant)
         key = self._key(tenant_id)

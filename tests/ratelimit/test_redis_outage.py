@@ -18,7 +18,7 @@ from qwenserve.ratelimit import (
     rate_limit_headers,
 )
 from qwenserve.ratelimit.redis_client import connect
-from qwenserve.tenancy import RedisUsageMeter, Usage, UsageMeterUnavailable
+from qwenserve.tenancy import RedisUsageMeter, UsageMeterUnavailable, UsageRecord
 
 TIMEOUT_S = 0.2
 RETRY_S = 0.3
@@ -143,10 +143,10 @@ async def test_request_too_large_is_still_refused_while_failing_open(redis_serve
 
 async def test_usage_metering_reports_an_outage_instead_of_hanging(redis_server, redis_url: str) -> None:
     meter = RedisUsageMeter(connect(redis_url, timeout_s=TIMEOUT_S))
-    await meter.record("acme", Usage(prompt_tokens=5, completion_tokens=7))
+    await meter.record("acme", UsageRecord(prompt_tokens=5, completion_tokens=7))
     redis_server.kill()
     started = time.monotonic()
     with pytest.raises(UsageMeterUnavailable):
-        await meter.record("acme", Usage(prompt_tokens=5, completion_tokens=7))
+        await meter.record("acme", UsageRecord(prompt_tokens=5, completion_tokens=7))
     assert time.monotonic() - started < 1.0
     await meter.close()

@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 from ratelimit_checks import free_port
 
 from qwenserve.ratelimit.redis_client import connect
-from qwenserve.tenancy import InProcessUsageMeter, RedisUsageMeter, Tenant, Usage, UsageMeter
+from qwenserve.tenancy import InProcessUsageMeter, RedisUsageMeter, Tenant, UsageMeter, UsageRecord
 from qwenserve.tenancy.cli import main as usage_cli
 
 
@@ -32,10 +32,10 @@ async def test_concurrent_records_add_up_per_tenant(meter: UsageMeter) -> None:
     acme = Tenant("acme")
     await asyncio.gather(
         *(
-            meter.record(acme, Usage(prompt_tokens=100, cached_prompt_tokens=64, completion_tokens=i))
+            meter.record(acme, UsageRecord(prompt_tokens=100, cached_prompt_tokens=64, completion_tokens=i))
             for i in range(50)
         ),
-        *(meter.record("globex", Usage(prompt_tokens=7, completion_tokens=3)) for _ in range(10)),
+        *(meter.record("globex", UsageRecord(prompt_tokens=7, completion_tokens=3)) for _ in range(10)),
     )
     assert await meter.read(acme) == {
         "requests": 50,
@@ -60,19 +60,19 @@ async def test_concurrent_records_add_up_per_tenant(meter: UsageMeter) -> None:
 
 def test_usage_rejects_impossible_counts() -> None:
     with pytest.raises(ValueError):
-        Usage(prompt_tokens=-1)
+        UsageRecord(prompt_tokens=-1)
     with pytest.raises(ValueError):
-        Usage(prompt_tokens=10, cached_prompt_tokens=11)
+        UsageRecord(prompt_tokens=10, cached_prompt_tokens=11)
     with pytest.raises(ValueError):
-        Usage(completion_tokens=3, reasoning_tokens=4)
+        UsageRecord(completion_tokens=3, reasoning_tokens=4)
 
 
 async def test_usage_is_kept_per_model_beside_the_totals(meter: UsageMeter) -> None:
     tenant = f"split-{type(meter).__name__}"
-    await meter.record(tenant, Usage(prompt_tokens=10, cached_prompt_tokens=4, completion_tokens=6,
+    await meter.record(tenant, UsageRecord(prompt_tokens=10, cached_prompt_tokens=4, completion_tokens=6,
                                      reasoning_tokens=2, model="qwen3:8b"))
-    await meter.record(tenant, Usage(prompt_tokens=3, completion_tokens=1, model="qwen3-backup"))
-    await meter.record(tenant, Usage(prompt_tokens=1, completion_tokens=1))
+    await meter.record(tenant, UsageRecord(prompt_tokens=3, completion_tokens=1, model="qwen3-backup"))
+    await meter.record(tenant, UsageRecord(prompt_tokens=1, completion_tokens=1))
     by_model = await meter.read_by_model(tenant)
     assert by_model == {
         "qwen3:8b": {"requests": 1, "prompt_tokens": 10, "cached_prompt_tokens": 4, "completion_tokens": 6,
@@ -88,8 +88,8 @@ async def test_usage_is_kept_per_model_beside_the_totals(meter: UsageMeter) -> N
 
 async def test_cli_shows_what_the_routers_recorded(redis_url: str, capsys: pytest.CaptureFixture) -> None:
     meter = RedisUsageMeter(connect(redis_url))
-    await meter.record("acme", Usage(prompt_tokens=1200, cached_prompt_tokens=1024, completion_tokens=345))
-    await meter.record("zeta", Usage(prompt_tokens=1, completion_tokens=2))
+    await meter.record("acme", UsageRecord(prompt_tokens=1200, cached_prompt_tokens=1024, completion_tokens=345))
+    await meter.record("zeta", UsageRecord(prompt_tokens=1, completion_tokens=2))
     await meter.close()
     # The CLI runs its own event loop, as it does from the shell.
     code = await asyncio.to_thread(usage_cli, ["show", "--redis-url", redis_url])
@@ -128,9 +128,9 @@ def test_cli_reports_an_unreachable_redis(capsys: pytest.CaptureFixture) -> None
 
 async def test_cli_bills_each_models_usage_at_its_prices(redis_url: str, tmp_path, capsys) -> None:
     meter = RedisUsageMeter(connect(redis_url), key_prefix="billing-test")
-    await meter.record("acme", Usage(prompt_tokens=100, cached_prompt_tokens=60, completion_tokens=50,
+    await meter.record("acme", UsageRecord(prompt_tokens=100, cached_prompt_tokens=60, completion_tokens=50,
                                      reasoning_tokens=20, model="big"))
-    await meter.record("acme", Usage(prompt_tokens=10, completion_tokens=5, model="small"))
+    await meter.record("acme", UsageRecord(prompt_tokens=10, completion_tokens=5, model="small"))
     await meter.close()
     prices = tmp_path / "prices.yaml"
     prices.write_text("default: {prompt: 1, completion: 2}\n"
