@@ -9,10 +9,9 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from qwenserve.router.errors import ContextLengthExceeded, ServiceUnavailable
-from qwenserve.router.front_errors import RateLimited
+from qwenserve.router.errors import ContextLengthExceeded, RateLimited, ServiceUnavailable
 from qwenserve.router.generation import _refusal
-from qwenserve.router.grpc_front import refuse
+from qwenserve.router.grpc_generate import refuse
 from qwenserve.rpc_errors import abort, detail_of, error_detail, retry_after_of, rich_status
 from qwenserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 

@@ -35,8 +35,13 @@ from qwenserve.ratelimit import (
     grpc_rate_limit_metadata,
     rate_limit_headers,
 )
-from qwenserve.router.errors import InvalidRequest, RouterError
-from qwenserve.router.front_errors import AuthenticationFailed, LimiterUnavailable, RateLimited
+from qwenserve.router.errors import (
+    AuthenticationFailed,
+    InvalidRequest,
+    LimiterUnavailable,
+    RateLimited,
+    RouterError,
+)
 from qwenserve.tenancy.keys import KeyStore, Unauthenticated, bearer_token
 from qwenserve.tenancy.tenants import Tenant
 from qwenserve.tenancy.usage import UsageMeter, UsageMeterUnavailable, UsageRecord

@@ -48,19 +48,21 @@ from typing import Any
 from aiohttp import web
 
 from qwenserve.protocol import FINISH_REASON_NAMES
-from qwenserve.router.errors import InvalidRequest, RouterError, UnknownModel
-from qwenserve.router.front_errors import (
+from qwenserve.router.errors import (
     AuthenticationFailed,
     BodyReadTimeout,
     BodyTooLarge,
+    InvalidRequest,
     MethodNotAllowed,
     ModelNotFound,
     NotFound,
+    RouterError,
+    UnknownModel,
     error_headers,
 )
 from qwenserve.router.gatekeeper import Gatekeeper, Ticket, api_key_from_headers
 from qwenserve.router.generation import PreparedRequest, Router
-from qwenserve.router.grpc_front import outcome_for
+from qwenserve.router.grpc_generate import outcome_for
 from qwenserve.router.models import ModelRoutes
 from qwenserve.router.openai_request import (
     ParsedRequest,

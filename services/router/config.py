@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from qwenserve.flags import StrictParser, address_list, nested, option
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free
-from qwenserve.router.front import FrontConfig, load_front_keys
+from qwenserve.router.front_door import FrontConfig, load_front_keys
 from qwenserve.router.generation_defaults import GenerationConfigError, load_generation_defaults
 from qwenserve.router.models import ModelsConfigError, load_models_file
 from qwenserve.router.tls import TlsConfigError

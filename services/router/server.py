@@ -26,10 +26,10 @@ import grpc
 from prometheus_client import Gauge
 
 from qwenserve.grpc_server import GrpcServerConfig, serve
-from qwenserve.router import grpc_front
+from qwenserve.router import grpc_generate
 from qwenserve.router.discovery import metrics_address
 from qwenserve.router.errors import RouterError
-from qwenserve.router.front import close_gatekeeper, make_gatekeeper, start_http_front
+from qwenserve.router.front_door import close_gatekeeper, make_gatekeeper, start_http_front
 from qwenserve.router.gatekeeper import Gatekeeper, api_key_from_grpc_metadata
 from qwenserve.router.generation import Router, RouterConfig
 from qwenserve.router.generation_defaults import load_generation_defaults
@@ -65,7 +65,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        async for msg in grpc_front.generate(self.routes, self.gatekeeper, request, context):
+        async for msg in grpc_generate.generate(self.routes, self.gatekeeper, request, context):
             yield msg
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
@@ -73,7 +73,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             self.gatekeeper.authenticate(api_key_from_grpc_metadata(context.invocation_metadata()))
         except RouterError as e:
-            await grpc_front.refuse(context, e)
+            await grpc_generate.refuse(context, e)
 
     async def ListModels(  # noqa: N802 - gRPC method name
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -10,9 +10,8 @@ import pytest
 
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.ratelimit import InProcessRateLimiter
-from qwenserve.router.errors import InvalidRequest
-from qwenserve.router.front import FrontConfig, add_front_flags, close_gatekeeper, make_gatekeeper
-from qwenserve.router.front_errors import AuthenticationFailed, RateLimited
+from qwenserve.router.errors import AuthenticationFailed, InvalidRequest, RateLimited
+from qwenserve.router.front_door import FrontConfig, add_front_flags, close_gatekeeper, make_gatekeeper
 from qwenserve.router.gatekeeper import Gatekeeper, api_key_from_grpc_metadata, api_key_from_headers
 from qwenserve.router.generation import PreparedRequest
 from qwenserve.tenancy import InProcessUsageMeter, KeyStore, Tenant, TenantLimits, key_digest

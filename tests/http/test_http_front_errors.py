@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from qwenserve.launcher import free_port
 from qwenserve.ratelimit import InProcessRateLimiter
-from qwenserve.router.front import FrontConfig, add_front_flags, start_http_front
+from qwenserve.router.front_door import FrontConfig, add_front_flags, start_http_front
 from qwenserve.router.gatekeeper import Gatekeeper
 from qwenserve.router.generation import Router, RouterConfig
 from qwenserve.router.openai_http import build_app
