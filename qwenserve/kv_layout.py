@@ -1,12 +1,18 @@
-"""The description of a KV cache that exporter and importer must agree on: one definition for the engine
-and the transports. A handoff is token-major, [num_layers, 2 (k, v), num_tokens, num_kv_heads, head_dim],
-so engines with different block sizes can share it."""
+"""The description of a KV cache that exporter and importer must agree on, in one place for the engine and the
+transports: the dataclass, its wire form (`qwenserve.v1.KVLayout`), the one compatibility check and its error.
+
+A handoff is token-major, [num_layers, 2 (k, v), num_tokens, num_kv_heads, head_dim], so engines with different
+block sizes can share it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+from qwenserve.engine.errors import RequestError
+from qwenserve.v1 import common_pb2
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -16,6 +22,14 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 # block_size is not compared: the handoff is token-major.
 COMPATIBILITY_FIELDS = ("model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim")
+
+
+class KVLayoutMismatch(RequestError):
+    """KV computed elsewhere does not fit here (another model, dtype or shape), so it must not be used.
+
+    A RequestError, because the engine refuses the request that brings it (INVALID_ARGUMENT at a worker's edge);
+    the decode worker refuses a handoff that carries it before the engine sees it (FAILED_PRECONDITION: the
+    router prefills again)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +63,24 @@ class KVLayout:
         itemsize = torch.empty((), dtype=self.torch_dtype()).element_size()
         return self.num_layers * 2 * num_tokens * self.num_kv_heads * self.head_dim * itemsize
 
-    def differences(self, other: KVLayout) -> list[str]:
-        """Human-readable differences that make KV of `other` unusable here (empty when compatible)."""
-        return [
+    def check_accepts(self, other: KVLayout, what: str = "KV") -> None:
+        """Raise KVLayoutMismatch naming every field where `other` (the KV offered) differs from this layout
+        (the one that would use it); block sizes may differ."""
+        diffs = [
             f"{name}: got {getattr(other, name)!r}, need {getattr(self, name)!r}"
             for name in COMPATIBILITY_FIELDS
             if getattr(self, name) != getattr(other, name)
         ]
+        if diffs:
+            raise KVLayoutMismatch(
+                f"{what} does not fit here (prefill and decode must serve the same model with the same dtype and "
+                "KV layout): " + "; ".join(diffs)
+            )
+
+    def to_proto(self) -> common_pb2.KVLayout:
+        return common_pb2.KVLayout(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    @classmethod
+    def from_proto(cls, message: common_pb2.KVLayout) -> KVLayout:
+        """The layout a handle carries; ValueError when it describes no usable layout."""
+        return cls(**{f.name: getattr(message, f.name) for f in fields(cls)})

@@ -92,10 +92,12 @@ class EngineConfig:
         """The serving dtype: fp32 on CPU (bf16 matmuls are far slower there), bf16 on CUDA."""
         import torch
 
+        from qwenserve.kv_layout import TORCH_DTYPES
+
         name = DTYPES.get(self.dtype, self.dtype) if self.dtype else None
         if name:
             try:
-                return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+                return TORCH_DTYPES[name]
             except KeyError:
                 raise ValueError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16") from None
         return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32

@@ -39,12 +39,11 @@ from qwenserve.engine.errors import (
     EngineDeadError,
     EngineShutdownError,
     InvalidTokenError,
-    KVLayoutMismatchError,
     RequestError,
 )
 from qwenserve.engine.grammar import GrammarBackend
 from qwenserve.engine.host_memory import keep_freed_memory
-from qwenserve.engine.kv_layout import KVExportSink, KVImport, KVLayout, check_compatible
+from qwenserve.engine.kv_handoff import KVExportSink, KVImport
 from qwenserve.engine.mailbox import LoopMailbox
 from qwenserve.engine.model_runner import ModelRunner
 from qwenserve.engine.outputs import EngineStats, RequestOutput, TokenCounts, TokenLogprob
@@ -54,6 +53,7 @@ from qwenserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerLi
 from qwenserve.engine.sequence import Sequence, SequenceStatus
 from qwenserve.engine.structured import StructuredOutputError
 from qwenserve.engine.weights import load_checkpoint
+from qwenserve.kv_layout import KVLayout
 from qwenserve.models import ModelConfig, model_class
 from qwenserve.models.layers import pack_linear_weights
 
@@ -348,7 +348,7 @@ class LLMEngine:
         if len(resume_token_ids) >= max_tokens:
             raise RequestError(f"{len(resume_token_ids)} resume tokens already reach max_tokens ({max_tokens})")
         if kv_import is not None:
-            self._check_import(kv_import, len(tokens))
+            kv_import.check_fits(self._layout, len(tokens))
         return Sequence(
             request_id=request_id,
             prompt_len=prompt_len,
@@ -375,22 +375,6 @@ class LLMEngine:
             if not matcher.accept_token(int(token)):
                 raise StructuredOutputError(f"the tokens already generated do not fit the grammar (token {token})")
         return matcher
-
-    def _check_import(self, kv_import: KVImport, num_tokens: int) -> None:
-        check_compatible(self._layout, kv_import.layout)
-        kv = kv_import.kv
-        expected = self._layout.token_shape(kv.shape[2] if kv.dim() == 5 else -1)
-        if kv.dim() != 5 or tuple(kv.shape) != expected:
-            raise KVLayoutMismatchError(
-                f"imported KV has shape {list(kv.shape)}; expected [num_layers, 2, num_tokens, num_kv_heads, "
-                f"head_dim] = {list(expected)}"
-            )
-        if kv.dtype != self._layout.torch_dtype():
-            raise KVLayoutMismatchError(f"imported KV has dtype {kv.dtype}; this engine serves {self._layout.dtype}")
-        if kv.shape[2] > num_tokens:
-            raise KVLayoutMismatchError(
-                f"imported KV covers {kv.shape[2]} tokens but the request has only {num_tokens}"
-            )
 
     def _check_open(self) -> None:
         if self._failure is not None:

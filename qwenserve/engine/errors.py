@@ -45,10 +45,6 @@ class DuplicateRequestError(RequestError):
     """A request with this id is already running."""
 
 
-class KVLayoutMismatchError(RequestError):
-    """Imported KV was computed with a different layout (model, dtype, heads, ...) than this engine's."""
-
-
 class EngineShutdownError(EngineError):
     """The engine has been shut down and takes no more requests."""
 

@@ -10,7 +10,7 @@ import torch
 
 from qwenserve import cpu_kernels
 from qwenserve.engine.attention.base import AttentionBackend, AttentionBatch, ForwardContext
-from qwenserve.engine.kv_layout import KVExportTarget
+from qwenserve.engine.kv_handoff import KVExportTarget
 from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.scheduler import ScheduledSequence
 from qwenserve.engine.sequence import Sequence

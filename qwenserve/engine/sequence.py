@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
-from qwenserve.engine.kv_layout import KVExportSink, KVImport
+from qwenserve.engine.kv_handoff import KVExportSink, KVImport
 from qwenserve.engine.outputs import RequestOutput, TokenLogprob
 from qwenserve.engine.sampling_params import SamplingParams
 

@@ -5,6 +5,7 @@ published KVHandle leases the bytes; the importer (decode) fetches and verifies 
 releases the lease. See exporter.py and importer.py for the flow.
 """
 
+from qwenserve.kv_layout import KVLayout, KVLayoutMismatch
 from qwenserve.kv_transfer.checksum import compute_checksum, verify_checksum
 from qwenserve.kv_transfer.errors import (
     KVChecksumMismatch,
@@ -13,7 +14,6 @@ from qwenserve.kv_transfer.errors import (
     KVHandoffExists,
     KVHandoffGone,
     KVLayoutInvalid,
-    KVLayoutMismatch,
     KVPoolExhausted,
     KVTransferError,
     KVTransportUnavailable,
@@ -22,13 +22,10 @@ from qwenserve.kv_transfer.exporter import ExportCounters, ExporterConfig, Expor
 from qwenserve.kv_transfer.grpc_transport import KVTransferServicer, add_kv_transfer_service
 from qwenserve.kv_transfer.handle import KVHandle, KVTransport, describe, lease_remaining_s
 from qwenserve.kv_transfer.importer import ImporterConfig, KVImporter
-from qwenserve.kv_transfer.layout import KVLayout, layout_from_proto, layout_to_proto
 from qwenserve.kv_transfer.mooncake_transport import mooncake_unavailable_reason
 from qwenserve.kv_transfer.shm import leaked_segments, reap_orphaned_segments
 
 __all__ = [
-    "layout_from_proto",
-    "layout_to_proto",
     "ExportCounters",
     "ExportSlot",
     "ExporterConfig",

@@ -1,7 +1,8 @@
 """Errors of the KV handoff, each with a stable code for ErrorDetail and a retry hint.
 
-Services map these once at their edge: mismatches are FAILED_PRECONDITION (never decode
-garbage), a gone handoff or an unreachable exporter is retryable by prefilling again.
+Services map these once at their edge: a handoff that cannot be used is FAILED_PRECONDITION (never decode
+garbage), a gone handoff or an unreachable exporter is retryable by prefilling again. A layout that does not
+match is `qwenserve.kv_layout.KVLayoutMismatch`, shared with the engine.
 """
 
 from __future__ import annotations
@@ -20,12 +21,6 @@ class KVLayoutInvalid(KVTransferError, ValueError):
     """A layout or size that no KV cache can have (unknown dtype, zero layers or tokens...)."""
 
     code = "kv_layout_invalid"
-
-
-class KVLayoutMismatch(KVTransferError):
-    """The handle's layout or model fingerprint differs from what the importer expects."""
-
-    code = "kv_mismatch"
 
 
 class KVChecksumMismatch(KVTransferError):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qwenserve.addresses import endpoint_host, is_wildcard_host
+from qwenserve.kv_layout import KVLayout
 from qwenserve.kv_transfer.checksum import DEFAULT_ALGORITHM, compute_checksum, fused_copy, gather_copy
 from qwenserve.kv_transfer.errors import KVHandoffExists, KVHandoffGone, KVLayoutInvalid
 from qwenserve.kv_transfer.handle import (
@@ -30,7 +31,6 @@ from qwenserve.kv_transfer.handle import (
     KVTransport,
     handoff_marker,
 )
-from qwenserve.kv_transfer.layout import KVLayout, LayoutLike, as_layout, layout_to_proto
 from qwenserve.kv_transfer.mooncake_transport import MooncakeEndpoint
 from qwenserve.kv_transfer.pool import BufferPool, Extent, MemoryRegion, PrivateRegion
 from qwenserve.kv_transfer.shm import DEFAULT_PREFIX, ShmSegment, reap_orphaned_segments
@@ -231,9 +231,8 @@ class KVExporter:
 
     # --- the engine's side -----------------------------------------------------------------
 
-    def reserve(self, handoff_id: str, layout: LayoutLike, num_tokens: int) -> ExportSlot:
+    def reserve(self, handoff_id: str, layout: KVLayout, num_tokens: int) -> ExportSlot:
         """Reserve memory for `num_tokens` tokens of KV; write it through `slot.tensor`."""
-        layout = as_layout(layout)
         if num_tokens < 1:
             raise KVLayoutInvalid(f"a KV handoff needs at least one token, got {num_tokens}")
         nbytes = layout.nbytes(num_tokens)
@@ -264,7 +263,7 @@ class KVExporter:
         handle = KVHandle(
             handoff_id=entry.handoff_id,
             transport=self.config.transport,
-            layout=layout_to_proto(entry.layout),
+            layout=entry.layout.to_proto(),
             num_tokens=entry.num_tokens,
             length=entry.nbytes,
             checksum=checksum,

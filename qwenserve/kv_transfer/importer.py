@@ -25,6 +25,7 @@ import grpc
 import torch
 
 from qwenserve.addresses import endpoint_host, is_wildcard_host
+from qwenserve.kv_layout import KVLayout, KVLayoutMismatch
 from qwenserve.kv_transfer.checksum import (
     KVSUM,
     NO_CHECKSUM,
@@ -39,8 +40,6 @@ from qwenserve.kv_transfer.errors import (
     KVEndpointUnreachable,
     KVHandleInvalid,
     KVHandoffGone,
-    KVLayoutInvalid,
-    KVLayoutMismatch,
     KVTransportUnavailable,
 )
 from qwenserve.kv_transfer.grpc_transport import (
@@ -57,13 +56,6 @@ from qwenserve.kv_transfer.handle import (
     describe,
     handoff_marker,
     lease_remaining_s,
-)
-from qwenserve.kv_transfer.layout import (
-    KVLayout,
-    LayoutLike,
-    as_layout,
-    check_layout_matches,
-    layout_from_proto,
 )
 from qwenserve.kv_transfer.mooncake_transport import MooncakeEndpoint
 from qwenserve.kv_transfer.shm import SHM_DIR, map_segment
@@ -117,7 +109,7 @@ class KVImporter:
     async def fetch(
         self,
         handle: KVHandle,
-        expected: LayoutLike,
+        expected: KVLayout,
         *,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -129,7 +121,7 @@ class KVImporter:
         With `out` (a contiguous CPU tensor of the right shape and dtype) the bytes land there.
         """
         self._check_addresses(handle)
-        layout = self._check_layout(handle, as_layout(expected))
+        layout = self._check_layout(handle, expected)
         shape = layout.token_shape(handle.num_tokens)
         if out is not None and (
             tuple(out.shape) != shape or out.dtype != layout.torch_dtype() or not out.is_contiguous()
@@ -210,10 +202,10 @@ class KVImporter:
     @staticmethod
     def _check_layout(handle: KVHandle, expected: KVLayout) -> KVLayout:
         try:
-            actual = layout_from_proto(handle.layout)
-        except KVLayoutInvalid as e:
+            actual = KVLayout.from_proto(handle.layout)
+        except ValueError as e:
             raise KVLayoutMismatch(f"{describe(handle)} carries an invalid layout: {e}") from e
-        check_layout_matches(actual, expected)
+        expected.check_accepts(actual, describe(handle))
         if handle.num_tokens < 1 or handle.length != actual.nbytes(handle.num_tokens):
             raise KVLayoutMismatch(
                 f"{describe(handle)}: {handle.length} bytes cannot hold {handle.num_tokens} tokens of this "

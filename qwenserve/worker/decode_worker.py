@@ -10,9 +10,9 @@ from typing import Any
 
 from opentelemetry import trace
 
-from qwenserve.engine.errors import KVLayoutMismatchError
-from qwenserve.engine.kv_layout import KVImport
-from qwenserve.kv_transfer.errors import KVEndpointUnreachable, KVLayoutMismatch, KVTransferError
+from qwenserve.engine.kv_handoff import KVImport
+from qwenserve.kv_layout import KVLayoutMismatch
+from qwenserve.kv_transfer.errors import KVEndpointUnreachable, KVTransferError
 from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto, prompt_logprobs_to_proto
 from qwenserve.telemetry.engine_steps import EngineStepObserver
 from qwenserve.telemetry.metrics import HandoffMetrics
@@ -155,7 +155,7 @@ class DecodeWorker:
                         f"the handoff holds {handle.num_tokens} tokens, the prompt has {prompt_len}"
                     )
                 tensor = await self.importer.fetch(handle, self.engine.kv_layout())
-            except (KVTransferError, KVLayoutMismatchError, OSError) as e:
+            except (KVTransferError, KVLayoutMismatch, OSError) as e:
                 # OSError: what the handle names could not be read; the router recomputes the prompt instead.
                 if self.handoff is not None:
                     self.handoff.record_failure(transport, failure_reason(e))

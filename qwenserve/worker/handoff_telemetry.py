@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import grpc
 
-from qwenserve.engine.errors import KVLayoutMismatchError
+from qwenserve.kv_layout import KVLayoutMismatch
 from qwenserve.kv_transfer.errors import (
     KVChecksumMismatch,
     KVEndpointUnreachable,
     KVHandleInvalid,
     KVHandoffGone,
-    KVLayoutMismatch,
     KVPoolExhausted,
     KVTransportUnavailable,
 )
@@ -46,7 +45,7 @@ def failure_reason(error: BaseException) -> str:
         return "unreachable"
     if isinstance(error, KVTransportUnavailable):
         return "connection"
-    if isinstance(error, (KVLayoutMismatch, KVLayoutMismatchError, KVHandleInvalid)):
+    if isinstance(error, (KVLayoutMismatch, KVHandleInvalid)):
         return "protocol"
     if isinstance(error, KVPoolExhausted):
         return "no_space"

@@ -6,9 +6,9 @@ import pytest
 import torch
 from engine_checkpoints import random_prompts
 
-from qwenserve.engine.errors import KVLayoutMismatchError
-from qwenserve.engine.kv_layout import KVImport, KVLayout
+from qwenserve.engine.kv_handoff import KVImport
 from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.kv_layout import KVLayout, KVLayoutMismatch
 from qwenserve.kv_transfer import ExporterConfig, KVExporter, KVTransport, compute_checksum
 
 
@@ -73,10 +73,10 @@ def test_import_with_a_different_model_is_refused(make_engine):
     prompt = [1, 2, 3, 4]
     layout = other.kv_layout()
     kv = torch.zeros(layout.token_shape(4))
-    with pytest.raises(KVLayoutMismatchError, match="model_fingerprint"):
+    with pytest.raises(KVLayoutMismatch, match="model_fingerprint"):
         engine.generate_sync([prompt], SamplingParams(max_tokens=2), kv_import=KVImport(kv, layout))
     wrong_shape = torch.zeros(engine.kv_layout().token_shape(4))[:, :, :, :, :8]
-    with pytest.raises(KVLayoutMismatchError, match="shape"):
+    with pytest.raises(KVLayoutMismatch, match="shape"):
         engine.generate_sync([prompt], SamplingParams(max_tokens=2), kv_import=KVImport(wrong_shape, engine.kv_layout()))
 
 
