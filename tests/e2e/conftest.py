@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from qwenserve.default_model import TINY_CONFIG, write_checkpoint
-from qwenserve.kv_transfer import leaked_segments
 from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import router_pb2_grpc
+from tests.conftest import SessionProcesses
 
 TINY = {**TINY_CONFIG, "max_position_embeddings": 1024}
 # Small KV pools keep four engine processes light on this machine.
@@ -26,10 +26,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_leaked_shm_segments() -> Iterator[None]:
-    before = set(leaked_segments())
+def no_leaked_shm_segments(session_processes: SessionProcesses) -> Iterator[None]:
+    """No segment that this session's processes made outlives the session (others' segments do not count)."""
+    before = session_processes.segments()
     yield
-    left = set(leaked_segments()) - before
+    left = session_processes.segments() - before
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
 
 

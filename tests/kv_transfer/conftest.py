@@ -3,7 +3,6 @@ a real grpc.aio KVTransfer server, and leak checks on /dev/shm after every test.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -21,16 +20,18 @@ from qwenserve.kv_transfer import (
     add_kv_transfer_service,
     leaked_segments,
 )
+from tests.conftest import SessionProcesses
 
 TEST_PREFIX = "qwenserve-kvtest"
 MiB = 1 << 20
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_segment_left_after_the_suite() -> Iterator[None]:
+def no_segment_left_after_the_suite(session_processes: SessionProcesses) -> Iterator[None]:
+    """No segment that this session's processes made, under any test prefix or the default, outlives it."""
+    before = session_processes.segments()
     yield
-    assert leaked_segments(TEST_PREFIX) == []
-    assert leaked_segments(f"qwenserve-kv-{os.getpid()}-") == []
+    assert session_processes.segments() - before == set()
 
 
 @pytest.fixture
