@@ -15,7 +15,7 @@ from qwenserve import supervision
 
 # subcommand -> (module:function, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("qwenserve.launcher:main", "run tokenizer, prefill, decode and router on loopback"),
+    "up": ("qwenserve.up:main", "run tokenizer, prefill, decode and router on loopback"),
     "generate": ("qwenserve.client:main", "stream an answer from a running router"),
     "status": ("qwenserve.status:main", "health and load of every stage, asked of a running router"),
     "tokens": ("qwenserve.tokenizer.cli:main", "count or show the tokens of a file"),

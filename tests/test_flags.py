@@ -157,7 +157,8 @@ def test_the_printed_configuration_hides_secrets(
 
 
 def test_up_routes_the_names_vllm_users_type_to_the_stages_that_own_them(tmp_path: Path) -> None:
-    from qwenserve.launcher import LocalCluster, up_parser
+    from qwenserve.launcher import LocalCluster
+    from qwenserve.up import up_parser
 
     parser, routed = up_parser()
     args = vars(parser.parse_args([

@@ -1,0 +1,184 @@
+"""`qwen-serve up`: the four stages as separate local processes on loopback, started and stopped together.
+
+`up`'s parser is its own options and every stage's flags; each flag goes to the stages that have it
+(qwenserve/launcher.py runs the processes). Before starting anything it parses each child's command line with
+the stage's strict parser and runs the stage's start-up checks, so a mistake is one line and nothing starts.
+
+Once every child is healthy it prints one line containing `ready` with the router's addresses, then one line
+per service with its gRPC and metrics addresses, and on Ctrl-C / SIGTERM (or when any child dies: it names the
+child and its last line of output) stops them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qwenserve.flags import (
+    FlagError,
+    FlagSpec,
+    StrictParser,
+    add_options,
+    config_from_args,
+    config_line,
+    option,
+    option_specs,
+)
+from qwenserve.launcher import LocalCluster, stage_configs
+from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
+from qwenserve.presets import preset_defaults, preset_named
+from qwenserve.telemetry.logs import console
+
+# Stage flags `qwen-serve up` sets itself (addresses and ports it chooses, the model it serves).
+LAUNCHER_SET = frozenset({"host", "port", "model", "metrics_port", "http_port", "tokenizer", "prefill", "decode",
+                          "tokenizer_metrics", "prefill_metrics", "decode_metrics", "kv_transfer"})
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """`qwen-serve up`'s own options; every other flag it accepts is a stage's, passed to the stages that have it."""
+
+    model: str | None = option(None, positional=True,
+                               help="Hugging Face checkpoint folder to serve (default: the built-in small Qwen3)")
+    prefill: int = option(1, help="prefill processes (0: decode workers prefill themselves)")
+    decode: int = option(1, help="decode processes")
+    host: str = option("127.0.0.1", help="address every stage binds")
+    port: int = option(8000, aliases=("--http-port",), help="the router's OpenAI-compatible HTTP port")
+    grpc_port: int = option(50050, help="the router's gRPC port")
+    kv_transfer: str = option("shm", choices=("shm", "network"), help="how prefill hands KV to decode")
+    log_dir: str | None = option(None, help="write each child's log to a file here")
+    prefill_nice: int = option(
+        10, help="lower prefill processes' CPU priority by this much, so that on shared cores their long prompt "
+                 "steps yield to decode steps and the router's relay (0: equal priority)")
+    print_config: bool = option(False, env=False,
+                                help="print every stage's configuration as it would start (preset applied), then exit")
+
+
+def up_parser(argv: Sequence[str] = ()) -> tuple[StrictParser, dict[str, list[FlagSpec]]]:
+    """`qwen-serve up`'s parser: its own options (with the defaults of the preset `argv` names), then every stage
+    flag it passes on (by stage)."""
+    parser = StrictParser(prog="qwen-serve up", description=__doc__.splitlines()[0],
+                          epilog="Every flag also reads QWENSERVE_<FLAG> from the environment.")
+    add_options(parser, UpConfig, defaults=preset_defaults(preset_named(argv)))
+    routed: dict[str, list[FlagSpec]] = {}
+    for stage, cls in stage_configs().items():
+        group = parser.add_argument_group(f"{stage} flags", "passed to every stage that has them")
+        add_options(group, cls, suppress=True, skip=lambda spec: spec.dest in LAUNCHER_SET)
+        routed[stage] = [spec for spec in option_specs(cls) if spec.dest not in LAUNCHER_SET]
+    return parser, routed
+
+
+def main(argv: list[str]) -> int:
+    """`qwen-serve up`: run the whole stack until Ctrl-C."""
+    parser, routed = up_parser(argv)
+    args = parser.parse_args(argv)
+    try:
+        up: UpConfig = config_from_args(UpConfig, args)
+    except FlagError as e:
+        parser.error(str(e))
+    if up.prefill < 0 or up.decode < 1:
+        parser.error("need --decode >= 1 and --prefill >= 0")
+    given = vars(args)
+    stage_values = {spec.dest: given[spec.dest] for specs in routed.values() for spec in specs if spec.dest in given}
+    try:
+        model = _checked_model(up.model)
+        cluster = LocalCluster(
+            model=Path(model), prefill=up.prefill, decode=up.decode, host=up.host, router_port=up.grpc_port,
+            http_port=up.port, kv_transfer=up.kv_transfer, log_dir=Path(up.log_dir) if up.log_dir else None,
+            prefill_nice=up.prefill_nice, stage_values=stage_values,
+        )
+        cluster.plan()
+        if up.print_config:
+            for name, config in _child_configs(cluster):
+                print(f"{name}: {config_line(config)}")
+            print(f"up: prefill_nice={up.prefill_nice}")
+            return 0
+        _check_plan(cluster, up)
+    except StartupError as e:
+        console("qwen-serve up: cannot start: %s", one_line(e), level=logging.ERROR, stderr=True)
+        return 1
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster.start()
+    except RuntimeError as e:
+        console("qwen-serve up: %s; stopped the others", e, level=logging.ERROR, stderr=True)
+        return 1
+    # Plain text as programs parse it; a JSON record each under --log-json, as the stages' lines.
+    console("qwen-serve ready: router grpc=%s:%s http=http://%s:%s/v1 model=%s prefill=%s decode=%s",
+            cluster.host, cluster.router_port, cluster.host, cluster.http_port, model, up.prefill, up.decode)
+    for line in cluster.addresses():
+        console("%s", line)
+    code = 0
+    while not stop["signal"]:
+        if (how := cluster.dead_child()) is not None:
+            console("qwen-serve up: %s; stopping the others", how, level=logging.ERROR, stderr=True)
+            code = 1
+            break
+        time.sleep(0.2)
+    cluster.stop()
+    console("qwen-serve stopped")
+    return code
+
+
+def _checked_model(model: str | None) -> str:
+    """The checkpoint folder to serve, checked; the built-in one is made (once) when none is given."""
+    if model is None:
+        from qwenserve.default_model import ensure_default_model
+
+        return str(ensure_default_model())
+    check_model_folder(model, "MODEL", needs_tokenizer=True)
+    return model
+
+
+def _child_configs(cluster: LocalCluster) -> list[tuple[str, Any]]:
+    """(child name, its stage's configuration parsed from its planned command line), without starting anything."""
+    configs = []
+    for child in cluster.children:
+        stage = child.argv[child.argv.index("serve") + 1]
+        module = importlib.import_module(f"qwenserve_services.{stage}.config")
+        with _environment(child.env):
+            configs.append((child.name, module.parse_config(child.argv[child.argv.index("serve") + 2:],
+                                                            prog="qwen-serve up")))
+    return configs
+
+
+def _check_plan(cluster: LocalCluster, up: UpConfig) -> None:
+    """Before starting anything: every child's command line parses with its stage's strict parser (a refusal
+    exits here, in one line), and the stages' start-up checks pass (ports, key and TLS files)."""
+    check_port_free(up.host, up.grpc_port, "--grpc-port")
+    check_port_free(up.host, up.port, "--port")
+    checked: set[str] = set()
+    for child in cluster.children:
+        stage = child.argv[child.argv.index("serve") + 1]
+        module = importlib.import_module(f"qwenserve_services.{stage}.config")
+        with _environment(child.env):  # the secrets it reads from its environment
+            config = module.parse_config(child.argv[child.argv.index("serve") + 2:], prog="qwen-serve up")
+            if stage not in checked:
+                module.check(config)
+                checked.add(stage)
+
+
+@contextlib.contextmanager
+def _environment(extra: dict[str, str]) -> Iterator[None]:
+    """os.environ with `extra` set, for the block."""
+    saved = dict(os.environ)
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
