@@ -14,12 +14,12 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 
 
-def chain_hash(parent: bytes, token_ids: Seq[int]) -> bytes:
+def _chain_hash(parent: bytes, token_ids: Seq[int]) -> bytes:
     """Hash of a full block given its parent's hash: collisions would share wrong KV, so 128 bits."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
-def root_hash(cache_salt: str | None) -> bytes:
+def _root_hash(cache_salt: str | None) -> bytes:
     """The parent hash of a sequence's first block: tenants with different salts never share blocks."""
     return hashlib.blake2b((cache_salt or "").encode(), digest_size=16, person=b"qwenserve-kv").digest()
 
@@ -75,6 +75,19 @@ class BlockPool:
                     self.free_cached[block] = None
                 else:
                     self.free_uncached.append(block)
+
+    def chain_hashes(
+        self, token_ids: Seq[int], cache_salt: str | None, num_blocks: int, known: Seq[bytes] = ()
+    ) -> list[bytes]:
+        """The prefix-cache keys of a sequence's full blocks len(known) .. num_blocks-1, continuing the chain from
+        `known` (the keys of its first blocks, already computed) or from the salt's root."""
+        bs = self.block_size
+        parent = known[-1] if known else _root_hash(cache_salt)
+        hashes = []
+        for b in range(len(known), num_blocks):
+            parent = _chain_hash(parent, token_ids[b * bs : (b + 1) * bs])
+            hashes.append(parent)
+        return hashes
 
     def lookup_prefix(self, hashes: Seq[bytes]) -> list[int]:
         """The cached blocks for the longest run of `hashes` present, each now referenced once more."""

@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from qwenserve.engine.admission_policy import WatermarkSettings, make_policy
-from qwenserve.engine.block_pool import BlockPool, chain_hash, root_hash
+from qwenserve.engine.block_pool import BlockPool
 from qwenserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -215,10 +215,7 @@ class Scheduler:
         hashes: list[bytes] = []
         if seq.kv_import is None and not seq.needs_prompt_logprobs:
             # The last token is always computed: its logits are needed to sample.
-            parent = root_hash(seq.cache_salt)
-            for b in range((seq.num_tokens - 1) // bs):
-                parent = chain_hash(parent, seq.token_ids[b * bs : (b + 1) * bs])
-                hashes.append(parent)
+            hashes = self.pool.chain_hashes(seq.token_ids, seq.cache_salt, (seq.num_tokens - 1) // bs)
         hits, idle_hits = self.pool.count_prefix_hits(hashes)
         need_new = self._blocks_for(seq.num_tokens) - hits
         reserve = self.limits.watermark_blocks if self.running else 0
@@ -254,12 +251,10 @@ class Scheduler:
 
     def on_step_computed(self, scheduled: list[ScheduledSequence]) -> None:
         """Advance computed counts and publish newly filled blocks to the prefix cache."""
-        bs = self.block_size
         for item in scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
-            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.cache_salt)
-            for b in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-                parent = chain_hash(parent, seq.token_ids[b * bs : (b + 1) * bs])
-                self.pool.register(seq.block_table[b], parent)
-                seq.block_hashes.append(parent)
+            full = seq.num_computed_tokens // self.block_size
+            for h in self.pool.chain_hashes(seq.token_ids, seq.cache_salt, full, known=seq.block_hashes):
+                self.pool.register(seq.block_table[len(seq.block_hashes)], h)
+                seq.block_hashes.append(h)

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from qwenserve.engine.block_pool import BlockPool, chain_hash, root_hash
+from qwenserve.engine.block_pool import BlockPool
 
 
 def hashes_for(tokens: list[int], block_size: int, salt: str | None = None) -> list[bytes]:
-    parent, out = root_hash(salt), []
-    for b in range(len(tokens) // block_size):
-        parent = chain_hash(parent, tokens[b * block_size : (b + 1) * block_size])
-        out.append(parent)
-    return out
+    return BlockPool(num_blocks=1, block_size=block_size).chain_hashes(tokens, salt, len(tokens) // block_size)
 
 
 def test_shared_blocks_are_reference_counted_and_evicted_least_recently_used_first():
@@ -37,6 +33,13 @@ def test_different_salts_never_share():
     assert hashes_for([1, 2], 2, "x") != hashes_for([1, 2], 2, "y")
     assert hashes_for([1, 2, 3, 4], 2)[0] == hashes_for([1, 2, 9, 9], 2)[0]
     assert hashes_for([1, 2, 3, 4], 2)[1] != hashes_for([0, 2, 3, 4], 2)[1]  # chain: parent matters
+
+
+def test_a_chain_continued_from_known_blocks_equals_the_chain_computed_at_once():
+    pool, tokens = BlockPool(num_blocks=1, block_size=2), [5, 6, 7, 8, 9, 10, 11]
+    first = pool.chain_hashes(tokens, "t", 1)
+    assert first + pool.chain_hashes(tokens, "t", 3, known=first) == pool.chain_hashes(tokens, "t", 3)
+    assert pool.chain_hashes(tokens, "t", 3, known=first) != pool.chain_hashes(tokens, "u", 3)[1:]
 
 
 def _seq(rid: str, n: int, arrival: float):
