@@ -19,7 +19,7 @@ import kopf
 
 from qwenserve_operator.crd import GROUP, PLURAL, VERSION
 from qwenserve_operator.kube import KubeClient
-from qwenserve_operator.manifests import MANAGER
+from qwenserve_operator.naming import MANAGER
 from qwenserve_operator.reconciler import OperatorConfig, Reconciler
 
 OWNED = {"app.kubernetes.io/managed-by": MANAGER}

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import kopf
 
-from qwenserve_operator import autoscaler, manifests, status
+from qwenserve_operator import autoscaler, manifests, naming, status
 from qwenserve_operator.crd import AUTOSCALED_STAGES, STAGES, with_defaults
 from qwenserve_operator.kube import KubeClient, KubeError
 
@@ -222,7 +222,7 @@ class Reconciler:
         return {"prefill": prefill, "decode": decode}
 
     async def _scrape_stage(self, namespace: str, name: str, stage: str) -> list[autoscaler.PodMetrics]:
-        pods = await self.kube.list("Pod", namespace, manifests.selector_labels(name, stage))
+        pods = await self.kube.list("Pod", namespace, naming.selector_labels(name, stage))
         urls = [url for pod in pods if (url := metrics_url(pod))]
         timeout = aiohttp.ClientTimeout(total=self.config.scrape_timeout)
         async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -241,7 +241,7 @@ def metrics_url(pod: dict[str, Any]) -> str | None:
         for port in container.get("ports") or []:
             if port.get("name") == "metrics":
                 return f"http://{ip}:{port['containerPort']}/metrics"
-    return f"http://{ip}:{manifests.METRICS_PORT}/metrics"
+    return f"http://{ip}:{naming.METRICS_PORT}/metrics"
 
 
 async def _fetch(session: aiohttp.ClientSession, url: str) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from qwenserve_operator.crd import AUTOSCALED_STAGES, STAGES
-from qwenserve_operator.manifests import router_endpoint
+from qwenserve_operator.naming import router_endpoint
 
 Condition = dict[str, Any]
 

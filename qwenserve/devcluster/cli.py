@@ -102,7 +102,7 @@ def host_paths(body: dict[str, Any], model: str | None, state_dir: Path) -> Any:
     from qwenserve.cache import cache_root
     from qwenserve.devcluster.pods import HostPaths
     from qwenserve_operator.crd import with_defaults
-    from qwenserve_operator.manifests import model_dir
+    from qwenserve_operator.naming import model_dir
 
     if model is None:
         from qwenserve.default_model import ensure_default_model

@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from qwenserve_operator import crd, manifests
+from qwenserve_operator import crd, naming
 
 K8S_VERSION = "1.37.0"
 CHART = Path(__file__).resolve().parents[2] / "charts/qwen-serve"
@@ -79,7 +79,7 @@ def test_rbac_is_least_privilege(render) -> None:
 
 def test_the_stages_network_policies_admit_the_operator_pods_to_the_metrics_ports(render) -> None:
     operator = next(d for d in render() if d["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
-    assert manifests.OPERATOR_POD_LABELS.items() <= operator.items()
+    assert naming.OPERATOR_POD_LABELS.items() <= operator.items()
 
 
 def test_watch_namespaces_get_a_role_each_and_the_operator_their_names(render) -> None:

@@ -8,7 +8,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from qwenserve_operator import manifests
+from qwenserve_operator import manifests, naming, pod_template, router_config
 from qwenserve_operator.crd import STAGES
 
 K8S_VERSION = "1.37.0"
@@ -52,7 +52,7 @@ def test_every_child_is_a_valid_kubernetes_object(make_spec, variant: str) -> No
     for child in children:
         kubernetes_validate.validate(child, K8S_VERSION, strict=True)
         assert child["metadata"]["ownerReferences"][0]["uid"] == UID
-        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == manifests.MANAGER
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == naming.MANAGER
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -67,15 +67,15 @@ def test_pods_run_as_non_root_with_a_read_only_root_and_no_capabilities(make_spe
 
 def test_stage_arguments_follow_the_container_contract(make_spec) -> None:
     spec = make_spec(kvTransfer={"mode": "shm"})
-    assert manifests.stage_args("demo", "ns1", "tokenizer", spec) == [
+    assert pod_template.stage_args("demo", "ns1", "tokenizer", spec) == [
         "serve", "tokenizer", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090",
         "--grace-s", str(spec["stages"]["tokenizer"]["terminationGracePeriodSeconds"] - 7), "--model", "/models/model"]
-    assert manifests.stage_args("demo", "ns1", "prefill", spec)[-8:] == [
+    assert pod_template.stage_args("demo", "ns1", "prefill", spec)[-8:] == [
         "--model", "/models/model", "--kv-transfer", "shm", "--served-model-name", "Qwen/Qwen3-0.6B",
         "--advertise-host", "$(POD_IP)"]
-    assert manifests.stage_args("demo", "ns1", "decode", spec)[-6:] == [
+    assert pod_template.stage_args("demo", "ns1", "decode", spec)[-6:] == [
         "--model", "/models/model", "--kv-transfer", "shm", "--served-model-name", "Qwen/Qwen3-0.6B"]
-    assert manifests.stage_args("demo", "ns1", "router", spec)[:4] == ["serve", "router", "--host", "0.0.0.0"]
+    assert pod_template.stage_args("demo", "ns1", "router", spec)[:4] == ["serve", "router", "--host", "0.0.0.0"]
 
 
 def test_each_stage_drains_within_its_pods_grace_period(make_spec) -> None:
@@ -111,7 +111,7 @@ def test_router_is_configured_with_the_service_dns_names(make_spec) -> None:
     assert router["spec"]["template"]["spec"]["containers"][0]["envFrom"] == [
         {"configMapRef": {"name": "demo-config"}}]
     digest = router["spec"]["template"]["metadata"]["annotations"]["qwenserve.io/config-hash"]
-    assert digest == manifests.config_hash(next(c for c in children if c["kind"] == "ConfigMap"))
+    assert digest == router_config.config_hash(next(c for c in children if c["kind"] == "ConfigMap"))
 
 
 def test_a_config_change_rolls_the_router(make_spec) -> None:
@@ -135,7 +135,7 @@ def test_probes_are_native_grpc_on_each_stage_port(make_spec) -> None:
     for stage in STAGES:
         container = _by(_children(make_spec()), "Deployment", stage)["spec"]["template"]["spec"]["containers"][0]
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-            assert container[probe]["grpc"] == {"port": manifests.GRPC_PORTS[stage]}
+            assert container[probe]["grpc"] == {"port": naming.GRPC_PORTS[stage]}
 
 
 def test_shm_mode_colocates_decode_with_prefill_through_the_node_shm(make_spec) -> None:
@@ -207,7 +207,7 @@ def test_model_source_becomes_a_volume_and_the_model_flag(make_spec, source, ext
         container = _by(children, "Deployment", stage)["spec"]["template"]["spec"]["containers"][0]
         model_mounts = [m for m in container["volumeMounts"] if m["name"] == "model"]
         assert model_mounts == ([mount] if mount else [])
-        assert container["args"][container["args"].index("--model") + 1] == manifests.model_dir(spec)
+        assert container["args"][container["args"].index("--model") + 1] == naming.model_dir(spec)
 
 
 @pytest.mark.parametrize("token", [True, False])
@@ -299,7 +299,7 @@ def test_the_router_environment_uses_names_the_router_reads(make_spec, monkeypat
     from qwenserve_services.router.server import parse_config
 
     spec = make_spec(rateLimits={"requestsPerMinute": 60, "tokensPerMinute": 0, "failOpen": False})
-    env = manifests.router_environment("demo", "ns", spec)
+    env = router_config.router_environment("demo", "ns", spec)
     assert env["QWENSERVE_DEFAULT_REQUESTS_PER_MINUTE"] == "60"
     assert "QWENSERVE_DEFAULT_TOKENS_PER_MINUTE" not in env  # 0 means unlimited
     assert env["QWENSERVE_RATELIMIT_FAILURE_MODE"] == "closed"
@@ -334,7 +334,7 @@ def _pods(*stages: str) -> list[dict[str, Any]]:
 def test_only_the_router_and_decode_reach_the_workers_grpc_ports_and_the_router_is_public(make_spec, mode) -> None:
     children = _children(make_spec(kvTransfer={"mode": mode}))
     policy = {stage: _by(children, "NetworkPolicy", stage) for stage in STAGES}
-    grpc = manifests.GRPC_PORTS
+    grpc = naming.GRPC_PORTS
     # Besides its own router: another deployment's router that routes to this one (labelled so).
     routed = [{"podSelector": {"matchLabels": {"routes-to.qwenserve.io/demo": "true"}}}]
     assert _admitted(policy["tokenizer"], grpc["tokenizer"]) == _pods("router") + routed
@@ -342,7 +342,7 @@ def test_only_the_router_and_decode_reach_the_workers_grpc_ports_and_the_router_
     assert _admitted(policy["prefill"], grpc["prefill"]) == _pods("router", "decode") + routed
     assert _admitted(policy["decode"], grpc["decode"]) == _pods("router") + routed
     assert _admitted(policy["router"], grpc["router"]) == [ANYONE]
-    assert _admitted(policy["router"], manifests.HTTP_PORT) == [ANYONE]
+    assert _admitted(policy["router"], naming.HTTP_PORT) == [ANYONE]
     for stage in STAGES:
         assert policy[stage]["spec"]["policyTypes"] == ["Ingress"]
         assert _admitted(policy[stage], 12345) == []  # nothing else is open
@@ -360,14 +360,14 @@ def test_with_mooncake_decode_reaches_every_prefill_port(make_spec) -> None:
 
 
 def test_metrics_ports_admit_the_monitoring_namespaces_the_operator_and_the_router(make_spec) -> None:
-    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": manifests.OPERATOR_POD_LABELS}}
+    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": naming.OPERATOR_POD_LABELS}}
     default = _children(make_spec())
     custom = _children(make_spec(**VARIANTS["monitoring"]))
     for stage in STAGES:
-        assert _admitted(_by(default, "NetworkPolicy", stage), manifests.METRICS_PORT) == [
+        assert _admitted(_by(default, "NetworkPolicy", stage), naming.METRICS_PORT) == [
             {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
             operator, *_pods("router")]
-        assert _admitted(_by(custom, "NetworkPolicy", stage), manifests.METRICS_PORT)[0] == {
+        assert _admitted(_by(custom, "NetworkPolicy", stage), naming.METRICS_PORT)[0] == {
             "namespaceSelector": VARIANTS["monitoring"]["telemetry"]["monitoringNamespaceSelector"]}
 
 
@@ -381,7 +381,7 @@ def test_a_fallback_and_a_canary_become_the_routers_models_file_and_open_their_p
     assert [m["name"] for m in models["models"]] == [own, "backup", "demo-next"]
     first = models["models"][0]
     assert first["fallback"] == "backup" and first["canary"] == {"model": "demo-next", "percent": 10}
-    assert models["models"][1]["decode"] == [f"{manifests.service_host('backup', 'ns1', 'decode')}:50053"]
+    assert models["models"][1]["decode"] == [f"{naming.service_host('backup', 'ns1', 'decode')}:50053"]
     assert all(m["model"] == first["model"] for m in models["models"])  # read with this model's vocabulary
     assert config["data"]["QWENSERVE_MODELS_FILE"] == "/etc/qwen-serve/routes/models.yaml"
     router = _by(children, "Deployment", "router")["spec"]["template"]
@@ -392,7 +392,7 @@ def test_a_fallback_and_a_canary_become_the_routers_models_file_and_open_their_p
     # The backup deployment's own policies admit that router.
     backup = manifests.network_policy("backup", "ns1", UID, "decode", make_spec())
     assert {"podSelector": {"matchLabels": {"routes-to.qwenserve.io/backup": "true"}}} in _admitted(
-        backup, manifests.GRPC_PORTS["decode"])
+        backup, naming.GRPC_PORTS["decode"])
     for child in children:
         kubernetes_validate.validate(child, K8S_VERSION, strict=True)
     # Without them: no models file, as before.
@@ -400,7 +400,7 @@ def test_a_fallback_and_a_canary_become_the_routers_models_file_and_open_their_p
 
 
 def test_a_stage_that_may_scale_to_zero_makes_the_router_hold_its_requests(make_spec) -> None:
-    from qwenserve_operator.manifests import router_environment
+    from qwenserve_operator.router_config import router_environment
 
     assert "QWENSERVE_COLD_START_WAIT_S" not in router_environment("q", "ns", make_spec())
     spec = make_spec(stages={"decode": {"autoscaling": {"enabled": True, "minReplicas": 0}}},

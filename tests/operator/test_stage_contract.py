@@ -13,7 +13,7 @@ import pytest
 
 from qwenserve.cli import COMMANDS as CLI_COMMANDS
 from qwenserve.cli import STAGES as CLI_STAGES
-from qwenserve_operator import manifests
+from qwenserve_operator import manifests, naming, pod_template
 from qwenserve_operator.crd import STAGES
 
 UID = "0b7d1c2e-0000-4000-8000-000000000002"
@@ -89,11 +89,11 @@ def test_every_stage_parses_its_rendered_arguments_and_reads_every_variable_set(
         argv = [_expand(a, env) for a in args[2:]]
         assert not [a for a in argv if "$(" in a], f"{stage}: an argument names a variable the container lacks"
         config = module.parse_config(argv)  # strict: an unknown flag or a bad value exits
-        assert config.port == manifests.GRPC_PORTS[stage] and config.host == "0.0.0.0"
-        assert config.metrics_port == manifests.METRICS_PORT and config.model == manifests.model_dir(spec)
+        assert config.port == naming.GRPC_PORTS[stage] and config.host == "0.0.0.0"
+        assert config.metrics_port == naming.METRICS_PORT and config.model == naming.model_dir(spec)
         if stage == "router":
-            assert config.decode == [f"demo-decode.ns1.svc.cluster.local:{manifests.GRPC_PORTS['decode']}"]
-            assert config.model_name == spec["model"]["name"] and config.http_port == manifests.HTTP_PORT
+            assert config.decode == [f"demo-decode.ns1.svc.cluster.local:{naming.GRPC_PORTS['decode']}"]
+            assert config.model_name == spec["model"]["name"] and config.http_port == naming.HTTP_PORT
             assert config.front.no_auth is not bool(spec.get("apiKeysSecret"))
         if stage in ("prefill", "decode"):
             assert config.served_model_name == spec["model"]["name"]  # vLLM's metrics' model_name, as the router's
@@ -118,7 +118,7 @@ def test_the_crd_offers_exactly_the_transports_the_stages_define() -> None:
 def test_a_presets_crd_field_reaches_prefill_and_decode_as_their_flag() -> None:
     from qwenserve.presets import PRESET_NAMES as STAGE_PRESETS
     from qwenserve_operator.crd import PRESET_NAMES, spec_schema, with_defaults
-    from qwenserve_operator.manifests import stage_args
+    from qwenserve_operator.pod_template import stage_args
     from qwenserve_services.decode.config import parse_config as decode_config
     from qwenserve_services.prefill.config import parse_config as prefill_config
 
@@ -159,8 +159,8 @@ def test_the_fetch_model_init_container_runs_a_command_the_image_defines(make_sp
     from qwenserve.default_model import build_parser
 
     spec = make_spec(model={"source": "hf", "hf": {"repo": "Qwen/Qwen3-0.6B", "revision": "main"}})
-    init = manifests.model_fetch_container(spec)
+    init = pod_template.model_fetch_container(spec)
     assert init is not None and init["args"][0] in CLI_COMMANDS
     args = build_parser().parse_args(init["args"][1:])  # strict: an unknown flag exits
     assert (args.action, args.source, str(args.dir), args.revision) == (
-        "fetch", "hf://Qwen/Qwen3-0.6B", manifests.model_dir(spec), "main")
+        "fetch", "hf://Qwen/Qwen3-0.6B", naming.model_dir(spec), "main")
