@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-from qwenserve.v1 import (
-    common_pb2,
-    decode_pb2_grpc,
-    prefill_pb2_grpc,
-    router_pb2,
-    router_pb2_grpc,
-    tokenizer_pb2_grpc,
-)
+import grpc
+from google.protobuf import descriptor_pb2
+
+from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,24 +22,47 @@ def test_generated_code_is_not_stale() -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_every_stage_has_a_service() -> None:
-    assert hasattr(tokenizer_pb2_grpc, "TokenizerServicer")
-    assert hasattr(prefill_pb2_grpc, "PrefillServicer")
-    assert hasattr(decode_pb2_grpc, "DecodeServicer")
-    assert hasattr(router_pb2_grpc, "RouterServicer")
+class Echo(router_pb2_grpc.RouterServicer):
+    """Answers Generate with two messages: which input arrived, then the end."""
+
+    async def Generate(  # noqa: N802 - the RPC's name
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        yield router_pb2.GenerateResponse(text=request.WhichOneof("input") or "")
+        yield router_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
 
-def test_generate_is_server_streaming_and_accepts_three_inputs() -> None:
-    method = router_pb2.DESCRIPTOR.services_by_name["Router"].methods_by_name["Generate"]
-    assert method.server_streaming and not method.client_streaming
-    oneof = router_pb2.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"]
-    assert {f.name for f in oneof.fields} == {"prompt", "chat", "prompt_token_ids"}
+async def test_generate_streams_its_answer_for_each_of_three_inputs() -> None:
+    server = grpc.aio.server()
+    router_pb2_grpc.add_RouterServicer_to_server(Echo(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            requests = [router_pb2.GenerateRequest(prompt="hi"),
+                        router_pb2.GenerateRequest(chat=common_pb2.ChatInput()),
+                        router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=[1, 2]))]
+            for request in requests:
+                answer = [message async for message in stub.Generate(request)]
+                assert [m.text for m in answer] == [request.WhichOneof("input"), ""]
+                assert answer[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    finally:
+        await server.stop(None)
+    # The inputs are alternatives: giving one drops another.
+    request = router_pb2.GenerateRequest(prompt="hi")
+    request.prompt_token_ids.ids.append(1)
+    assert request.WhichOneof("input") == "prompt_token_ids" and not request.prompt
 
 
 def test_removed_fields_stay_reserved() -> None:
-    # `n` was removed from GenerateRequest; its number must never be reused.
-    text = (ROOT / "proto" / "qwenserve" / "v1" / "router.proto").read_text()
-    assert "reserved 10;" in text and 'reserved "n";' in text
+    # `n` (10) was removed from GenerateRequest: the generated code keeps it reserved, and an old client's value
+    # parses as an unknown field, never as some newer field's.
+    proto = descriptor_pb2.FileDescriptorProto.FromString(router_pb2.DESCRIPTOR.serialized_pb)
+    message = next(m for m in proto.message_type if m.name == "GenerateRequest")
+    assert any(r.start <= 10 < r.end for r in message.reserved_range) and "n" in message.reserved_name
+    old = router_pb2.GenerateRequest.FromString(b"\x50\x02")  # field 10, varint 2
+    assert old.ListFields() == [] and old.SerializeToString() == b"\x50\x02"  # kept, set nothing
 
 
 def test_empty_sampling_params_mean_defaults() -> None:
