@@ -46,7 +46,9 @@ async def warm_up_engine(engine: LLMEngine) -> None:
 
 def observe_engine_steps(engine: LLMEngine) -> EngineStepObserver:
     """Per-step metrics (batch size, tokens, step time) and queue timing for traces."""
-    return EngineStepObserver(engine_metrics()).attach(engine)
+    observer = EngineStepObserver(engine_metrics())
+    engine.observe_steps(observer)
+    return observer
 
 
 async def publish_engine_metrics(

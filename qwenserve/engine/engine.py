@@ -1,9 +1,9 @@
 """LLMEngine: the async front of the engine and the compute loop behind it.
 
-The loop runs on its own thread: it drains a command queue (add / abort / stop), asks the scheduler for a
-step, runs the model, samples, and pushes each request's outputs back to that request's consumer
-(an asyncio queue on the caller's event loop, or a plain queue for `generate_sync`). Nothing on the event
-loop ever waits for a forward pass.
+The loop runs on its own thread: it drains a command queue (add / abort / stop) and runs one step after another
+(step.py: schedule, compute, sample), which push each request's outputs back to that request's consumer (an
+asyncio queue on the caller's event loop, or a plain queue for `generate_sync`). Nothing on the event loop ever
+waits for a forward pass. Requests are checked before they are queued (intake.py).
 
 Faults: whatever fails while computing, sampling or finishing one request ends that request with
 finish_reason "error"; the others go on. Should the loop itself fail (its scheduler's state is beyond
@@ -27,35 +27,26 @@ from typing import Any
 
 import torch
 
-from qwenserve import cpu_kernels
 from qwenserve.engine.admission_policy import WatermarkSettings
 from qwenserve.engine.attention import default_block_size, select_backend
 from qwenserve.engine.block_pool import BlockPool
 from qwenserve.engine.config import EngineConfig, KVCapacity, derived_max_model_len, resolve_max_model_len
-from qwenserve.engine.errors import (
-    ContextLengthExceededError,
-    DuplicateRequestError,
-    EmptyPromptError,
-    EngineDeadError,
-    EngineShutdownError,
-    InvalidTokenError,
-    RequestError,
-)
+from qwenserve.engine.errors import DuplicateRequestError, EngineDeadError, EngineShutdownError
 from qwenserve.engine.grammar import GrammarBackend
 from qwenserve.engine.host_memory import keep_freed_memory
+from qwenserve.engine.intake import RequestIntake
 from qwenserve.engine.kv_handoff import KVExportSink, KVImport
 from qwenserve.engine.mailbox import LoopMailbox
 from qwenserve.engine.model_runner import ModelRunner
-from qwenserve.engine.outputs import EngineStats, RequestOutput, TokenCounts, TokenLogprob
-from qwenserve.engine.sampler import Sampler, SamplingRow
+from qwenserve.engine.outputs import EngineStats, RequestOutput
+from qwenserve.engine.sampler import Sampler
 from qwenserve.engine.sampling_params import SamplingParams
-from qwenserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerLimits
+from qwenserve.engine.scheduler import Scheduler, SchedulerLimits
 from qwenserve.engine.sequence import Sequence, SequenceStatus
-from qwenserve.engine.structured import StructuredOutputError
+from qwenserve.engine.step import EngineStep, StepObserver
 from qwenserve.engine.weights import load_checkpoint
 from qwenserve.kv_layout import KVLayout
 from qwenserve.models import ModelConfig, model_class
-from qwenserve.models.layers import pack_linear_weights
 
 log = logging.getLogger("qwenserve.engine")
 
@@ -89,9 +80,6 @@ class LLMEngine:
             model = model_class(model_cfg)(model_cfg, dtype, self.max_model_len)
         fingerprint = load_checkpoint(model, checkpoint)
         model.eval()
-        if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available():
-            # The panel layout the CPU product runs fastest on (2x the row-major kernel at prefill sizes).
-            pack_linear_weights(model)  # a progress step: it says how many it packed
         backend = select_backend(config.attention_backend, device, dtype, block_size)
         self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype)
         self.pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
@@ -110,7 +98,6 @@ class LLMEngine:
             ),
             self.pool,
         )
-        self.sampler = Sampler(config.seed, self.grammar)
         self._layout = KVLayout(
             dtype=str(dtype).removeprefix("torch."),
             block_size=block_size,
@@ -119,6 +106,9 @@ class LLMEngine:
             head_dim=model_cfg.head_dim,
             model_fingerprint=fingerprint,
         )
+        self.intake = RequestIntake(model_cfg.vocab_size, self.max_model_len, self.grammar, self._layout)
+        self.step = EngineStep(self.scheduler, self.runner, Sampler(config.seed, self.grammar), self._layout,
+                               self.eos_token_ids, self.max_model_len, self._finish)
         self._commands: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()
         self._active: dict[str, Sequence] = {}  # request id -> sequence, until its terminal output
@@ -198,7 +188,8 @@ class LLMEngine:
             mailbox.post(outputs.put_nowait, out)
 
         seq = self._new_sequence(
-            request_id, prompt_token_ids, sampling, cache_salt, resume_token_ids, kv_import, kv_export, emit
+            request_id, prompt_token_ids, sampling, cache_salt=cache_salt, resume_token_ids=resume_token_ids,
+            kv_import=kv_import, kv_export=kv_export, emit=emit,
         )
         seq.priority = priority
         self._submit(seq)
@@ -291,6 +282,10 @@ class LLMEngine:
         with self._lock:
             return request_id in self._active
 
+    def observe_steps(self, observer: StepObserver | None) -> None:
+        """Have `observer` told about every step from now on (None: no more); on the engine thread."""
+        self.step.observer = observer
+
     def kv_layout(self) -> KVLayout:
         """How this engine's KV is shaped and which weights produced it (for export / import)."""
         return self._layout
@@ -311,70 +306,10 @@ class LLMEngine:
     # ---- request intake ---------------------------------------------------------------------------
 
     def _new_sequence(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        cache_salt: str | None = None,
-        resume_token_ids: Seq[int] = (),
-        kv_import: KVImport | None = None,
-        kv_export: KVExportSink | None = None,
-        emit: Callable[[RequestOutput], None] | None = None,
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, **kwargs: Any
     ) -> Sequence:
-        self._check_open()
-        if not prompt_token_ids:
-            raise EmptyPromptError("the prompt has no tokens; send at least one token id")
-        tokens = [int(t) for t in prompt_token_ids] + [int(t) for t in resume_token_ids]
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidTokenError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        # The sampler indexes logits with them (min_tokens masks them): one out of range would fail every step.
-        bad = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidTokenError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        prompt_len = len(prompt_token_ids)
-        if prompt_len >= self.max_model_len:
-            raise ContextLengthExceededError(
-                f"prompt has {prompt_len} tokens; max_model_len is {self.max_model_len} (room for output needed)"
-            )
-        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else self.max_model_len - prompt_len
-        if prompt_len + max_tokens > self.max_model_len:
-            raise ContextLengthExceededError(
-                f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds max_model_len ({self.max_model_len}); "
-                "shorten the prompt or lower max_tokens"
-            )
-        # No KV check: max_model_len fits in the cache (checked at start), so a request within it can always run.
-        if len(resume_token_ids) >= max_tokens:
-            raise RequestError(f"{len(resume_token_ids)} resume tokens already reach max_tokens ({max_tokens})")
-        if kv_import is not None:
-            kv_import.check_fits(self._layout, len(tokens))
-        return Sequence(
-            request_id=request_id,
-            prompt_len=prompt_len,
-            token_ids=tokens,
-            sampling=sampling,
-            max_tokens=max_tokens,
-            emit=emit or (lambda out: None),
-            cache_salt=cache_salt,
-            kv_import=kv_import,
-            kv_export=kv_export,
-            grammar=self._grammar_for(sampling, resume_token_ids),
-        )
-
-    def _grammar_for(self, sampling: SamplingParams, resume_token_ids: Seq[int]) -> Any:
-        """The request's structured-output matcher, advanced past the tokens it already has (a handoff's first
-        token, a failover's resumed ones); None for free text. StructuredOutputError: a 400 for the client."""
-        if sampling.structured is None:
-            return None
-        first = sampling.reasoning_first
-        if first is not None and max(first.start_id, first.end_id) >= self.model_config.vocab_size:
-            raise StructuredOutputError("reasoning_first names a token outside the vocabulary")
-        matcher = self.grammar.matcher_for(sampling.structured, first)
-        for token in resume_token_ids:
-            if not matcher.accept_token(int(token)):
-                raise StructuredOutputError(f"the tokens already generated do not fit the grammar (token {token})")
-        return matcher
+        self._check_open()  # a dead or closed engine says so before anything about the request
+        return self.intake.sequence(request_id, prompt_token_ids, sampling, **kwargs)
 
     def _check_open(self) -> None:
         if self._failure is not None:
@@ -402,7 +337,8 @@ class LLMEngine:
                         break
                     if self.scheduler.has_work():
                         self._step_started = time.monotonic()
-                        self._step()
+                        self.steps_completed += 1  # counted as the step starts: one that raises still moved
+                        self.step()
                         self._step_started = None
                     if not self.scheduler.has_work() and self._pending == 0:
                         self._idle.set()
@@ -433,7 +369,7 @@ class LLMEngine:
         # The scheduler's state is not to be trusted any more: end the streams without it.
         for seq in stranded:
             seq.status = SequenceStatus.FINISHED
-            seq.emit(RequestOutput(seq.request_id, [], None, True, "error", self._usage(seq), reason))
+            seq.emit(RequestOutput(seq.request_id, [], None, True, "error", seq.usage(), reason))
         self._idle.set()
         for callback in callbacks:
             try:
@@ -461,116 +397,6 @@ class LLMEngine:
                 if seq is not None and seq.status is not SequenceStatus.FINISHED:
                     self._finish(seq, "abort")
 
-    def _step(self) -> None:
-        self.steps_completed += 1  # counted as the step starts: a step that raises still moved the loop
-        plan = self.scheduler.schedule()
-        if not plan.scheduled:
-            # Only possible while the pool is briefly full of cached blocks being released; wait for news.
-            time.sleep(0.001)
-            return
-        started = time.perf_counter()
-        try:
-            for seq in plan.imports:
-                self.runner.import_kv(seq, seq.kv_import.kv, seq.num_computed_tokens)
-                seq.kv_import = None
-            logits, sampling = self.runner.execute(plan.scheduled)
-        except Exception as exc:  # a failed step fails its requests, never the engine
-            log.exception("engine step failed")
-            for item in plan.scheduled:
-                self._finish(item.seq, "error", error=f"{type(exc).__name__}: {exc}")
-            return
-        self.scheduler.on_step_computed(plan.scheduled)
-        self.scheduler.observe_step(plan, time.perf_counter() - started)
-        if not sampling:
-            return
-        for item, token, lp in self._sample(logits, sampling):
-            try:
-                self._advance(item.seq, token, lp)
-            except Exception as exc:  # this request's bookkeeping failed; the batch goes on
-                log.exception("request %s: failed after sampling", item.seq.request_id)
-                self._finish(item.seq, "error", error=f"{type(exc).__name__}: {exc}")
-
-    def _sample(
-        self, logits: torch.Tensor, items: list[ScheduledSequence]
-    ) -> list[tuple[ScheduledSequence, int, TokenLogprob | None]]:
-        """Sample every row at once; should that fail, row by row, so that only the rows at fault end (with an
-        error) and the rest of the batch gets its tokens."""
-        rows = [self._sampling_row(item.seq) for item in items]
-        try:
-            tokens, logprobs = self.sampler(logits, rows)
-            return list(zip(items, tokens, logprobs, strict=True))
-        except Exception:
-            log.exception("sampling a batch of %d rows failed; sampling its rows one at a time", len(rows))
-        sampled = []
-        for i, (item, row) in enumerate(zip(items, rows, strict=True)):
-            try:
-                tokens, logprobs = self.sampler(logits[i : i + 1], [row])
-            except Exception as exc:
-                self._finish(item.seq, "error", error=f"sampling failed: {type(exc).__name__}: {exc}")
-                continue
-            sampled.append((item, tokens[0], logprobs[0]))
-        return sampled
-
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        return SamplingRow(
-            params=seq.sampling,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            banned_token_ids=self._banned_until_min_tokens(seq.sampling),
-            grammar=seq.grammar,
-        )
-
-    def _advance(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
-        """Append a sampled token and tell the request's consumer: a new token, or its last."""
-        seq.token_ids.append(token)
-        if seq.grammar is not None and not seq.grammar.accept_token(token):
-            raise RequestError(f"token {token} does not fit the request's grammar")
-        reason = self._stop_reason(seq, token)
-        if reason is None and seq.kv_export is not None:
-            reason = self._export(seq)
-        new = RequestOutput(seq.request_id, [token], [lp] if lp is not None else None, False, None, self._usage(seq),
-                            prompt_logprobs=self._take_prompt_logprobs(seq))
-        if reason is None:
-            seq.emit(new)
-        else:
-            self._finish(seq, reason, last=new)
-
-    @staticmethod
-    def _take_prompt_logprobs(seq: Sequence) -> list[TokenLogprob] | None:
-        """The prompt's logprobs, once, with the first token (a resumed or preempted request computes none again)."""
-        if seq.sampling.prompt_logprobs is None or seq.prompt_logprobs_sent:
-            return None
-        seq.prompt_logprobs_sent = True
-        return seq.prompt_logprobs
-
-    def _banned_until_min_tokens(self, p: SamplingParams) -> tuple[int, ...]:
-        if not p.min_tokens:
-            return ()
-        return tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.sampling
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _export(self, seq: Sequence) -> str:
-        num_tokens = seq.num_computed_tokens
-        try:
-            out = seq.kv_export(self._layout, num_tokens)
-            self.runner.export_kv(seq, num_tokens, out)
-        except Exception as exc:  # the sink belongs to the caller; its failure fails only this request
-            log.exception("request %s: KV export failed", seq.request_id)
-            seq.kv_export = None
-            self._finish(seq, "error", error=f"KV export failed: {type(exc).__name__}: {exc}")
-            return "error"
-        return "export"
-
-    def _usage(self, seq: Sequence) -> TokenCounts:
-        return TokenCounts(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens)
-
     def _finish(self, seq: Sequence, reason: str, last: RequestOutput | None = None, error: str | None = None) -> None:
         if seq.status is SequenceStatus.FINISHED:
             return
@@ -580,5 +406,5 @@ class LLMEngine:
             self._finished += 1
         new_tokens = last.new_token_ids if last else []
         logprobs = last.logprobs if last else None
-        seq.emit(RequestOutput(seq.request_id, new_tokens, logprobs, True, reason, self._usage(seq), error,
+        seq.emit(RequestOutput(seq.request_id, new_tokens, logprobs, True, reason, seq.usage(), error,
                                prompt_logprobs=last.prompt_logprobs if last else None))

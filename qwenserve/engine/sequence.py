@@ -9,7 +9,7 @@ from enum import Enum, auto
 from typing import Any
 
 from qwenserve.engine.kv_handoff import KVExportSink, KVImport
-from qwenserve.engine.outputs import RequestOutput, TokenLogprob
+from qwenserve.engine.outputs import RequestOutput, TokenCounts, TokenLogprob
 from qwenserve.engine.sampling_params import SamplingParams
 
 
@@ -70,3 +70,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def usage(self) -> TokenCounts:
+        return TokenCounts(self.prompt_len, self.num_output_tokens, self.num_cached_tokens)
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """The prompt's logprobs, once, with the first token (a resumed or preempted request computes none again)."""
+        if self.sampling.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent = True
+        return self.prompt_logprobs

@@ -1,21 +1,23 @@
-"""Per-step engine metrics and per-request queue timing, observed from outside the engine.
+"""Per-step engine metrics and per-request queue timing, as the engine's step observer.
 
-The engine's compute loop calls `scheduler.schedule()` and then, after the forward pass,
-`scheduler.on_step_computed(scheduled)`. `EngineStepObserver.attach(engine)` wraps those two
-bound methods on the engine's scheduler instance, so each step yields batch size, tokens and
-duration (schedule + forward; sampling follows and is not included) without the engine knowing
-about Prometheus. It also remembers when a watched request was first scheduled, which splits a
-request's time into "queue" (waiting for a batch slot) and "compute" for its trace.
+The stage registers an `EngineStepObserver` with `engine.observe_steps(...)`; the compute loop then calls
+`on_scheduled(plan)` once a step is planned and `on_step(scheduled, seconds)` once it is computed, so each step
+yields batch size, tokens and duration (schedule + forward; sampling follows and is not included) without the
+engine knowing about Prometheus. The observer also remembers when a watched request was first scheduled, which
+splits a request's time into "queue" (waiting for a batch slot) and "compute" for its trace.
 
-The wrappers run on the engine thread: they do a few dict and deque operations per step.
+Both calls run on the engine thread: they do a few dict and deque operations per step.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwenserve.telemetry.metrics import EngineMetrics, SlidingRate
+
+if TYPE_CHECKING:
+    from qwenserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 
 
 class EngineStepObserver:
@@ -26,37 +28,26 @@ class EngineStepObserver:
         self.steps = 0
         self.tokens = 0
         self.rate = SlidingRate(window_s)
-        self._step_started = 0.0
         # request id -> time.time_ns() of its first step, None until scheduled; only watched ids.
         self._first_scheduled: dict[str, int | None] = {}
 
-    def attach(self, engine: Any) -> EngineStepObserver:
-        """Wrap `engine.scheduler`'s `schedule` and `on_step_computed`; returns self."""
-        scheduler = engine.scheduler
-        schedule, computed = scheduler.schedule, scheduler.on_step_computed
+    def on_scheduled(self, plan: SchedulerOutput) -> None:
+        """A step was planned: note the first step of every watched request in it."""
+        if not self._first_scheduled:
+            return
+        now = time.time_ns()
+        for item in plan.scheduled:
+            rid = item.seq.request_id
+            if rid in self._first_scheduled and self._first_scheduled[rid] is None:
+                self._first_scheduled[rid] = now
 
-        def observed_schedule() -> Any:
-            self._step_started = time.perf_counter()
-            plan = schedule()
-            if self._first_scheduled:
-                now = time.time_ns()
-                for item in plan.scheduled:
-                    rid = item.seq.request_id
-                    if rid in self._first_scheduled and self._first_scheduled[rid] is None:
-                        self._first_scheduled[rid] = now
-            return plan
-
-        def observed_computed(scheduled: list[Any]) -> None:
-            computed(scheduled)
-            tokens = sum(item.num_tokens for item in scheduled)
-            self.metrics.observe_step(len(scheduled), tokens, time.perf_counter() - self._step_started)
-            self.steps += 1  # only the engine thread writes these
-            self.tokens += tokens
-            self.rate.add(tokens)
-
-        scheduler.schedule = observed_schedule
-        scheduler.on_step_computed = observed_computed
-        return self
+    def on_step(self, scheduled: list[ScheduledSequence], seconds: float) -> None:
+        """A step was computed in `seconds` (from its planning on)."""
+        tokens = sum(item.num_tokens for item in scheduled)
+        self.metrics.observe_step(len(scheduled), tokens, seconds)
+        self.steps += 1  # only the engine thread writes these
+        self.tokens += tokens
+        self.rate.add(tokens)
 
     def watch(self, request_id: str) -> None:
         """Remember when `request_id` is first scheduled (call before submitting it)."""

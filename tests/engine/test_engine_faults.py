@@ -41,14 +41,14 @@ def test_a_request_whose_sampling_fails_ends_with_an_error_and_its_batch_goes_on
     prompts = random_prompts(3, 5, 12, seed=21)
     expected = engine.generate_sync(prompts, GREEDY)
     cursed = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, seed=666)
-    real = engine.sampler
+    real = engine.step.sampler
 
     def sampler(logits, rows):
         if any(r.params.seed == 666 for r in rows):
             raise IndexError("index 4294967295 is out of bounds")  # what a stop id past the vocabulary did
         return real(logits, rows)
 
-    monkeypatch.setattr(engine, "sampler", sampler)
+    monkeypatch.setattr(engine.step, "sampler", sampler)
     outs = engine.generate_sync_outputs(prompts, [GREEDY, cursed, GREEDY])
     assert outs[1][-1].finish_reason == "error" and "IndexError" in outs[1][-1].error
     assert [[t for o in r for t in o.new_token_ids] for r in (outs[0], outs[2])] == [expected[0], expected[2]]

@@ -88,14 +88,14 @@ async def test_a_handoff_that_cannot_be_published_is_an_internal_error_and_frees
 async def test_a_request_the_engine_fails_is_an_internal_error_not_an_empty_answer(
     engine: LLMEngine, exporter: KVExporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = engine.sampler
+    real = engine.step.sampler
 
     def sampler(logits, rows):
         if any(r.params.seed == 13 for r in rows):
             raise ValueError("this row cannot be sampled")
         return real(logits, rows)
 
-    monkeypatch.setattr(engine, "sampler", sampler)
+    monkeypatch.setattr(engine.step, "sampler", sampler)
     req = _request(5)
     req.sampling.seed = 13
     with pytest.raises(PrefillFailed, match="sampling failed: ValueError: this row cannot be sampled"):
