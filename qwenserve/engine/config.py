@@ -82,8 +82,8 @@ class EngineConfig:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def token_budget(self) -> int:
-        """Tokens per step. On CPU a 2048-token prefill chunk takes seconds at 0.6B and every decode in the
-        batch waits for it; 512 bounds that wait at a few percent of throughput (weights are re-read per step)."""
+        """Tokens per step. Every decode in the batch waits for the step's prefill chunk, so on a CPU, where a
+        chunk is slow, the budget is smaller: a little throughput (weights are re-read per step) for short waits."""
         if self.max_num_batched_tokens:
             return self.max_num_batched_tokens
         return 2048 if self.torch_device().type == "cuda" else 512

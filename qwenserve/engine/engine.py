@@ -273,7 +273,7 @@ class LLMEngine:
 
     def step_running_s(self) -> float | None:
         """How long the step in progress has run (None between steps): on a busy CPU one step of a long prompt
-        may take tens of seconds, which is slow, not stuck."""
+        may take long, which is slow, not stuck."""
         started = self._step_started
         return None if started is None else time.monotonic() - started
 

@@ -2,7 +2,7 @@
 
 Each `call_soon_threadsafe` writes to the loop's self-pipe; a decode step that emits a token for each of 16
 requests paid 16 such writes, and on a worker pinned to one core each write let the loop's thread preempt the
-compute thread (7% of a decode worker's time here). A mailbox queues what arrives and schedules one drain
+compute thread. A mailbox queues what arrives and schedules one drain
 while the loop has not yet run the previous one, so a whole step's outputs cost one wake-up.
 """
 

@@ -15,19 +15,14 @@ lets nothing starve):
 - "watermark": as fcfs, but a request whose cost scores above the sliding watermark of recent requests
   waits while cheaper ones do.
 - "short_first" (default): decodes, then waiting requests whose whole remaining prompt fits in what is
-  left of this step's budget, shortest first, then in-flight prefill chunks, then the rest. In a burst a
-  short prompt gets its first token in the next step instead of queueing behind long prompts' chunks.
-  A request that has waited longer than max_queue_delay_s jumps ahead of shorter ones, so none starves.
-  And when more prompt tokens wait than a step could take beside its decodes (a burst, or a backlog
-  near saturation), up to burst_prefill_steps steps in a row leave the decodes out and spend the whole
-  budget on prompts: every decode row costs a full pass through the LM head, so a step without them is
-  short and the queue of first tokens drains several times faster. Decodes then wait at most that many
-  (short) steps: inter-token latency pays a little during bursts so time to first token does not pay a lot.
-  Only where those steps are short: measured prefill-only steps must say that the decodes would wait no
-  longer than burst_max_stall_s in all (a 512-token step of a 0.6B model on a CPU takes seconds: one is
-  tried, then never again; on a GPU, or for a small model, they take tens of milliseconds).
-  Under sustained prompt pressure a colocated engine keeps paying that (bench/disagg_bench.py measures it);
-  burst_prefill_steps=0 turns it off there. Disaggregated decode workers prefill nothing and never pay it.
+  left of this step's budget, shortest first, then in-flight prefill chunks, then the rest, so a short
+  prompt in a burst is not queued behind long prompts' chunks; one that waited max_queue_delay_s goes first.
+  Burst steps: when more prompt tokens wait than a step could take beside its decodes, up to
+  burst_prefill_steps steps in a row leave the decodes out (every decode row costs a pass through the LM
+  head, so such a step is short and first tokens come sooner): inter-token latency pays a little so that
+  time to first token does not pay a lot. Only while such steps are short: the time the last ones took must
+  say that the decodes would wait no longer than burst_max_stall_s in all (on a slow device one is tried,
+  then no more). burst_prefill_steps=0 turns them off; disaggregated decode workers prefill nothing.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Built on xgrammar, chosen by measurement (bench/grammar_mask_bench.py; figures in the README's benchmark
 section): of the three libraries measured, its token mask costs least per row, and a schema it has not seen
-compiles in tens of milliseconds where outlines-core takes seconds (once per distinct schema). A
+compiles far sooner than with outlines-core (once per distinct schema). A
 request names its constraint as a `StructuredOutput` (a JSON schema, any JSON object, a regex, a
 choice of strings, or an EBNF grammar in xgrammar's dialect, as vLLM's guided_grammar); the engine
 keeps one matcher per request, masks the request's logits row before sampling (constrained and free
