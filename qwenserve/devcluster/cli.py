@@ -100,7 +100,7 @@ def load_deployment(path: str, namespace: str | None) -> dict[str, Any]:
 def host_paths(body: dict[str, Any], model: str | None, state_dir: Path) -> Any:
     """What stands in for the image's model folder or the model's PVC on this machine."""
     from qwenserve.cache import cache_root
-    from qwenserve.devcluster.pods import HostPaths
+    from qwenserve.devcluster.container import HostPaths
     from qwenserve_operator.crd import with_defaults
     from qwenserve_operator.naming import model_dir
 
