@@ -11,7 +11,7 @@ A stage that can no longer serve (its engine's compute loop died) resolves the `
 gave `serve`: health turns NOT_SERVING on every surface at once, the server drains, and `run_stage`
 exits with FAULT_EXIT_CODE so that the supervisor (Kubernetes, `qwen-serve up`) restarts it.
 
-Every server carries the tracing interceptor (W3C trace context and the request id from the
+Every server carries the tracing interceptors (the request id and W3C trace context from the
 caller's metadata). With `metrics_port` set, `serve` also runs the Prometheus endpoint, whose
 `/readyz` follows the same state as gRPC health (`ServeState`): 503 while warming up, 200 while
 serving, 503 again while draining; `/healthz` stays 200 until the process has stopped serving or failed.
@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry
 from qwenserve.flags import print_config
 from qwenserve.preflight import one_line
 from qwenserve.telemetry.logs import console
-from qwenserve.telemetry.metrics import MetricsServer, serve_metrics
+from qwenserve.telemetry.metrics_server import MetricsServer
 from qwenserve.telemetry.startup import start_telemetry, stop_telemetry
 from qwenserve.telemetry.tracing import server_interceptors
 
@@ -202,10 +202,8 @@ async def serve(
     metrics: MetricsServer | None = None
     if config.metrics_port:
         try:
-            metrics = serve_metrics(
-                config.metrics_port, config.host, config.metrics_registry,
-                live=stage.state.live, ready=stage.state.ready,
-            )
+            metrics = MetricsServer(config.metrics_port, config.host, config.metrics_registry,
+                                    live=stage.state.live, ready=stage.state.ready)
             console("%s metrics on %s/metrics", name, metrics.url, stage=name)
         except OSError as e:
             # Serving without metrics beats not serving; HTTP probes against this port will say so.

@@ -47,11 +47,6 @@ CONSOLE_LOGGER = "qwenserve.console"
 PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s [rid=%(rid_text)s trace=%(trace_text)s] %(message)s"
 
 
-def current_request_id() -> str | None:
-    """The request id bound in this context, or None outside a request."""
-    return request_id_var.get()
-
-
 @contextlib.contextmanager
 def bind_request_id(request_id: str) -> Iterator[None]:
     """Bind `request_id` for the duration of the block (logs and new spans pick it up).

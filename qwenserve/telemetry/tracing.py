@@ -15,8 +15,12 @@ Configuration, read by `setup_tracing`:
 - `OTEL_SERVICE_NAME` (wins over the name a service passes), `OTEL_RESOURCE_ATTRIBUTES`,
   `OTEL_TRACES_SAMPLER[_ARG]`, `OTEL_BSP_*`, `OTEL_PROPAGATORS`: standard SDK behaviour.
 
-W3C trace context travels in gRPC metadata (`traceparent`, `tracestate`), the request id in
-`x-request-id`. Every span started while a request id is bound carries `qwenserve.request_id`.
+Across hops: W3C trace context travels in gRPC metadata (`traceparent`, `tracestate`), the request id
+in `x-request-id`. Server spans come from `opentelemetry-instrumentation-grpc`; our one server
+interceptor binds the caller's request id around them. The client side is ours: the library's aio
+client wraps a server stream in a bare iterator, which breaks `call.read()` (the router reads streams
+that way) and leaves a cancelled stream's span without its status. Every span started while a request
+id is bound carries `qwenserve.request_id`; gRPC spans are named `package.Service/Method`.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import contextlib
 import inspect
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -66,13 +70,16 @@ class Attr:
     HANDOFF_BLOCKS = "qwenserve.handoff.blocks"
 
 
-class _RequestIdProcessor(SpanProcessor):
-    """Stamps the bound request id on every span as it starts."""
+class _SpanStamp(SpanProcessor):
+    """Stamps the bound request id on every span as it starts, and names gRPC server spans as the
+    semantic conventions (and our client spans) do: the instrumentation keeps gRPC's leading slash."""
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         rid = request_id_var.get()
         if rid:
             span.set_attribute(Attr.REQUEST_ID, rid)
+        if span.kind is SpanKind.SERVER and span.name.startswith("/"):
+            span.update_name(span.name[1:])
 
     def on_end(self, span: ReadableSpan) -> None:
         return
@@ -159,6 +166,7 @@ class _SwitchableTracerProvider(trace.TracerProvider):
         return _SwitchableTracer(instrumenting_module_name, instrumenting_library_version)
 
 
+_PROVIDER = _SwitchableTracerProvider()
 _GRPC_TRACER = _SwitchableTracer("qwenserve.grpc")
 
 
@@ -170,11 +178,6 @@ def get_tracer(name: str = "qwenserve") -> trace.Tracer:
     a no-op if tracing was off then.
     """
     return _SwitchableTracer(name)
-
-
-def tracing_enabled() -> bool:
-    """True when spans are being recorded and exported."""
-    return _state.provider is not None
 
 
 def memory_exporter() -> InMemorySpanExporter | None:
@@ -189,24 +192,15 @@ def _exporter_names(override: str | None) -> list[str]:
     if raw is None:
         # An endpoint without an exporter name means OTLP (the standard default); with neither,
         # stay off rather than dial a collector on localhost that nobody configured.
-        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-            "OTEL_EXPORTER_OTLP_ENDPOINT"
-        )
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         raw = "otlp" if endpoint else "none"
     names = [n.strip().lower() for n in raw.split(",") if n.strip()]
     return [n for n in names if n != "none"]
 
 
 def _otlp_exporter() -> SpanExporter:
-    protocol = (
-        (
-            os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-            or "grpc"
-        )
-        .strip()
-        .lower()
-    )
+    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or "grpc").strip().lower()
     try:
         if protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -237,7 +231,7 @@ def setup_tracing(service_name: str, exporter: str | None = None) -> None:
         raise ValueError(f"unknown OTEL_TRACES_EXPORTER {sorted(unknown)}; use otlp, console, memory or none")
     name = os.environ.get("OTEL_SERVICE_NAME") or service_name
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    provider.add_span_processor(_RequestIdProcessor())
+    provider.add_span_processor(_SpanStamp())
     if "memory" in names:
         # Synchronous export, so a test sees a span the moment it ends.
         _state.memory = InMemorySpanExporter()
@@ -249,7 +243,7 @@ def setup_tracing(service_name: str, exporter: str | None = None) -> None:
     _state.provider = provider
     if not _state.installed_globally:
         # The global provider can be set once per process; the switchable one follows every setup.
-        trace.set_tracer_provider(_SwitchableTracerProvider())
+        trace.set_tracer_provider(_PROVIDER)
         _state.installed_globally = True
     log.info("tracing on: service %s, exporters %s", name, ",".join(names))
 
@@ -261,51 +255,20 @@ def shutdown_tracing() -> None:
         provider.shutdown()
 
 
-# --- W3C trace context in gRPC metadata -------------------------------------------------------
-
-
-def inject_metadata(
-    metadata: Sequence[tuple[str, str | bytes]] | None = None,
-) -> list[tuple[str, str | bytes]]:
-    """`metadata` plus `traceparent`/`tracestate` of the current span and the bound request id.
-
-    For calls made without the client interceptors; with tracing off only the request id is added.
-    """
-    out = list(metadata or ())
-    carrier: dict[str, str] = {}
-    if _state.provider is not None:
-        propagate.inject(carrier)
-    rid = request_id_var.get()
-    if rid:
-        carrier[REQUEST_ID_METADATA_KEY] = rid
-    out.extend(carrier.items())
-    return out
-
-
-def _carrier(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
-    # Binary (-bin) entries cannot hold trace context; HTTP header names may arrive capitalised.
-    return {key.lower(): value for key, value in (metadata or ()) if isinstance(value, str)}
-
-
-def _rpc_attributes(method: str) -> dict[str, str]:
-    if not method.startswith("/"):
-        return {}  # not a gRPC method path, e.g. "POST /v1/chat/completions"
-    service, _, name = method[1:].rpartition("/")
-    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+# --- Across hops: the request id and W3C trace context in gRPC metadata or HTTP headers ----------
 
 
 @contextlib.contextmanager
 def server_span(
-    method: str, metadata: Iterable[tuple[str, str | bytes]] | None, request_id: str | None = None
+    name: str, headers: Iterable[tuple[str, str | bytes]] | None, request_id: str | None = None
 ) -> Iterator[trace.Span]:
     """Bind the request id and run the block in a SERVER span whose parent is the caller's span.
 
-    `method` is the full gRPC method ("/qwenserve.v1.Decode/Decode") or, for the HTTP front, a
-    name such as "POST /v1/chat/completions" with `request.headers.items()` as `metadata`.
-    `request_id` defaults to the caller's `x-request-id`. For handlers not covered by
-    `TracingServerInterceptor`; yields the invalid span when tracing is off.
+    For the HTTP front, which no gRPC interceptor covers: `name` such as "POST /v1/chat/completions",
+    `headers` as `request.headers.items()` (names may arrive capitalised). `request_id` defaults to the
+    caller's `x-request-id`. Yields the invalid span when tracing is off.
     """
-    carrier = _carrier(metadata)
+    carrier = {key.lower(): value for key, value in (headers or ()) if isinstance(value, str)}
     rid = request_id or carrier.get(REQUEST_ID_METADATA_KEY)
     token = request_id_var.set(rid) if rid else None
     try:
@@ -313,54 +276,54 @@ def server_span(
             yield trace.INVALID_SPAN
         else:
             parent = propagate.extract(carrier)
-            with _GRPC_TRACER.start_as_current_span(
-                method.lstrip("/"), context=parent, kind=SpanKind.SERVER, attributes=_rpc_attributes(method)
-            ) as span:
+            with _GRPC_TRACER.start_as_current_span(name, context=parent, kind=SpanKind.SERVER) as span:
                 yield span
     finally:
         if token is not None:
             reset_request_id(token)
 
 
-Handler = Callable[..., Any]
-
-
-def _wrap_behavior(behavior: Handler, method: str, metadata: Sequence[tuple[str, str | bytes]]) -> Handler:
+def _bound_to(request_id: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """`behavior` run with `request_id` bound; a synchronous one runs on a thread pool, outside this
+    context, and is left as it is."""
     if inspect.isasyncgenfunction(behavior):
 
         async def stream_behavior(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
-            with server_span(method, metadata):
+            token = request_id_var.set(request_id)
+            try:
                 async for response in behavior(request, context):
                     yield response
+            finally:
+                reset_request_id(token)
 
         return stream_behavior
     if inspect.iscoroutinefunction(behavior):
 
         async def unary_behavior(request: Any, context: aio.ServicerContext) -> Any:
-            with server_span(method, metadata):
+            token = request_id_var.set(request_id)
+            try:
                 return await behavior(request, context)
+            finally:
+                reset_request_id(token)
 
         return unary_behavior
-    # A synchronous handler runs on a thread pool, outside this context; leave it untouched.
     return behavior
 
 
-class TracingServerInterceptor(aio.ServerInterceptor):
-    """Runs each handler inside `server_span`: the request id bound, a SERVER span when tracing is on."""
+class RequestIdServerInterceptor(aio.ServerInterceptor):
+    """Binds the caller's `x-request-id` for the handler (and the server span started inside it)."""
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        """Wrap the handler's behaviour; pass it through untouched when there is nothing to do."""
+        """Wrap the handler's behaviour when the caller sent a request id; pass it through otherwise."""
         handler = await continuation(handler_call_details)
-        if handler is None:
+        rid = next((v for k, v in handler_call_details.invocation_metadata or () if k == REQUEST_ID_METADATA_KEY),
+                   None)
+        if handler is None or not isinstance(rid, str):
             return handler
-        metadata = tuple(handler_call_details.invocation_metadata or ())
-        if _state.provider is None and not any(k == REQUEST_ID_METADATA_KEY for k, _ in metadata):
-            return handler
-        method = handler_call_details.method
         kinds = (
             ("unary_unary", grpc.unary_unary_rpc_method_handler),
             ("unary_stream", grpc.unary_stream_rpc_method_handler),
@@ -371,7 +334,7 @@ class TracingServerInterceptor(aio.ServerInterceptor):
             behavior = getattr(handler, attr)
             if behavior is not None:
                 return make(
-                    _wrap_behavior(behavior, method, metadata),
+                    _bound_to(rid, behavior),
                     request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer,
                 )
@@ -379,8 +342,13 @@ class TracingServerInterceptor(aio.ServerInterceptor):
 
 
 def server_interceptors() -> list[aio.ServerInterceptor]:
-    """Interceptors to pass to `grpc.aio.server(interceptors=...)`."""
-    return [TracingServerInterceptor()]
+    """Interceptors to pass to `grpc.aio.server(interceptors=...)`: the request id bound outermost, so
+    the server span, which OpenTelemetry's instrumentation starts only while tracing is on, carries it."""
+    # Imported here: the instrumentation costs a quarter second to import, and clients never need it.
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    spans = aio_server_interceptor(tracer_provider=_PROVIDER, filter_=lambda _call: _state.provider is not None)
+    return [RequestIdServerInterceptor(), spans]
 
 
 # Tasks that close client spans; held here so they are not collected before they run.
@@ -411,7 +379,7 @@ def _end_span_when_done(call: aio.Call, span: trace.Span) -> None:
     call.add_done_callback(on_done)
 
 
-class _TracingClientInterceptor:
+class _ClientInterceptor:
     """Starts a CLIENT span per call and sends its context, plus the request id, in the metadata."""
 
     def _prepare(self, details: aio.ClientCallDetails) -> tuple[aio.ClientCallDetails, trace.Span | None]:
@@ -423,9 +391,9 @@ class _TracingClientInterceptor:
         span: trace.Span | None = None
         carrier: dict[str, str] = {}
         if _state.provider is not None:
-            span = _GRPC_TRACER.start_span(
-                method.lstrip("/"), kind=SpanKind.CLIENT, attributes=_rpc_attributes(method)
-            )
+            service, _, name = method.lstrip("/").rpartition("/")
+            attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+            span = _GRPC_TRACER.start_span(method.lstrip("/"), kind=SpanKind.CLIENT, attributes=attributes)
             propagate.inject(carrier, context=trace.set_span_in_context(span))
         if rid:
             carrier[REQUEST_ID_METADATA_KEY] = rid
@@ -450,44 +418,37 @@ class _TracingClientInterceptor:
         return call
 
 
-class _UnaryUnary(_TracingClientInterceptor, aio.UnaryUnaryClientInterceptor):
+# grpc.aio files a client interceptor under the first call kind it subclasses, so each kind needs its own class.
+class _UnaryUnary(_ClientInterceptor, aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
-        self,
-        continuation: Callable[..., Awaitable[aio.Call]],
-        client_call_details: aio.ClientCallDetails,
+        self, continuation: Callable[..., Awaitable[aio.Call]], client_call_details: aio.ClientCallDetails,
         request: Any,
     ) -> aio.Call:
         """Trace one unary call."""
         return await self._intercept(continuation, client_call_details, request)
 
 
-class _UnaryStream(_TracingClientInterceptor, aio.UnaryStreamClientInterceptor):
+class _UnaryStream(_ClientInterceptor, aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
-        self,
-        continuation: Callable[..., Awaitable[aio.Call]],
-        client_call_details: aio.ClientCallDetails,
+        self, continuation: Callable[..., Awaitable[aio.Call]], client_call_details: aio.ClientCallDetails,
         request: Any,
     ) -> aio.Call:
         """Trace one server-streaming call until its stream ends."""
         return await self._intercept(continuation, client_call_details, request)
 
 
-class _StreamUnary(_TracingClientInterceptor, aio.StreamUnaryClientInterceptor):
+class _StreamUnary(_ClientInterceptor, aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
-        self,
-        continuation: Callable[..., Awaitable[aio.Call]],
-        client_call_details: aio.ClientCallDetails,
+        self, continuation: Callable[..., Awaitable[aio.Call]], client_call_details: aio.ClientCallDetails,
         request_iterator: Any,
     ) -> aio.Call:
         """Trace one client-streaming call."""
         return await self._intercept(continuation, client_call_details, request_iterator)
 
 
-class _StreamStream(_TracingClientInterceptor, aio.StreamStreamClientInterceptor):
+class _StreamStream(_ClientInterceptor, aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(
-        self,
-        continuation: Callable[..., Awaitable[aio.Call]],
-        client_call_details: aio.ClientCallDetails,
+        self, continuation: Callable[..., Awaitable[aio.Call]], client_call_details: aio.ClientCallDetails,
         request_iterator: Any,
     ) -> aio.Call:
         """Trace one bidirectional-streaming call (e.g. Detokenize)."""
@@ -497,7 +458,6 @@ class _StreamStream(_TracingClientInterceptor, aio.StreamStreamClientInterceptor
 def client_interceptors() -> list[aio.ClientInterceptor]:
     """Interceptors for `grpc.aio.insecure_channel(target, interceptors=client_interceptors())`.
 
-    One per call kind (unary-unary, unary-stream, stream-unary, stream-stream). With tracing off
-    they add only the request id, and nothing at all outside a request.
+    With tracing off they add only the request id, and nothing at all outside a request.
     """
     return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]

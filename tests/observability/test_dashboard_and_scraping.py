@@ -55,6 +55,14 @@ def test_every_dashboard_query_uses_a_metric_the_services_export() -> None:
         assert needed in used, needed
 
 
+def test_every_alert_uses_a_metric_the_services_export() -> None:
+    (rule,) = [d for d in render({"monitoring": {"prometheusRule": {"enabled": True}}}) if d["kind"] == "PrometheusRule"]
+    exprs = [r["expr"] for group in rule["spec"]["groups"] for r in group["rules"]]
+    used = {name for expr in exprs for name in re.findall(r"\bqwenserve_[a-z0-9_]+", expr)}
+    assert len(used) >= 5
+    assert used - exported_names() == set()
+
+
 def test_monitoring_is_off_by_default() -> None:
     kinds = {doc["kind"] for doc in render({})}
     assert "ServiceMonitor" not in kinds

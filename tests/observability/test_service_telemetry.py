@@ -14,6 +14,7 @@ import pytest
 
 from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from qwenserve_operator import autoscaler
 from tests.observability.conftest import ReceivedSpan, Samples, SpanReceiver, scrape, total
 
 pytestmark = pytest.mark.timeout(180)
@@ -131,6 +132,25 @@ async def test_counters_and_histograms_move_by_what_the_requests_did(traced_clus
         while total(scrape(p[stage]), "qwenserve_engine_running_requests") != 0:
             assert time.monotonic() < deadline, f"{stage} still reports running requests"
             time.sleep(0.1)
+
+
+async def test_after_traffic_the_autoscaler_reads_every_signal_it_needs_from_the_pods(
+    traced_cluster: LocalCluster,
+) -> None:
+    # The operator's own parser on real pages: a series renamed or dropped on either side fails here.
+    await generate(traced_cluster, PROMPTS[0])
+    p = ports(traced_cluster)
+
+    def page(stage: str) -> autoscaler.PodMetrics:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{p[stage]}/metrics", timeout=5).read().decode()
+        return autoscaler.parse_metrics(text)
+
+    for stage in ("prefill", "decode"):
+        assert set(page(stage).gauges) == {autoscaler.WAITING, autoscaler.RUNNING, autoscaler.KV_USAGE}, stage
+    router = page("router")
+    for name in autoscaler.HISTOGRAMS:
+        assert autoscaler.histogram_quantile(0.5, router.histograms[name]) is not None, name
+    assert router.held == {"decode": 0.0}
 
 
 def _by_id(spans: list[ReceivedSpan]) -> dict[str, ReceivedSpan]:

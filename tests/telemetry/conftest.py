@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from qwenserve.telemetry import tracing
-from qwenserve.telemetry.logs import current_request_id
+from qwenserve.telemetry.logs import request_id_var
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 
 
@@ -69,7 +69,7 @@ class BackendTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self, request: tokenizer_pb2.GetInfoRequest, context: aio.ServicerContext
     ) -> tokenizer_pb2.TokenizerInfo:
         self.seen.metadata.append({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
-        self.seen.request_ids.append(current_request_id())
+        self.seen.request_ids.append(request_id_var.get())
         logging.getLogger("backend").info("answering GetInfo")
         return tokenizer_pb2.TokenizerInfo(vocab_size=7)
 
@@ -99,7 +99,7 @@ class StreamingRouter(router_pb2_grpc.RouterServicer):
             yield router_pb2.GenerateResponse(text="h")
             await asyncio.sleep(30)
         for ch in request.prompt:
-            yield router_pb2.GenerateResponse(request_id=current_request_id() or "", text=ch)
+            yield router_pb2.GenerateResponse(request_id=request_id_var.get() or "", text=ch)
         yield router_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_STOP)
 
 

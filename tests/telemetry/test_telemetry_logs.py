@@ -17,7 +17,7 @@ from qwenserve.telemetry.logs import (
     bind_request_id,
     capture_warnings_and_crashes,
     console,
-    current_request_id,
+    request_id_var,
     setup_logging,
 )
 from qwenserve.telemetry.tracing import Attr
@@ -91,13 +91,13 @@ async def test_concurrent_requests_keep_their_own_ids(jsonl):
             for i in range(3):
                 log.info("tick %d", i)
                 await asyncio.sleep(0)
-            assert current_request_id() == rid
+            assert request_id_var.get() == rid
 
     await asyncio.gather(handle("r1"), handle("r2"))
     records = _records(jsonl)
     assert len(records) == 6 and {r["request_id"] for r in records} == {"r1", "r2"}
     assert [r["message"] for r in records if r["request_id"] == "r1"] == ["tick 0", "tick 1", "tick 2"]
-    assert current_request_id() is None
+    assert request_id_var.get() is None
 
 
 def test_setup_twice_replaces_its_handler(restore_root_logger):

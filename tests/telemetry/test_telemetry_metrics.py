@@ -1,4 +1,4 @@
-"""Metrics: names and types, bounded labels, engine stats, stream timing, the /metrics HTTP server."""
+"""Metrics: vLLM's names, bounded labels, engine stats, stream timing, the /metrics HTTP server."""
 
 from __future__ import annotations
 
@@ -11,69 +11,14 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from qwenserve.telemetry import metrics
-from qwenserve.telemetry.metrics import (
-    engine_metrics,
-    handoff_metrics,
-    router_metrics,
-    serve_metrics,
-    start_metrics_server,
-    tokenizer_metrics,
-)
-
-
-def _families(registry: CollectorRegistry) -> dict[str, str]:
-    """name -> type of every family the registry exposes (text format, as Prometheus parses it)."""
-    text = generate_latest(registry).decode()
-    return {f.name: f.type for f in text_string_to_metric_families(text)}
+from qwenserve.telemetry.metrics import engine_metrics, handoff_metrics, router_metrics, tokenizer_metrics
+from qwenserve.telemetry.metrics_server import MetricsServer
 
 
 def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
     value = registry.get_sample_value(name, labels)
     assert value is not None, f"{name}{labels} not exposed"
     return value
-
-
-def test_every_group_exposes_its_contract_names(registry):
-    router_metrics(registry), engine_metrics(registry), handoff_metrics(registry), tokenizer_metrics(registry)
-    families = _families(registry)
-    expected = {
-        # router
-        "qwenserve_router_requests": "counter",
-        "qwenserve_router_ttft_seconds": "histogram",
-        "qwenserve_router_inter_token_latency_seconds": "histogram",
-        "qwenserve_router_e2e_latency_seconds": "histogram",
-        "qwenserve_router_queue_time_seconds": "histogram",
-        "qwenserve_router_in_flight_requests": "gauge",
-        "qwenserve_router_retries": "counter",
-        "qwenserve_router_failovers": "counter",
-        "qwenserve_router_ratelimit_decisions": "counter",
-        "qwenserve_router_tokens": "counter",
-        # engine: the autoscaler reads the first two and the usage ratio by these exact names
-        "qwenserve_engine_running_requests": "gauge",
-        "qwenserve_engine_waiting_requests": "gauge",
-        "qwenserve_engine_batch_size": "histogram",
-        "qwenserve_engine_step_tokens": "histogram",
-        "qwenserve_engine_step_seconds": "histogram",
-        "qwenserve_kv_blocks_used": "gauge",
-        "qwenserve_kv_blocks_free": "gauge",
-        "qwenserve_kv_blocks_total": "gauge",
-        "qwenserve_kv_blocks_usage_ratio": "gauge",
-        "qwenserve_prefix_cache_hit_ratio": "gauge",
-        "qwenserve_engine_preemptions": "counter",
-        # handoff
-        "qwenserve_handoff_bytes": "counter",
-        "qwenserve_handoff_seconds": "histogram",
-        "qwenserve_handoff_failures": "counter",
-        "qwenserve_handoff_leases_outstanding": "gauge",
-        "qwenserve_handoff_leases_reclaimed": "counter",
-        # tokenizer
-        "qwenserve_tokenizer_requests": "counter",
-        "qwenserve_tokenizer_texts": "counter",
-        "qwenserve_tokenizer_tokens": "counter",
-        "qwenserve_tokenizer_latency_seconds": "histogram",
-    }
-    assert {name: families.get(name) for name in expected} == expected
-    assert all(name.startswith(("qwenserve_", "vllm:")) for name in families)
 
 
 def test_vllm_names_are_exported_with_a_model_name_label(registry):
@@ -227,8 +172,8 @@ def test_engine_gauges_follow_stats_snapshots(registry):
     assert _value(registry, "qwenserve_engine_preemptions_total") == 2
     assert _value(registry, "qwenserve_engine_prefill_only_steps_total") == 4
 
-    metrics.update_engine_gauges(
-        _stats(running=0, kv_blocks_used=120, kv_blocks_free=0, preemptions=7, prefill_only_steps=9), registry
+    engine.update_from_stats(
+        _stats(running=0, kv_blocks_used=120, kv_blocks_free=0, preemptions=7, prefill_only_steps=9)
     )
     assert _value(registry, "qwenserve_engine_prefill_only_steps_total") == 9
     assert _value(registry, "qwenserve_engine_running_requests") == 0
@@ -299,7 +244,7 @@ def _get(url: str) -> tuple[int, str]:
 def test_metrics_server_serves_parseable_metrics_and_probes(registry):
     router_metrics(registry).record_finished("ok", "length")
     state = {"ready": False}
-    server = serve_metrics(0, "127.0.0.1", registry, ready=lambda: state["ready"])
+    server = MetricsServer(0, "127.0.0.1", registry, ready=lambda: state["ready"])
     try:
         assert server.port > 0
         status, body = _get(f"{server.url}/metrics")
@@ -324,24 +269,11 @@ def test_metrics_server_serves_parseable_metrics_and_probes(registry):
         server.close()
 
 
-def test_start_metrics_server_returns_the_bound_port(registry):
-    engine_metrics(registry).running.set(4)
-    port = start_metrics_server(0, "127.0.0.1", registry, ready=lambda: True)
-    try:
-        assert port > 0
-        status, body = _get(f"http://127.0.0.1:{port}/metrics")
-        assert status == 200 and "qwenserve_engine_running_requests 4.0" in body
-        assert _get(f"http://127.0.0.1:{port}/readyz")[0] == 200
-    finally:
-        for server in [s for s in metrics._servers if s.port == port]:
-            server.close()
-
-
 def test_readiness_probe_that_raises_reports_not_ready(registry):
     def broken() -> bool:
         raise RuntimeError("health object gone")
 
-    server = serve_metrics(0, "127.0.0.1", registry, ready=broken)
+    server = MetricsServer(0, "127.0.0.1", registry, ready=broken)
     try:
         assert _get(f"{server.url}/readyz")[0] == 503
     finally:

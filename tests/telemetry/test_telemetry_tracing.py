@@ -8,6 +8,7 @@ from concurrent import futures
 
 import grpc
 import pytest
+from opentelemetry import propagate
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind, StatusCode
@@ -96,7 +97,7 @@ async def test_streaming_call_span_covers_the_whole_stream(spans, services):
     assert client.status.status_code != StatusCode.ERROR
 
 
-async def test_failed_stream_marks_both_spans_as_errors(spans, services):
+async def test_failed_stream_is_an_error_for_the_client_and_a_recorded_code_on_the_server(spans, services):
     call = services.router.Generate(router_pb2.GenerateRequest(prompt="fail"))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in call:
@@ -109,7 +110,9 @@ async def test_failed_stream_marks_both_spans_as_errors(spans, services):
     assert client.status.status_code == StatusCode.ERROR
     assert "NOT_FOUND" in client.status.description
     assert client.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
-    assert server.status.status_code == StatusCode.ERROR
+    # OpenTelemetry's gRPC conventions: NOT_FOUND is the caller's error, not the server's.
+    assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
+    assert server.status.status_code != StatusCode.ERROR
     assert Attr.REQUEST_ID not in client.attributes  # no id was bound
 
 
@@ -127,7 +130,6 @@ async def test_cancelled_stream_closes_both_spans(spans, services):
 
 
 async def test_tracing_off_records_nothing_but_still_forwards_request_id(tracing_off, services):
-    assert not tracing.tracing_enabled()
     assert tracing.memory_exporter() is None
     with tracing.get_tracer("test").start_as_current_span("request") as root, bind_request_id("req-4"):
         await services.front.GetInfo(tokenizer_pb2.GetInfoRequest())
@@ -177,30 +179,18 @@ def test_environment_chooses_exporter_and_service_name(monkeypatch):
 def test_tracing_is_off_without_exporter_or_endpoint_and_with_sdk_disabled(monkeypatch):
     for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
+    tracer = tracing.get_tracer("t")
     tracing.setup_tracing("svc")
-    assert not tracing.tracing_enabled()
+    assert not tracer.start_span("x").is_recording()
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "memory")
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     tracing.setup_tracing("svc")
-    assert not tracing.tracing_enabled()
+    assert not tracer.start_span("x").is_recording()
 
 
 def test_unknown_exporter_is_rejected_with_the_choices():
     with pytest.raises(ValueError, match="otlp, console, memory or none"):
         tracing.setup_tracing("svc", exporter="jaeger")
-
-
-def test_inject_and_extract_round_trip_the_current_span(spans):
-    tracer = tracing.get_tracer("t")
-    with tracer.start_as_current_span("parent") as parent, bind_request_id("req-5"):
-        metadata = tracing.inject_metadata([("authorization", "Bearer k")])
-    keys = [k for k, _ in metadata]
-    assert keys[0] == "authorization" and "traceparent" in keys and tracing.REQUEST_ID_METADATA_KEY in keys
-    with tracing.server_span("/qwenserve.v1.Prefill/Prefill", metadata) as child:
-        assert child.parent.span_id == parent.get_span_context().span_id
-    (_, server) = spans.get_finished_spans()
-    assert server.attributes[Attr.REQUEST_ID] == "req-5"
-    assert server.kind == SpanKind.SERVER
 
 
 class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -246,8 +236,10 @@ def test_otlp_exporter_sends_spans_to_a_collector(monkeypatch):
 
 
 def test_http_front_continues_a_trace_from_capitalised_headers(spans):
+    carrier: dict[str, str] = {}
     with tracing.get_tracer("client").start_as_current_span("caller") as caller:
-        headers = {k.capitalize(): v for k, v in tracing.inject_metadata()}
+        propagate.inject(carrier)
+    headers = {k.capitalize(): v for k, v in carrier.items()}
     assert "Traceparent" in headers
     with tracing.server_span("POST /v1/chat/completions", headers.items(), request_id="req-http") as span:
         assert span.get_span_context().trace_id == caller.get_span_context().trace_id
