@@ -1,8 +1,8 @@
 """Which waiting request the scheduler admits first: a policy object per `admission_policy`.
 
 - "fcfs": arrival order.
-- "short_first": requests whose whole prompt fits the step first, shortest first (the scheduler also lets
-  it run prefill-only steps in a burst; scheduler.py says how).
+- "short_first": requests whose whole prompt fits the step first, shortest first, and prefill-only steps
+  in a burst (BurstSteps).
 - "watermark": the field reports' sliding watermark. Each arriving request gets a score that predicts
   its cost to the batch, 0.8 x prompt tokens + 1.2 x output budget; the last `window` scores form a ring
   buffer and their `percentile` is the watermark. A request scoring above it is held while cheaper work
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,12 +54,51 @@ def request_score(seq: Sequence) -> float:
     return 0.8 * seq.prompt_len + 1.2 * seq.max_tokens
 
 
+class BurstSteps:
+    """Prefill-only steps in a burst: when more prompt tokens wait than a step could take beside its decodes,
+    up to `max_steps` steps in a row leave the decodes out. Every decode row costs a pass through the LM head,
+    so such a step is short and first tokens come sooner: inter-token latency pays a little so that time to
+    first token does not pay a lot. Only while such steps are short: the time they took (the first one is the
+    probe) must say that the decodes would wait no longer than `max_stall_s` in all. max_steps=0: never."""
+
+    def __init__(self, max_steps: int, max_stall_s: float) -> None:
+        self.max_steps = max_steps
+        self.max_stall_s = max_stall_s
+        self.skipped = 0  # consecutive prefill-only steps so far
+        self.step_s: float | None = None  # how long a prefill-only step takes here, smoothed
+
+    def wanted(self, num_decoding: int, budget: int, waiting_tokens: Iterable[int]) -> bool:
+        """Should the next step leave its `num_decoding` decodes out, with `waiting_tokens` prompt tokens queued
+        (each entry one request's) and a budget of `budget` tokens a step?"""
+        if not num_decoding or self.skipped >= self.max_steps:
+            return False
+        if self.step_s is not None and (self.skipped + 1) * self.step_s > self.max_stall_s:
+            return False
+        room, waiting = budget - num_decoding, 0
+        for tokens in waiting_tokens:
+            waiting += tokens
+            if waiting > room:
+                return True
+        return False
+
+    def planned(self, prefill_only: bool) -> None:
+        """The step just planned did (or did not) leave the decodes out."""
+        self.skipped = self.skipped + 1 if prefill_only else 0
+
+    def observe(self, seconds: float) -> None:
+        """A prefill-only step took `seconds`. Not scaled up to a full budget: a step's fixed costs (the LM head
+        for prompts that finish) would make a small step look slow."""
+        self.step_s = seconds if self.step_s is None else 0.7 * self.step_s + 0.3 * seconds
+
+
 class AdmissionPolicy:
     """Arrival order, with the two rules every policy keeps (urgent first, then by aged priority)."""
 
     name = "fcfs"
-    #: The scheduler admits whole short prompts before running prefill chunks and may run prefill-only steps.
+    #: The scheduler admits whole short prompts before running prefill chunks.
     prefers_short = False
+    #: When the scheduler may leave the decodes out of a step to drain a burst of prompts; None: never.
+    burst: BurstSteps | None = None
 
     def __init__(self, max_queue_delay_s: float, priority_aging_s: float = 5.0) -> None:
         self.max_queue_delay_s = max_queue_delay_s
@@ -87,10 +127,15 @@ class AdmissionPolicy:
 
 
 class ShortFirst(AdmissionPolicy):
-    """Shortest remaining prompt first."""
+    """Shortest remaining prompt first, and prefill-only steps in a burst."""
 
     name = "short_first"
     prefers_short = True
+
+    def __init__(self, max_queue_delay_s: float, priority_aging_s: float = 5.0,
+                 burst: BurstSteps | None = None) -> None:
+        super().__init__(max_queue_delay_s, priority_aging_s)
+        self.burst = burst or BurstSteps(max_steps=2, max_stall_s=0.25)
 
     def order(self, waiting: deque[Sequence], now: float, prefilling: bool) -> list[Sequence]:
         urgent, rest = self._split_urgent(waiting, now)
@@ -148,11 +193,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def make_policy(name: str, max_queue_delay_s: float, priority_aging_s: float = 5.0,
-                watermark: WatermarkSettings = WatermarkSettings()) -> AdmissionPolicy:
+                watermark: WatermarkSettings = WatermarkSettings(), burst: BurstSteps | None = None) -> AdmissionPolicy:
     if name == "fcfs":
         return AdmissionPolicy(max_queue_delay_s, priority_aging_s)
     if name == "short_first":
-        return ShortFirst(max_queue_delay_s, priority_aging_s)
+        return ShortFirst(max_queue_delay_s, priority_aging_s, burst)
     if name == "watermark":
         return SlidingWatermark(max_queue_delay_s, priority_aging_s, watermark)
     raise ValueError(f"admission_policy {name!r}: use one of {', '.join(POLICIES)}")

@@ -17,21 +17,17 @@ lets nothing starve):
 - "short_first" (default): decodes, then waiting requests whose whole remaining prompt fits in what is
   left of this step's budget, shortest first, then in-flight prefill chunks, then the rest, so a short
   prompt in a burst is not queued behind long prompts' chunks; one that waited max_queue_delay_s goes first.
-  Burst steps: when more prompt tokens wait than a step could take beside its decodes, up to
-  burst_prefill_steps steps in a row leave the decodes out (every decode row costs a pass through the LM
-  head, so such a step is short and first tokens come sooner): inter-token latency pays a little so that
-  time to first token does not pay a lot. Only while such steps are short: the time the last ones took must
-  say that the decodes would wait no longer than burst_max_stall_s in all (on a slow device one is tried,
-  then no more). burst_prefill_steps=0 turns them off; disaggregated decode workers prefill nothing.
+  In a burst it may also leave the decodes out of a few steps (admission_policy.BurstSteps says when).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from qwenserve.engine.admission_policy import WatermarkSettings, make_policy
+from qwenserve.engine.admission_policy import BurstSteps, WatermarkSettings, make_policy
 from qwenserve.engine.block_pool import BlockPool
 from qwenserve.engine.sequence import Sequence, SequenceStatus
 
@@ -79,7 +75,7 @@ class Scheduler:
 
     def __init__(self, limits: SchedulerLimits, pool: BlockPool) -> None:
         self.policy = make_policy(limits.admission_policy, limits.max_queue_delay_s, limits.priority_aging_s,
-                                  limits.watermark)
+                                  limits.watermark, BurstSteps(limits.burst_prefill_steps, limits.burst_max_stall_s))
         self.limits = limits
         self.pool = pool
         self.block_size = pool.block_size
@@ -87,8 +83,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_prefill_only_steps = 0
-        self._decodes_skipped = 0  # consecutive prefill-only steps so far
-        self._burst_step_s: float | None = None  # how long prefill-only steps take here, as measured
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         self._empty_since: float | None = time.monotonic()  # when the queue last became empty
@@ -118,15 +112,17 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        if self._backlogged(decoding, prefilling):
+        burst = self.policy.burst
+        if burst is not None and burst.wanted(len(decoding), budget, self._waiting_tokens(prefilling)):
             self._admit(self._schedule_running(prefilling, self._admit(budget, out, only_whole=True), out),
                         out, only_whole=False)
             if out.scheduled:
                 out.prefill_only = True
-                self._decodes_skipped += 1
+                burst.planned(True)
                 self.num_prefill_only_steps += 1
                 return out
-        self._decodes_skipped = 0
+        if burst is not None:
+            burst.planned(False)
         budget = self._schedule_running(decoding, budget, out)
         if self.policy.prefers_short:
             budget = self._admit(budget, out, only_whole=True)
@@ -138,32 +134,14 @@ class Scheduler:
             self._empty_since = time.monotonic()
         return out
 
-    def _backlogged(self, decoding: list[Sequence], prefilling: list[Sequence]) -> bool:
-        """short_first: should this step leave the decodes out and prefill alone?"""
-        if (not self.policy.prefers_short or not decoding
-                or self._decodes_skipped >= self.limits.burst_prefill_steps):
-            return False
-        # Only where such steps are short: the decodes must not wait longer than burst_max_stall_s in all.
-        # The first one is the measurement.
-        if self._burst_step_s is not None and (
-            (self._decodes_skipped + 1) * self._burst_step_s > self.limits.burst_max_stall_s
-        ):
-            return False
-        room = self.limits.max_num_batched_tokens - len(decoding)
-        waiting = 0
-        for seq in (*prefilling, *self.waiting):
-            waiting += seq.num_uncomputed_tokens
-            if waiting > room:
-                return True
-        return False
+    def _waiting_tokens(self, prefilling: list[Sequence]) -> Iterator[int]:
+        """The prompt tokens still to compute, request by request: running prompts first, then queued ones."""
+        return (seq.num_uncomputed_tokens for seq in (*prefilling, *self.waiting))
 
     def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
         """The engine's timing of a step just computed: prefill-only steps teach how long the next would be."""
-        # Not scaled up to a full budget: a step's fixed costs (the LM head for prompts that finish) would
-        # make a small step look slow.
-        if plan.prefill_only:
-            last = self._burst_step_s
-            self._burst_step_s = seconds if last is None else 0.7 * last + 0.3 * seconds
+        if plan.prefill_only and self.policy.burst is not None:
+            self.policy.burst.observe(seconds)
 
     def _schedule_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
         for seq in seqs:
