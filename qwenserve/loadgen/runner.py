@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 from qwenserve.loadgen.stats import RequestRecord, split_chunk_gap
 from qwenserve.loadgen.targets import LoadRequest, Target, TargetError
-from qwenserve.loadgen.workload import RequestSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,8 +202,3 @@ async def run_closed_loop(target: Target, make_request: Callable[[int], LoadRequ
         stopped_by = "count" if bounds.num_requests is not None else "completed"
     records.sort(key=lambda r: r.start)
     return RunResult(records, stopped_by, time.monotonic() - t0)
-
-
-def specs_to_requests(specs: list[RequestSpec], make: Callable[[RequestSpec], LoadRequest]) -> list[LoadRequest]:
-    """Build every request (prompt text included) before the clock starts, so tokenizing is not timed."""
-    return [make(s) for s in specs]

@@ -12,7 +12,7 @@ import json
 import math
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -265,15 +265,3 @@ def mix_spec_fields(mix: Mix) -> dict[str, Any]:
 
 def _dist(d: LengthDist) -> dict[str, Any]:
     return {"kind": d.kind, "a": d.a, "b": d.b, "min": d.lo, "max": d.hi}
-
-
-@dataclass(slots=True)
-class WorkloadSource:
-    """Where requests come from: a mix (sampled) or a trace (replayed as recorded)."""
-
-    mix: Mix | None = None
-    trace: list[RequestSpec] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return self.mix.name if self.mix else "trace"

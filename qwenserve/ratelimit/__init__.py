@@ -12,7 +12,6 @@ Two backends behind `RateLimiter`: `InProcessRateLimiter` (one process) and `Red
 from qwenserve.ratelimit.admission import (
     Admission,
     LimitStatus,
-    RateLimitError,
     RateLimiterUnavailable,
     RateLimitExceeded,
     RequestTooLarge,
@@ -22,18 +21,15 @@ from qwenserve.ratelimit.headers import format_reset, grpc_rate_limit_metadata, 
 from qwenserve.ratelimit.limiter import RateLimiter
 from qwenserve.ratelimit.memory import InProcessRateLimiter
 from qwenserve.ratelimit.redis_backend import RedisRateLimiter
-from qwenserve.ratelimit.window import RateLimits
 
 __all__ = [
     "Admission",
     "InProcessRateLimiter",
     "LimitStatus",
-    "RateLimitError",
     "RateLimitExceeded",
     "RateLimiter",
     "RateLimiterConfig",
     "RateLimiterUnavailable",
-    "RateLimits",
     "RedisRateLimiter",
     "RequestTooLarge",
     "format_reset",
