@@ -18,7 +18,7 @@ class KVTransferError(Exception):
 
 
 class KVLayoutInvalid(KVTransferError, ValueError):
-    """A layout or size that no KV cache can have (unknown dtype, zero layers or tokens...)."""
+    """KV that does not fit the slot it is written into, or a handoff of no tokens: the exporter's caller erred."""
 
     code = "kv_layout_invalid"
 
