@@ -49,6 +49,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from qwenserve.telemetry.logs import request_id_var, reset_request_id
+from qwenserve.telemetry.switchable_tracer import SwitchableTracer, SwitchableTracerProvider
+from qwenserve.telemetry.switchable_tracer import state as _state
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,6 @@ class Attr:
     WORKER = "qwenserve.worker"
     HANDOFF_TRANSPORT = "qwenserve.handoff.transport"
     HANDOFF_BYTES = "qwenserve.handoff.bytes"
-    HANDOFF_BLOCKS = "qwenserve.handoff.blocks"
 
 
 class _SpanStamp(SpanProcessor):
@@ -85,89 +86,8 @@ class _SpanStamp(SpanProcessor):
         return
 
 
-class _State:
-    provider: TracerProvider | None = None
-    memory: InMemorySpanExporter | None = None
-    installed_globally = False
-
-
-_state = _State()
-_NOOP_TRACER = trace.NoOpTracer()
-
-
-class _NoSpan:
-    """What `start_as_current_span` returns with tracing off: enters to the invalid span, does nothing.
-
-    OpenTelemetry's own no-op still builds a generator and attaches a context (about 2 us per
-    span); this is one attribute check and two method calls.
-    """
-
-    __slots__ = ()
-
-    def __enter__(self) -> trace.Span:
-        return trace.INVALID_SPAN
-
-    def __exit__(self, *exc_info: object) -> None:
-        return None
-
-    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        return func
-
-
-_NO_SPAN = _NoSpan()
-
-
-class _SwitchableTracer(trace.Tracer):
-    """A tracer that follows whatever `setup_tracing` configured last, even if fetched before it.
-
-    Modules take their tracer at import time; tests set tracing up and down many times in one
-    process. Both work because every call resolves the current provider (one attribute read).
-    """
-
-    def __init__(self, name: str, version: str | None = None) -> None:
-        self._name = name
-        self._version = version
-        self._for: TracerProvider | None = None
-        self._tracer: trace.Tracer = _NOOP_TRACER
-
-    def _delegate(self) -> trace.Tracer:
-        provider = _state.provider
-        if provider is None:
-            return _NOOP_TRACER
-        if provider is not self._for:
-            self._tracer = provider.get_tracer(self._name, self._version)
-            self._for = provider
-        return self._tracer
-
-    def start_span(self, *args: Any, **kwargs: Any) -> trace.Span:
-        """Start a span on the current provider (the invalid, non-recording span when tracing is off)."""
-        if _state.provider is None:
-            return trace.INVALID_SPAN
-        return self._delegate().start_span(*args, **kwargs)
-
-    def start_as_current_span(self, *args: Any, **kwargs: Any) -> Any:
-        """Start a span and make it current for the `with` block (a do-nothing block when off)."""
-        if _state.provider is None:
-            return _NO_SPAN
-        return self._delegate().start_as_current_span(*args, **kwargs)
-
-
-class _SwitchableTracerProvider(trace.TracerProvider):
-    """Installed once as the global provider so `opentelemetry.trace.get_tracer` users follow setup too."""
-
-    def get_tracer(
-        self,
-        instrumenting_module_name: str,
-        instrumenting_library_version: str | None = None,
-        schema_url: str | None = None,
-        attributes: Any = None,
-    ) -> trace.Tracer:
-        """A tracer bound to whatever provider `setup_tracing` configures."""
-        return _SwitchableTracer(instrumenting_module_name, instrumenting_library_version)
-
-
-_PROVIDER = _SwitchableTracerProvider()
-_GRPC_TRACER = _SwitchableTracer("qwenserve.grpc")
+_PROVIDER = SwitchableTracerProvider()
+_GRPC_TRACER = SwitchableTracer("qwenserve.grpc")
 
 
 def get_tracer(name: str = "qwenserve") -> trace.Tracer:
@@ -177,7 +97,7 @@ def get_tracer(name: str = "qwenserve") -> trace.Tracer:
     `with tracer.start_as_current_span(...)`; the decorator form binds at import time and stays
     a no-op if tracing was off then.
     """
-    return _SwitchableTracer(name)
+    return SwitchableTracer(name)
 
 
 def memory_exporter() -> InMemorySpanExporter | None:
@@ -192,15 +112,16 @@ def _exporter_names(override: str | None) -> list[str]:
     if raw is None:
         # An endpoint without an exporter name means OTLP (the standard default); with neither,
         # stay off rather than dial a collector on localhost that nobody configured.
-        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT")
         raw = "otlp" if endpoint else "none"
     names = [n.strip().lower() for n in raw.split(",") if n.strip()]
     return [n for n in names if n != "none"]
 
 
 def _otlp_exporter() -> SpanExporter:
-    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-                or "grpc").strip().lower()
+    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip().lower()
     try:
         if protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -320,8 +241,8 @@ class RequestIdServerInterceptor(aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         """Wrap the handler's behaviour when the caller sent a request id; pass it through otherwise."""
         handler = await continuation(handler_call_details)
-        rid = next((v for k, v in handler_call_details.invocation_metadata or () if k == REQUEST_ID_METADATA_KEY),
-                   None)
+        metadata = handler_call_details.invocation_metadata or ()
+        rid = next((value for key, value in metadata if key == REQUEST_ID_METADATA_KEY), None)
         if handler is None or not isinstance(rid, str):
             return handler
         kinds = (
@@ -347,8 +268,12 @@ def server_interceptors() -> list[aio.ServerInterceptor]:
     # Imported here: the instrumentation costs a quarter second to import, and clients never need it.
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    spans = aio_server_interceptor(tracer_provider=_PROVIDER, filter_=lambda _call: _state.provider is not None)
+    spans = aio_server_interceptor(tracer_provider=_PROVIDER, filter_=_tracing_on)
     return [RequestIdServerInterceptor(), spans]
+
+
+def _tracing_on(_call: grpc.HandlerCallDetails) -> bool:
+    return _state.provider is not None
 
 
 # Tasks that close client spans; held here so they are not collected before they run.
@@ -418,39 +343,33 @@ class _ClientInterceptor:
         return call
 
 
-# grpc.aio files a client interceptor under the first call kind it subclasses, so each kind needs its own class.
+# grpc.aio files a client interceptor under the first call kind it subclasses: one class per kind.
 class _UnaryUnary(_ClientInterceptor, aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(
-        self, continuation: Callable[..., Awaitable[aio.Call]], client_call_details: aio.ClientCallDetails,
-        request: Any,
-    ) -> aio.Call:
+    async def intercept_unary_unary(self, continuation: Callable[..., Awaitable[aio.Call]],
+                                    client_call_details: aio.ClientCallDetails, request: Any) -> aio.Call:
         """Trace one unary call."""
         return await self._intercept(continuation, client_call_details, request)
 
 
 class _UnaryStream(_ClientInterceptor, aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(
-        self, continuation: Callable[..., Awaitable[aio.Call]], client_call_details: aio.ClientCallDetails,
-        request: Any,
-    ) -> aio.Call:
+    async def intercept_unary_stream(self, continuation: Callable[..., Awaitable[aio.Call]],
+                                     client_call_details: aio.ClientCallDetails, request: Any) -> aio.Call:
         """Trace one server-streaming call until its stream ends."""
         return await self._intercept(continuation, client_call_details, request)
 
 
 class _StreamUnary(_ClientInterceptor, aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(
-        self, continuation: Callable[..., Awaitable[aio.Call]], client_call_details: aio.ClientCallDetails,
-        request_iterator: Any,
-    ) -> aio.Call:
+    async def intercept_stream_unary(self, continuation: Callable[..., Awaitable[aio.Call]],
+                                     client_call_details: aio.ClientCallDetails, request_iterator: Any,
+                                     ) -> aio.Call:
         """Trace one client-streaming call."""
         return await self._intercept(continuation, client_call_details, request_iterator)
 
 
 class _StreamStream(_ClientInterceptor, aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(
-        self, continuation: Callable[..., Awaitable[aio.Call]], client_call_details: aio.ClientCallDetails,
-        request_iterator: Any,
-    ) -> aio.Call:
+    async def intercept_stream_stream(self, continuation: Callable[..., Awaitable[aio.Call]],
+                                      client_call_details: aio.ClientCallDetails, request_iterator: Any,
+                                     ) -> aio.Call:
         """Trace one bidirectional-streaming call (e.g. Detokenize)."""
         return await self._intercept(continuation, client_call_details, request_iterator)
 
