@@ -62,8 +62,6 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-
-
 def _probe(check: Callable[[], bool] | None, default: bool) -> bool:
     if check is None:
         return default

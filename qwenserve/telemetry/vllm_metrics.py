@@ -58,7 +58,6 @@ class VllmRouterMetrics:
             buckets=E2E_BUCKETS, registry=r)
 
 
-
 class VllmEngineMetrics:
     """vLLM's scheduler and cache metrics by vLLM's names, each labelled with the served model (`model_name`)."""
 
