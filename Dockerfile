@@ -34,6 +34,9 @@ COPY operator/ operator/
 # Extras: mooncake for `kvTransfer.mode: mooncake` (Mooncake Transfer Engine; libibverbs1 even over TCP), hf for
 # `model.source: hf` (the fetch-model init container).
 RUN pip install ".[gpu,mooncake,hf]" --no-build-isolation
+# The CPU kernels (the KV handoff's checksum and copies run on the host here too), one object per instruction-set
+# level, inside the installed package; from / so that the installed package, not /src, is the one built into.
+RUN cd / && python -m qwenserve.cpu_kernels build
 
 FROM ${CUDA_RUNTIME_IMAGE} AS cuda
 ENV DEBIAN_FRONTEND=noninteractive PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp \
@@ -58,8 +61,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/tmp
 WORKDIR /src
-# A C compiler: qwenserve.cpu_kernels builds its fp32 kernels at first use for the CPU the pod lands on
-# (-march=native, so they cannot be built here); without one the portable, slower paths run.
+# A C compiler: the CPU kernels are built below, one object per instruction-set level, and each pod loads the
+# best its node runs (it compiles at first use only where none was built).
 # libibverbs1: Mooncake Transfer Engine (kvTransfer.mode: mooncake) loads it even over TCP.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libibverbs1 \
     && rm -rf /var/lib/apt/lists/*
@@ -72,6 +75,7 @@ COPY services/ services/
 COPY operator/ operator/
 # Extras: mooncake (kvTransfer.mode: mooncake), hf (model.source: hf, the fetch-model init container).
 RUN pip install ".[mooncake,hf]" && rm -rf /src
+RUN cd / && python -m qwenserve.cpu_kernels build
 # A fixed non-root UID: the operator's pod securityContext (runAsUser 10001) matches it.
 RUN groupadd --system --gid 10001 qwen && useradd --system --uid 10001 --gid qwen --home-dir /tmp qwen \
     && mkdir -p /models && chown qwen:qwen /models

@@ -73,11 +73,11 @@ def measure_memcpy_gbps() -> float:
 
 def measure_matmul_gflops(hidden: int, inter: int, batch: int = 64, packed_kernel: bool = False) -> float:
     """Best-of rate of the model's largest projection (gate+up) on `batch` rows: PyTorch's BLAS, or with
-    `packed_kernel` our CPU kernel on the packed weight (the faster of the two here)."""
+    `packed_kernel` our CPU kernel on the packed weight."""
     x = torch.randn(batch, hidden)
     w = torch.randn(2 * inter, hidden)
     if packed_kernel:
-        packed = cpu_kernels.pack_weight(w)
+        packed = cpu_kernels.PackedWeight.pack(w)
 
         def product() -> None:
             cpu_kernels.linear_packed(x, packed)
@@ -217,7 +217,8 @@ def main() -> None:
     config = EngineConfig(num_threads=args.threads, kv_cache_memory_gb=args.kv_gb,
                           max_num_batched_tokens=args.token_budget, max_num_seqs=128)
     engine = LLMEngine.from_pretrained(folder, config)
-    params = sum(p.numel() for p in engine.runner.model.parameters())
+    # Packed weights are no longer parameters: count them from the checkpoint's layout.
+    params = sum(t.numel() for t in engine.runner.model.checkpoint_targets().values())
     weight_bytes = params * 4
     # Every decode step reads all matrices once: layers + the (tied) LM head; the embedding lookup is tiny.
     layer_params = params - spec["vocab_size"] * spec["hidden_size"] * (1 if spec["tie_word_embeddings"] else 2)

@@ -16,6 +16,9 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v
 # torch first and pinned, so that resolving the project never pulls a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "$torch_spec"
 pip install -e ".[${extras}]"
+# The CPU kernels, one object per instruction-set level, so that no process compiles them at first use.
+.venv/bin/python -m qwenserve.cpu_kernels build >/dev/null \
+  || echo "setup: the CPU kernels could not be built: PyTorch's ops will run instead, slower" >&2
 
 # The tests talk to a real Redis server; Mooncake's engine loads libibverbs even over TCP; the chart's alerts are
 # tested with promtool (Debian's prometheus package; nothing is started).

@@ -1,18 +1,17 @@
-"""C kernels for fp32 on CPU, where PyTorch's own ops leave speed unused: decode attention straight from the
-paged KV cache (paged_decode.c); the linear layers' x · Wᵀ (linear.c), on weights as checkpoints store them or
-packed in panels of 16 output columns (`pack_weight`), the layout the fastest product wants; RMSNorm
-(rms_norm.c) and rotary embeddings (rotary.c) in one pass each, where PyTorch makes five or six; greedy
-decoding's argmax over the vocabulary (argmax.c) at cache speed, where PyTorch's runs ten times slower;
-structured output's token mask applied to the logits rows (token_bitmask.c) without unpacking it.
-Beside them, the KV handoff's checksum, the copy and the gather that compute it on the way, and the scatter of
-an import into the paged cache (kv_checksum.c; kv_transfer/checksum.py defines the algorithm and calls it).
+"""C kernels for what PyTorch's CPU ops leave slow, each kept because bench/kernels_bench.py measures a gain that
+shows in a step: decode attention read straight from the paged KV cache (paged_decode.c); the linear layers'
+x · Wᵀ on weights packed in panels of 16 output columns (linear.c, `PackedWeight`); structured output's token
+mask applied to the logits without unpacking it (token_bitmask.c); and the KV handoff's checksum, with the
+copy, the gather and the scatter that compute it or move the bytes (kv_checksum.c; kv_transfer/checksum.py
+defines the algorithm). They are loaded with ctypes: no Python or torch headers, so no ABI to keep.
 
-They are compiled once per machine with its C compiler and loaded with ctypes (no Python or torch headers,
-so no ABI to keep). They accelerate, never required: where no C compiler exists, the build fails, or
-QWENSERVE_CPU_KERNEL=0, `load()` returns None and callers keep their portable PyTorch path. The shared object
-is cached under cache_root()/kernels, named by a digest of the sources, the flags, the compiler and the CPU's
-features, so an edit, a new compiler or another CPU rebuilds it; concurrent processes never load a
-half-written file (it is renamed into place).
+They are built at install time: `python -m qwenserve.cpu_kernels build` (scripts/setup.sh and the image build
+run it) compiles one shared object per instruction-set level (VARIANTS) into `kernel_dir()`, and `load()` opens
+the best one this CPU supports, so a pod never compiles. Only where none was built does `load()` compile at
+first use (-march=native, cached under cache_root()/kernels). Where that fails too, or QWENSERVE_CPU_KERNEL=0,
+it says so once with a WARNING, the qwenserve_cpu_kernels_available gauge reads 0, and the engine runs
+PyTorch's ops instead (same tokens, slower). Objects are named by a digest of the sources: an edit never
+loads a stale build, and a half-written file is never loaded (it is renamed into place).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,18 +37,37 @@ from qwenserve.cache import cache_root
 log = logging.getLogger(__name__)
 
 PANEL = 16  # output columns per panel of a packed weight (linear.c's PANEL)
-SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("paged_decode.c", "linear.c", "rms_norm.c", "rotary.c", "argmax.c",
-                                            "kv_checksum.c", "token_bitmask.c")
-)
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("paged_decode.c", "linear.c", "kv_checksum.c", "token_bitmask.c"))
 ENV_SWITCH = "QWENSERVE_CPU_KERNEL"
-# -march=native: the object is built on the machine that runs it; a compiler that refuses it builds generic.
-# -fopenmp: the library then needs libgomp.so.1, which torch has already loaded, so both share one pool.
-_FLAG_SETS = (
-    ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-fPIC", "-shared"],
-    ["-O3", "-fopenmp", "-std=gnu11", "-fPIC", "-shared"],
-    ["-O3", "-std=gnu11", "-fPIC", "-shared"],
-)
+ENV_DIR = "QWENSERVE_CPU_KERNEL_DIR"
+# -fopenmp: the library then needs libgomp.so.1, which torch has already loaded, so both share one pool. A
+# compiler without OpenMP builds the single-threaded form.
+_COMMON_FLAGS = (["-O3", "-fopenmp", "-std=gnu11", "-fPIC", "-shared"], ["-O3", "-std=gnu11", "-fPIC", "-shared"])
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One prebuilt object: the compiler flags that target an instruction-set level and the /proc/cpuinfo
+    flags a CPU needs to run it."""
+
+    name: str
+    march: tuple[str, ...]
+    needs: frozenset[str]
+
+
+_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"})
+# Best first. x86-64-v4 has 32 vector registers, for which linear.c uses its wide tiles.
+VARIANTS: dict[str, tuple[Variant, ...]] = {
+    "x86_64": (
+        Variant("x86-64-v4", ("-march=x86-64-v4",), _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+        Variant("x86-64-v3", ("-march=x86-64-v3",), _V3),
+        Variant("x86-64", ("-march=x86-64",), frozenset()),
+    ),
+}
+_GENERIC = (Variant("generic", (), frozenset()),)  # other machines: the compiler's default target
+
+_loaded: str | None = None  # which object load() opened, for the start-up line and the bench
 
 
 def compiler() -> str | None:
@@ -56,20 +75,41 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _compiler_identity(cc: str) -> str:
-    try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return cc
+def kernel_dir() -> Path:
+    """Where the prebuilt objects live: $QWENSERVE_CPU_KERNEL_DIR, else this package's build/ folder."""
+    return Path(os.environ.get(ENV_DIR) or Path(__file__).with_name("build"))
 
 
-def _cpu_identity() -> str:
-    """What -march=native compiles for: a cache shared by hosts of other CPUs must not hand them this object."""
+def _source_digest() -> str:
+    return hashlib.sha256(b"\0".join(path.read_bytes() for path in SOURCES)).hexdigest()[:16]
+
+
+def machine_variants() -> tuple[Variant, ...]:
+    """Every variant built for this machine's architecture, best first."""
+    return VARIANTS.get(platform.machine(), _GENERIC)
+
+
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
-        return platform.processor()
+        line = ""
+    if line:
+        return frozenset(line.split(":", 1)[1].split())
+    # No /proc (another OS): torch's own detection, mapped onto the same levels.
+    capability = torch.backends.cpu.get_cpu_capability()
+    return VARIANTS["x86_64"][0 if capability.startswith("AVX512") else 1].needs if "AVX" in capability else frozenset()
+
+
+def supported_variants() -> list[Variant]:
+    """The variants this CPU can run, best first."""
+    flags = _cpu_flags()
+    return [variant for variant in machine_variants() if variant.needs <= flags]
+
+
+def variant_path(variant: Variant, directory: Path | None = None) -> Path:
+    return (directory or kernel_dir()) / f"qwenserve-cpu-{variant.name}-{_source_digest()}.so"
 
 
 def build(cc: str, flags: list[str], target: Path) -> None:
@@ -79,67 +119,140 @@ def build(cc: str, flags: list[str], target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
-                       timeout=120)
+                       timeout=300)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The loaded kernel, or None (and a logged reason) where it cannot be had."""
-    if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "false", "no", "off"):
-        return None
-    cc = compiler()
-    if cc is None:
-        log.info("no C compiler found: the portable PyTorch paths are used")
-        return None
-    identity = _compiler_identity(cc)
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
-    for flags in _FLAG_SETS:
-        digest = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), identity.encode(),
-                                             platform.machine().encode(), _cpu_identity().encode()])).hexdigest()[:16]
-        target = cache_root() / "kernels" / f"qwenserve-cpu-{digest}.so"
+def _build_first_working(cc: str, extra: list[str], target: Path) -> bool:
+    for common in _COMMON_FLAGS:
         try:
-            if not target.is_file():
-                with progress.step(f"building the CPU kernels with {os.path.basename(cc)} (once per machine)"):
-                    build(cc, flags, target)
-            lib = ctypes.CDLL(str(target))
+            build(cc, [*common, *extra], target)
+            return True
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or exc
-            log.warning("building the CPU kernels with %s %s failed: %s", cc, " ".join(flags), detail)
-            continue
-        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.paged_decode_attention.restype = ctypes.c_int
-        lib.paged_decode_attention.argtypes = [pointer] * 4 + [i64] + [pointer] * 2 + [i64] * 5 + [ctypes.c_float, i64]
-        lib.linear_nt.restype = None
-        lib.linear_nt.argtypes = [pointer] * 3 + [i64] * 4
-        lib.linear_packed.restype = None
-        lib.linear_packed.argtypes = [pointer] * 3 + [i64] * 4
-        lib.rms_norm.restype = None
-        lib.rms_norm.argtypes = [pointer] * 3 + [i64] * 2 + [ctypes.c_float, i64]
-        lib.rotary.restype = None
-        lib.rotary.argtypes = [pointer] * 4 + [i64] * 6
-        lib.argmax_rows.restype = None
-        lib.argmax_rows.argtypes = [pointer] + [i64] * 3 + [pointer, i64]
-        lib.kv_checksum_chunks.restype = None
-        lib.kv_checksum_chunks.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] + [i64] * 2
-        lib.kv_checksum_combine.restype = ctypes.c_uint64
-        lib.kv_checksum_combine.argtypes = [pointer, i64, i64]
-        lib.kv_gather_checksum.restype = None
-        lib.kv_gather_checksum.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, pointer, i64, i64]
-        lib.apply_token_bitmask.restype = None
-        lib.apply_token_bitmask.argtypes = [pointer, i64, pointer, i64, pointer, i64, i64]
-        lib.kv_scatter_rows.restype = None
-        lib.kv_scatter_rows.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64, i64, i64]
-        return lib
-    log.warning("the portable PyTorch paths are used")
+            log.warning("building the CPU kernels with %s %s failed: %s", cc, " ".join([*common, *extra]), detail)
+    return False
+
+
+def build_variants(directory: Path | None = None, cc: str | None = None) -> list[Path]:
+    """Build every variant of this machine's architecture into `directory` (default `kernel_dir()`), whatever
+    this CPU supports: an image built here runs on nodes with other CPUs. Returns the objects built."""
+    cc = cc or compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang, or $CC) to build the CPU kernels with")
+    built = []
+    for variant in machine_variants():
+        target = variant_path(variant, directory)
+        if _build_first_working(cc, list(variant.march), target):
+            built.append(target)
+    return built
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.paged_decode_attention.restype = ctypes.c_int
+    lib.paged_decode_attention.argtypes = [pointer] * 3 + [i64, pointer, i64, pointer, pointer] + [i64] * 5 + [
+        ctypes.c_float, i64]
+    lib.linear_packed.restype = None
+    lib.linear_packed.argtypes = [pointer] * 3 + [i64] * 4
+    lib.kv_checksum_chunks.restype = None
+    lib.kv_checksum_chunks.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] + [i64] * 2
+    lib.kv_checksum_combine.restype = ctypes.c_uint64
+    lib.kv_checksum_combine.argtypes = [pointer, i64, i64]
+    lib.kv_gather_checksum.restype = None
+    lib.kv_gather_checksum.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, pointer, i64, i64]
+    lib.apply_token_bitmask.restype = None
+    lib.apply_token_bitmask.argtypes = [pointer, i64, pointer, i64, pointer, i64, i64]
+    lib.kv_scatter_rows.restype = None
+    lib.kv_scatter_rows.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64, i64, i64]
+    return lib
+
+
+def _open_prebuilt() -> ctypes.CDLL | None:
+    global _loaded
+    for variant in supported_variants():
+        path = variant_path(variant)
+        if path.is_file():
+            try:
+                lib = _declare(ctypes.CDLL(str(path)))
+            except (OSError, AttributeError) as exc:
+                log.warning("cannot load the prebuilt CPU kernels %s: %s", path, exc)
+                continue
+            _loaded = f"{variant.name} (prebuilt)"
+            return lib
     return None
+
+
+def _build_here() -> ctypes.CDLL | None:
+    """The fallback where nothing was built at install time: compile for this CPU, cached by machine."""
+    global _loaded
+    cc = compiler()
+    if cc is None:
+        return None
+    log.warning("no prebuilt CPU kernels in %s (run `python -m qwenserve.cpu_kernels build` at install time): "
+                "building them now with %s", kernel_dir(), cc)
+    try:
+        identity = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        identity = cc
+    for march in (["-march=native"], []):
+        key = b"\0".join([_source_digest().encode(), " ".join(march).encode(), identity.encode(),
+                          platform.machine().encode(), " ".join(sorted(_cpu_flags())).encode()])
+        target = cache_root() / "kernels" / f"qwenserve-cpu-{hashlib.sha256(key).hexdigest()[:16]}.so"
+        if not target.is_file():
+            with progress.step(f"building the CPU kernels with {os.path.basename(cc)} (once per machine)"):
+                if not _build_first_working(cc, march, target):
+                    continue
+        try:
+            lib = _declare(ctypes.CDLL(str(target)))
+        except (OSError, AttributeError) as exc:
+            log.warning("cannot load the CPU kernels built in %s: %s", target, exc)
+            continue
+        _loaded = f"{' '.join(march) or 'default target'} (built at first use)"
+        return lib
+    return None
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The loaded kernels, or None: then one WARNING says why, and callers run PyTorch's ops."""
+    global _loaded
+    _loaded = None
+    if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "false", "no", "off"):
+        log.warning("CPU kernels off (%s=0): PyTorch's ops run instead, slower", ENV_SWITCH)
+        return None
+    lib = _open_prebuilt() or _build_here()
+    if lib is None:
+        log.warning("CPU kernels unavailable (none prebuilt in %s and none could be built): PyTorch's ops run "
+                    "instead, slower", kernel_dir())
+    else:
+        log.info("CPU kernels: %s", _loaded)
+    return lib
 
 
 def available() -> bool:
     return load() is not None
+
+
+def loaded_variant() -> str | None:
+    """Which object `load()` opened (e.g. 'x86-64-v3 (prebuilt)'), or None."""
+    return _loaded if available() else None
+
+
+def _loaded_lib() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are unavailable (see the WARNING logged at start-up)")
+    return lib
+
+
+def _check_cpu_fp32(name: str, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} wants contiguous fp32 CPU tensors")
 
 
 def paged_decode_attention(
@@ -151,43 +264,27 @@ def paged_decode_attention(
     out: torch.Tensor,  # [batch, heads, dim] fp32 contiguous, written
     scale: float,
 ) -> None:
-    """softmax(q·K^T · scale)·V over each sequence's first context_lens[b] cached tokens (the kernel must be
-    available; every tensor on CPU). The GIL is released while it runs."""
-    lib = load()
-    assert lib is not None, "CPU kernels unavailable"
+    """softmax(q·K^T · scale)·V over each sequence's first context_lens[b] cached tokens, every tensor on CPU.
+    IndexError, before anything is read, when a block id is outside the cache. The GIL is released while it runs."""
+    lib = _loaded_lib()
     batch, heads, dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    for t in (q, k_cache, v_cache, out):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError("paged_decode_attention wants contiguous fp32 CPU tensors")
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    _check_cpu_fp32("paged_decode_attention", q, k_cache, v_cache, out)
     if block_table.dtype != torch.int64 or context_lens.dtype != torch.int64 or not block_table.is_contiguous():
         raise ValueError("block_table and context_lens must be contiguous int64")
-    if heads % kv_heads or out.shape != q.shape or block_table.shape[0] != batch or context_lens.numel() != batch:
+    if (heads % kv_heads or out.shape != q.shape or block_table.shape[0] != batch or context_lens.numel() != batch
+            or v_cache.shape != k_cache.shape):
         raise ValueError("paged_decode_attention: inconsistent shapes")
     status = lib.paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.shape[1],
-        context_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim, block_size, scale,
-        torch.get_num_threads(),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_table.data_ptr(),
+        block_table.shape[1], context_lens.contiguous().data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim,
+        block_size, scale, torch.get_num_threads(),
     )
+    if status == -2:
+        raise IndexError(f"paged_decode_attention: a block table names a block outside [0, {num_blocks}) or is "
+                         "shorter than its context (a scheduler bug)")
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its scratch")
-
-
-def linear_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [m, k] @ weight[n, k]ᵀ -> [m, n], like F.linear without bias, for contiguous fp32 CPU tensors (the
-    kernels must be available). The GIL is released while it runs."""
-    lib = load()
-    assert lib is not None, "CPU kernels unavailable"
-    m, k = x.shape
-    n = weight.shape[0]
-    for t in (x, weight):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError("linear_nt wants contiguous fp32 CPU tensors")
-    if weight.shape[1] != k:
-        raise ValueError(f"linear_nt: x has {k} columns, weight {weight.shape[1]}")
-    y = torch.empty(m, n, dtype=torch.float32)
-    lib.linear_nt(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, k, n, torch.get_num_threads())
-    return y
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -196,107 +293,69 @@ def packable(weight: torch.Tensor) -> bool:
             and weight.shape[-2] % PANEL == 0)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[..., n, k] -> [..., n / PANEL, k, PANEL]: panel q holds output columns PANEL*q.. side by side for every
-    input column, so the product broadcasts one x value against a whole panel (see linear.c)."""
-    if not packable(weight):
-        raise ValueError(f"pack_weight wants fp32 CPU weights with rows a multiple of {PANEL}, got "
-                         f"{tuple(weight.shape)} {weight.dtype}")
-    *lead, n, k = weight.shape
-    return weight.reshape(*lead, n // PANEL, PANEL, k).transpose(-1, -2).contiguous()
+class PackedWeight:
+    """A weight [..., n, k] held as panels [..., n / PANEL, k, PANEL] for `linear_packed`: panel q holds output
+    columns PANEL*q.. side by side for every input column, so the product broadcasts one x value against a whole
+    panel (see linear.c). Stacked weights (MoE experts) pack each matrix on its own; index one out with [e]."""
+
+    __slots__ = ("panels",)
+
+    def __init__(self, panels: torch.Tensor) -> None:
+        self.panels = panels
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> PackedWeight:
+        if not packable(weight):
+            raise ValueError(f"PackedWeight.pack wants fp32 CPU weights with rows a multiple of {PANEL}, got "
+                             f"{tuple(weight.shape)} {weight.dtype}")
+        *lead, n, k = weight.shape
+        return cls(weight.reshape(*lead, n // PANEL, PANEL, k).transpose(-1, -2).contiguous())
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The unpacked shape [..., n, k]."""
+        *lead, panels, k, width = self.panels.shape
+        return (*lead, panels * width, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes
+
+    def __getitem__(self, index: int) -> PackedWeight:
+        return PackedWeight(self.panels[index])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the unpacked matrix (an embedding lookup in a tied, packed LM head): row v is column
+        v % PANEL of panel v // PANEL."""
+        return self.panels[ids // PANEL, :, ids % PANEL]
 
 
-def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of pack_weight (a copy)."""
-    *lead, panels, k, width = packed.shape
-    return packed.transpose(-1, -2).reshape(*lead, panels * width, k).contiguous()
-
-
-def linear_packed(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, k] @ Wᵀ -> [m, n] for W packed by pack_weight into [n / PANEL, k, PANEL]; contiguous fp32 CPU
-    tensors (the kernels must be available), written into `out` [m, n] when given. The GIL is released while
-    it runs."""
-    lib = load()
-    assert lib is not None, "CPU kernels unavailable"
-    for t in (x, packed):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError("linear_packed wants contiguous fp32 CPU tensors")
-    if x.dim() != 2 or packed.dim() != 3 or packed.shape[2] != PANEL:
-        raise ValueError(f"linear_packed wants x [m, k] and a packed weight [n/{PANEL}, k, {PANEL}]")
+def linear_packed(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ Wᵀ -> [m, n], contiguous fp32 CPU tensors, written into `out` [m, n] when given. The GIL is
+    released while it runs."""
+    lib = _loaded_lib()
+    packed = weight.panels
+    _check_cpu_fp32("linear_packed", x, packed)
+    if x.dim() != 2 or packed.dim() != 3:
+        raise ValueError("linear_packed wants x [m, k] and one packed matrix")
     m, k = x.shape
     if packed.shape[1] != k:
         raise ValueError(f"linear_packed: x has {k} columns, the weight {packed.shape[1]}")
     n = packed.shape[0] * PANEL
     if out is None:
-        y = torch.empty(m, n, dtype=torch.float32)
-    elif out.shape != (m, n) or out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu":
-        raise ValueError(f"linear_packed: out must be a contiguous fp32 CPU tensor of shape {(m, n)}")
-    else:
-        y = out
-    lib.linear_packed(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, k, n, torch.get_num_threads())
-    return y
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x², last dim) + eps) * weight for a contiguous fp32 CPU tensor (the kernels must be
-    available); one pass per row instead of PyTorch's six elementwise ops. The GIL is released while it runs."""
-    lib = load()
-    assert lib is not None, "CPU kernels unavailable"
-    for t in (x, weight):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError("rms_norm wants contiguous fp32 CPU tensors")
-    dim = x.shape[-1]
-    if weight.shape != (dim,):
-        raise ValueError(f"rms_norm: x has {dim} features, the weight {tuple(weight.shape)}")
-    y = torch.empty_like(x)
-    lib.rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim if dim else 0, dim, eps,
-                 torch.get_num_threads())
-    return y
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [tokens, heads, dim] (fp32 on CPU, its last dimension contiguous) by cos and sin [tokens, dim]
-    (contiguous) in the half-split convention; a new contiguous tensor, equal to PyTorch's
-    x * cos + cat(-x2, x1) * sin (the kernels must be available)."""
-    lib = load()
-    assert lib is not None, "CPU kernels unavailable"
-    tokens, heads, dim = x.shape
-    for t in (x, cos, sin):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
-            raise ValueError("rotary wants fp32 CPU tensors with a contiguous last dimension")
-    if cos.shape != (tokens, dim) or sin.shape != (tokens, dim) or not cos.is_contiguous() or not sin.is_contiguous():
-        raise ValueError(f"rotary: cos and sin must be contiguous [{tokens}, {dim}]")
-    if dim % 2:
-        raise ValueError("rotary: head_dim must be even")
-    y = torch.empty(tokens, heads, dim, dtype=torch.float32)
-    lib.rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), tokens, heads, dim, x.stride(0),
-               x.stride(1), torch.get_num_threads())
-    return y
-
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(x, dim=-1) for 2-D fp32 CPU `x` whose rows are contiguous (the kernels must be available):
-    the first index of each row's largest value, or of its first NaN. int64 [rows]. The GIL is released while
-    it runs."""
-    lib = load()
-    assert lib is not None, "CPU kernels unavailable"
-    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1:
-        raise ValueError("argmax_rows wants a 2-D fp32 CPU tensor with contiguous rows")
-    rows, cols = x.shape
-    if cols == 0:
-        raise ValueError("argmax_rows: rows are empty")
-    out = torch.empty(rows, dtype=torch.int64)
-    if rows:
-        lib.argmax_rows(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr(), torch.get_num_threads())
+        out = torch.empty(m, n, dtype=torch.float32)
+    elif out.shape != (m, n):
+        raise ValueError(f"linear_packed: out must have shape {(m, n)}")
+    _check_cpu_fp32("linear_packed", out)
+    lib.linear_packed(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n, torch.get_num_threads())
     return out
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
     """logits[rows[i], t] = -inf where bit t of mask[i] is 0, in place: `logits` 2-D fp32 CPU with contiguous
     rows, `rows` int64, `mask` int32 [len(rows), words] contiguous (32 tokens a word, least significant bit
-    first). The kernels must be available."""
-    lib = load()
-    assert lib is not None, "CPU kernels unavailable"
+    first)."""
+    lib = _loaded_lib()
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
         raise ValueError("apply_token_bitmask wants 2-D fp32 CPU logits with contiguous rows")
     rows = rows.to(torch.int64).contiguous()
@@ -311,10 +370,8 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Te
 def scatter_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
     """dst[p, rows[t]] = src[p, t] for dst [P, S, ...] contiguous and src [P, T, ...] of the same dtype whose
     rows are contiguous (planes may be strided), both on the CPU: `dst.index_copy_(1, rows, src)` at the speed
-    of a copy, where PyTorch's runs three to four times slower. Rows must lie in [0, S) (checked). The kernels
-    must be available; the GIL is released while it runs."""
-    lib = load()
-    assert lib is not None, "CPU kernels unavailable"
+    of a copy. Rows must lie in [0, S) (checked). The GIL is released while it runs."""
+    lib = _loaded_lib()
     row = math.prod(dst.shape[2:])
     if (dst.dim() < 2 or src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:] or src.dtype != dst.dtype
             or not dst.is_contiguous() or dst.device.type != "cpu" or src.device.type != "cpu"):

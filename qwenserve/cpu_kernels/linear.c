@@ -1,125 +1,21 @@
-/* y = x · Wᵀ (a linear layer without bias), fp32 on CPU: linear_packed (below) on W packed in panels, which the
- * engine uses; linear_nt on W as checkpoints store it ([n, k]), for the weights that cannot be packed (a row
- * count that is not a multiple of 16: rare, so it stays simple).
- *
- * linear_nt: threads take bands of W's rows and stream them once, four rows at a time, against every row of x
- * (which stays in cache), accumulating a register tile of 2 x rows × 4 W rows.
- */
-#include <stdint.h>
-#include <string.h>
-
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* Pins a value to a register. Left alone, GCC folds the W loads into every multiply-add (memory operands),
- * and each x vector once per row of W: sixteen loads per sixteen FMAs instead of eight, load-bound. */
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__) /* without AVX no register holds a v8f */
-#define IN_REGISTER(v) __asm__("" : "+x"(v))
-#else
-#define IN_REGISTER(v) (void)0
-#endif
-
-static inline float hsum(v8f v) {
-    float s = 0.0f;
-    for (int j = 0; j < 8; j++) s += v[j];
-    return s;
-}
-
-/* The sums of a tile's accumulators, plus the columns past the last multiple of 8, into y. */
-static void finish_tile(const v8f acc[][4], int rows, const float *x, const float *w, float *y, int64_t m,
-                        int64_t j, int64_t k, int64_t n, int64_t done) {
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < 4; c++) {
-            const float *xr = x + (m + r) * k, *wc = w + (j + c) * k;
-            float sum = hsum(acc[r][c]);
-            for (int64_t t = done; t < k; t++) sum += wc[t] * xr[t];
-            y[(m + r) * n + j + c] = sum;
-        }
-}
-
-/* A tile's parts: W rows j..j+3 at column i into a0..a3, then ROW(r) for each x row of the tile, four
- * multiply-adds into the accumulators c<r>0..c<r>3 (named, so that they stay in registers). */
-#define W_ROWS const float *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k
-#define ACCUMULATORS(r) v8f c##r##0 = {0}, c##r##1 = {0}, c##r##2 = {0}, c##r##3 = {0}
-#define LOAD_W                                                                                          \
-    v8f a0 = load8(w0 + i), a1 = load8(w1 + i), a2 = load8(w2 + i), a3 = load8(w3 + i);                 \
-    IN_REGISTER(a0);                                                                                    \
-    IN_REGISTER(a1);                                                                                    \
-    IN_REGISTER(a2);                                                                                    \
-    IN_REGISTER(a3)
-#define ROW(r)                                                                                          \
-    do {                                                                                                \
-        v8f b = load8(x + (m + r) * k + i);                                                             \
-        IN_REGISTER(b);                                                                                 \
-        c##r##0 += a0 * b, c##r##1 += a1 * b, c##r##2 += a2 * b, c##r##3 += a3 * b;                     \
-    } while (0)
-#define SUMS(r) {c##r##0, c##r##1, c##r##2, c##r##3}
-
-/* Rows [j, j + 4) of W against rows [m, m + 2) of x: 8 accumulators, which fit 16 vector registers. */
-static void tile_4x2(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
-    W_ROWS;
-    ACCUMULATORS(0);
-    ACCUMULATORS(1);
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-        LOAD_W;
-        ROW(0);
-        ROW(1);
-    }
-    const v8f acc[2][4] = {SUMS(0), SUMS(1)};
-    finish_tile(acc, 2, x, w, y, m, j, k, n, i);
-}
-
-/* Rows [j, j + 4) of W against row m of x. */
-static void tile_4x1(const float *x, const float *w, float *y, int64_t m, int64_t j, int64_t k, int64_t n) {
-    const float *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k, *x0 = x + m * k;
-    v8f c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-        const v8f b = load8(x0 + i);
-        c0 += load8(w0 + i) * b, c1 += load8(w1 + i) * b, c2 += load8(w2 + i) * b, c3 += load8(w3 + i) * b;
-    }
-    const v8f acc[1][4] = {{c0, c1, c2, c3}};
-    finish_tile(acc, 1, x, w, y, m, j, k, n, i);
-}
-
-/* x [m, k], w [n, k], y [m, n]; all contiguous. */
-void linear_nt(const float *x, const float *w, float *y, int64_t m, int64_t k, int64_t n, int64_t num_threads) {
-    if (num_threads < 1) num_threads = 1;
-    const int64_t tiles = n / 4;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t t = 0; t < tiles; t++)
-    {
-        int64_t r = 0;
-        for (; r + 2 <= m; r += 2) tile_4x2(x, w, y, r, t * 4, k, n);
-        for (; r < m; r++) tile_4x1(x, w, y, r, t * 4, k, n);
-    }
-    for (int64_t j = tiles * 4; j < n; j++) {
-        const float *wj = w + j * k;
-        for (int64_t r = 0; r < m; r++) {
-            const float *xr = x + r * k;
-            v8f acc = {0};
-            int64_t i = 0;
-            for (; i + 8 <= k; i += 8) acc += load8(wj + i) * load8(xr + i);
-            float s = hsum(acc);
-            for (; i < k; i++) s += wj[i] * xr[i];
-            y[r * n + j] = s;
-        }
-    }
-}
-
-/* ---- y = x · Wᵀ against W packed in panels ----
+/* y = x · Wᵀ (a linear layer without bias), fp32 on CPU, against W packed in panels.
  *
  * pack_weight() stores W [n, k] as [n / 16][k][16]: panel q holds, for every column i of x, the 16 weights of
  * output columns 16q..16q+15 side by side. A tile then keeps rows of x × panels of y in accumulators and,
  * at each i, broadcasts x[r][i] against whole panel vectors: no horizontal sums, y stored a vector at a
- * time, and both FMA pipes full at the CPU's widest vectors (94% of this machine's peak at 512 rows where
- * the row-wise kernel above reached 50%). */
+ * time, and both FMA pipes full at the CPU's widest vectors (bench/kernels_bench.py measures it against
+ * PyTorch's BLAS). */
+
+#include <stdint.h>
+#include <string.h>
+
+/* Pins a value to a register. Left alone, GCC folds the W loads into every multiply-add (memory operands),
+ * and each x vector once per row of W: sixteen loads per sixteen FMAs instead of eight, load-bound. */
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__) /* without AVX no register holds 32 bytes */
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define IN_REGISTER(v) (void)0
+#endif
 
 #define PANEL 16
 #if defined(__AVX512F__)
@@ -156,7 +52,7 @@ static inline vecp loadp(const float *p) {
 #define SPLAT(s) ((vecp){S4(s)})
 #endif
 
-/* Pins a panel vector to a register, as IN_REGISTER above; "v" admits all 32 AVX-512 registers. */
+/* Pins a panel vector to a register, as IN_REGISTER; "v" admits all 32 AVX-512 registers. */
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX512F__)
 #define PANEL_IN_REGISTER(v) __asm__("" : "+v"(v))
 #else
@@ -216,8 +112,7 @@ static void any_panel_tile(const float *x, const float *wp, float *y, int64_t k,
 #if TILE_PANELS == 4
 /* Few rows of x (m <= 16) against short panels (k <= 512, so a panel stays in L1): each panel is streamed from
  * memory once, for up to 12 rows at a time (passes over the same panel hit L1), with a software prefetch 16 KiB
- * ahead, since the 6-row tiles left the memory idle while they computed on cached panels. On the LM head of
- * a hidden size of 256 at 16 rows and one core: 6.5 ms where the 6-row tiles took 9.7. */
+ * ahead, since the 6-row tiles left the memory idle while they computed on cached panels. */
 #define TALL_ROWS 12
 #define TALL_MAX_M 16
 #define TALL_MAX_K 512

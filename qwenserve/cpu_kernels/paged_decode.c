@@ -1,13 +1,16 @@
 /* Decode attention straight from the paged KV cache, for fp32 on CPU.
  *
  * One query token per sequence. Each sequence's keys are read once to score its query heads and its values
- * once to accumulate the output, straight from the cache's blocks. The portable path instead gathers every block into a dense buffer first and then runs
- * SDPA over it, which moves each KV byte three times; at decode's long contexts that was half of a step.
+ * once to accumulate the output, straight from the cache's blocks. The portable path instead gathers every
+ * block into a dense buffer first and then runs SDPA over it, which moves each KV byte three times.
  *
- * Built at run time by qwenserve/engine/attention/cpu_kernel.py with the machine's C compiler and loaded
- * through ctypes (no Python or torch headers), so it has no ABI to keep. Threads come from OpenMP: built with
- * -fopenmp after torch is loaded, the library binds to torch's own libgomp and so shares its thread pool
- * (a second pool would spin against torch's between calls). Without OpenMP it runs on the calling thread.
+ * Every block id a sequence's context needs is checked against [0, num_blocks) before anything is read: a
+ * scheduler bug then becomes an error, not a read outside the cache.
+ *
+ * Loaded through ctypes by qwenserve/cpu_kernels (no Python or torch headers), so it has no ABI to keep.
+ * Threads come from OpenMP: built with -fopenmp and loaded after torch, the library binds to torch's own
+ * libgomp and so shares its thread pool (a second pool would spin against torch's between calls). Without
+ * OpenMP it runs on the calling thread.
  */
 #include <math.h>
 #include <stdint.h>
@@ -99,12 +102,21 @@ static void attend(const Job *job, int64_t b, int64_t h0, int64_t h1, float *sco
     }
 }
 
-/* Returns 0, or -1 when a thread could not allocate its scratch (the output is then incomplete). */
-int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_table,
-                           int64_t table_stride, const int64_t *context_lens, float *out, int64_t batch,
-                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
-                           int64_t num_threads) {
+/* Returns 0; -1 when a thread could not allocate its scratch (the output is then incomplete); -2 when a context
+ * needs more blocks than its table row holds, or a block id lies outside [0, num_blocks) (nothing is read). */
+int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                           const int64_t *block_table, int64_t table_stride, const int64_t *context_lens, float *out,
+                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                           float scale, int64_t num_threads) {
     if (batch <= 0) return 0;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t used = (context_lens[b] + block_size - 1) / block_size;
+        if (context_lens[b] < 0 || used > table_stride) return -2;
+        for (int64_t j = 0; j < used; j++) {
+            const int64_t id = block_table[b * table_stride + j];
+            if (id < 0 || id >= num_blocks) return -2;
+        }
+    }
     if (num_threads < 1) num_threads = 1;
     /* Whole sequences are the items unless there are fewer of them than threads. */
     int64_t splits = (num_threads + batch - 1) / batch;

@@ -38,6 +38,8 @@ class ModelRunner:
         self._logits = torch.empty(0)
         self.block_size = block_size
         self.device = device
+        # An import scatters its rows with the C kernel where it loads (chosen once: it is the same every time).
+        self._scatter_kernel = device.type == "cpu" and cpu_kernels.available()
         self.kv_cache = torch.zeros(
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
         )
@@ -107,8 +109,8 @@ class ModelRunner:
 
     def _logits_buffer(self, rows: int) -> torch.Tensor | None:
         """A reused [rows, vocab] buffer for the CPU's logits, or None elsewhere: at 64 rows of a 152k vocabulary
-        they are 39 MB, past malloc's mmap threshold, so a fresh tensor was faulted in page by page at every
-        step (~15 ms). The sampler is done with one step's logits before the next step computes."""
+        they are 39 MB, past malloc's mmap threshold, so a fresh tensor would be faulted in page by page at every
+        step. The sampler is done with one step's logits before the next step computes."""
         if self.device.type != "cpu":
             return None
         vocab = self.model.cfg.vocab_size
@@ -128,7 +130,7 @@ class ModelRunner:
         """Scatter the first `num_tokens` tokens of token-major `kv` [L, 2, T, H, D] into the sequence's blocks."""
         src = kv[:, :, :num_tokens].to(self.device, self.kv_cache.dtype, non_blocking=True)
         flat, slots = self._flat_cache(), self._token_slots(seq, num_tokens)
-        if flat.device.type == "cpu" and cpu_kernels.available():
+        if self._scatter_kernel:
             # Runs on the engine's thread, between decode steps: every millisecond here stalls the batch.
             layers, kv_planes, _, heads, dim = flat.shape
             cpu_kernels.scatter_rows(flat.view(layers * kv_planes, -1, heads * dim),

@@ -1,7 +1,8 @@
 """Load a Hugging Face safetensors checkpoint into a model, checking every tensor by name and shape.
 
 Files are memory-mapped by safetensors; each tensor is copied once, straight into the (possibly fused)
-parameter view the model declares for it, and cast to the serving dtype on the way.
+parameter view the model declares for it, and cast to the serving dtype on the way. Then the model's ops
+adapt the loaded weights to themselves (the CPU kernels' packed layout), once.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
-    """Fill `model` from the checkpoint in `folder`; returns the model fingerprint (hex).
+    """Fill `model` from the checkpoint in `folder` and prepare its weights for its ops; returns the model
+    fingerprint (hex).
 
     Raises CheckpointError naming the tensor when one is missing, unexpected or of the wrong shape.
     """
@@ -84,7 +86,9 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"tensor {missing[0]!r}{more} is missing from the checkpoint in {folder}", missing[0])
-    return model_fingerprint(model.cfg, {n: tuple(t.shape) for n, t in targets.items()}, samples)
+    fingerprint = model_fingerprint(model.cfg, {n: tuple(t.shape) for n, t in targets.items()}, samples)
+    model.ops.prepare(model)  # a progress step where it changes anything: it says how many
+    return fingerprint
 
 
 def model_fingerprint(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], samples: dict[str, bytes]) -> str:

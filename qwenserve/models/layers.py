@@ -1,5 +1,4 @@
-"""Layers shared by the Qwen families: linear products, RMSNorm, rotary embeddings (default / linear / YaRN),
-SwiGLU MLP."""
+"""Layers shared by the Qwen families: RMSNorm, rotary embeddings (default / linear / YaRN), SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -9,52 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwenserve import cpu_kernels, progress
 from qwenserve.models.config import RopeConfig
-
-# The weights pack_linear_weights packs: every matrix a token's hidden state is multiplied by.
-PACKED_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear on a weight [n, k]; or on a weight packed by pack_linear_weights ([n/16, k, 16], a third
-    dimension), through cpu_kernels.linear_packed. Unpacked fp32 on CPU (row counts not a multiple of 16) goes to
-    cpu_kernels.linear_nt where the kernels load (here 1.3-2x the BLAS up to 64 rows, 0.75-1.05x at 512;
-    QWENSERVE_CPU_KERNEL=0 gives the BLAS back). `out`, if given, is a buffer for a 2-D packed product (the
-    logits: fresh memory of that size would be faulted in page by page at every step); other paths allocate."""
-    if weight.dim() == 3:
-        y = cpu_kernels.linear_packed(x.reshape(-1, x.shape[-1]).contiguous(), weight,
-                                      out if x.dim() == 2 else None)
-        y = y.view(*x.shape[:-1], y.shape[-1])
-        return y if bias is None else y.add_(bias)
-    if (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.is_contiguous() and cpu_kernels.available()):
-        y = cpu_kernels.linear_nt(x.contiguous(), weight)
-        return y if bias is None else y.add_(bias)
-    return F.linear(x, weight, bias)
-
-
-def pack_linear_weights(model: nn.Module) -> int:
-    """Repack the model's linear weights in place for cpu_kernels.linear_packed (fp32 on CPU, output rows a
-    multiple of 16; others stay as they are) and return how many were packed. Call it after the checkpoint is
-    loaded: checkpoint_targets describes the unpacked layout."""
-    params = [param for module in model.modules() for name in PACKED_WEIGHTS
-              if (param := module._parameters.get(name)) is not None and cpu_kernels.packable(param.data)]
-    with progress.step("packing weights for the CPU kernels", total=len(params), unit="matrices",
-                       total_bytes=sum(param.data.nbytes for param in params)) as step:
-        for param in params:
-            param.data = cpu_kernels.pack_weight(param.data)
-            step.advance(1, param.data.nbytes)
-    return len(params)
-
-
-def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of an embedding table [vocab, hidden], or of a tied LM head packed by pack_linear_weights
-    ([vocab/16, hidden, 16]: row v is column v % 16 of panel v // 16)."""
-    if table.dim() == 3:
-        return table[ids // table.shape[2], :, ids % table.shape[2]]
-    return table[ids]
+from qwenserve.models.ops import Ops
 
 
 class RMSNorm(nn.Module):
@@ -66,10 +21,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise over the last dimension (fp32 on CPU through cpu_kernels.rms_norm where they load)."""
-        if (x.dtype == torch.float32 and x.device.type == "cpu" and x.numel()
-                and self.weight.dtype == torch.float32 and cpu_kernels.available()):
-            return cpu_kernels.rms_norm(x.contiguous(), self.weight, self.eps)  # q/k arrive as strided views
+        """Normalise over the last dimension."""
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -130,12 +82,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [num_tokens, heads, head_dim] by the half-split convention Qwen checkpoints use (fp32 on CPU in
-    one pass through cpu_kernels.rotary where they load; cos and sin come as [num_tokens, 1, head_dim])."""
-    if (x.dim() == 3 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
-            and cos.dtype == torch.float32 and cos.dim() == 3 and cos.is_contiguous() and sin.is_contiguous()
-            and cpu_kernels.available()):
-        return cpu_kernels.rotary(x, cos.squeeze(1), sin.squeeze(1))
+    """Rotate [num_tokens, heads, head_dim] by the half-split convention Qwen checkpoints use (cos and sin come
+    as [num_tokens, 1, head_dim])."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -144,17 +92,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matrix at load time."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, ops: Ops) -> None:
         super().__init__()
+        self.ops = ops
         self.intermediate = intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate, hidden, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to [num_tokens, hidden]."""
-        gate_up = linear(x, self.gate_up_proj)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self.ops.linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
+        return self.ops.linear(F.silu(gate) * up, self.down_proj)
 
     def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the view of our fused parameter it fills."""

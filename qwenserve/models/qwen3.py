@@ -12,14 +12,16 @@ from torch import nn
 
 from qwenserve.engine.attention.base import ForwardContext
 from qwenserve.models.config import ModelConfig
-from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, embedding_rows, linear
+from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+from qwenserve.models.ops import Ops, select_ops
 
 
 class QwenAttention(nn.Module):
     """Grouped-query attention with fused q/k/v, optional q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, ops: Ops) -> None:
         super().__init__()
+        self.ops = ops
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -38,7 +40,7 @@ class QwenAttention(nn.Module):
     ) -> torch.Tensor:
         """Self-attention of [num_tokens, hidden] against each sequence's cached context."""
         n = x.shape[0]
-        qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = self.ops.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
@@ -47,7 +49,7 @@ class QwenAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attention(self.layer_idx, q, k, v)
-        return linear(out, self.o_proj)
+        return self.ops.linear(out, self.o_proj)
 
     def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the view of our fused parameter it fills."""
@@ -77,10 +79,10 @@ class QwenAttention(nn.Module):
 class QwenDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, mlp: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, mlp: nn.Module, dtype: torch.dtype, ops: Ops) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = QwenAttention(cfg, layer_idx, dtype)
+        self.self_attn = QwenAttention(cfg, layer_idx, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = mlp
 
@@ -103,11 +105,14 @@ class QwenDecoderLayer(nn.Module):
 
 class QwenForCausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head; `forward` returns hidden states and
-    `compute_logits` projects only the rows that are sampled (the LM head is the largest matrix)."""
+    `compute_logits` projects only the rows that are sampled (the LM head is the largest matrix). `ops` (see
+    models/ops.py) are what every layer computes with; by default chosen here, once, for the device the model
+    is built on (torch's default device) and the dtype."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, ops: Ops | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.ops = ops or select_ops(torch.get_default_device(), dtype)
         # [vocab, hidden], as checkpoints store it; tied checkpoints keep this single copy for embeddings too.
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.embed_tokens = (
@@ -116,19 +121,19 @@ class QwenForCausalLM(nn.Module):
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         )
         self.layers = nn.ModuleList(
-            QwenDecoderLayer(cfg, i, self.build_mlp(cfg, i, dtype), dtype) for i in range(cfg.num_layers)
+            QwenDecoderLayer(cfg, i, self.build_mlp(cfg, i, dtype), dtype, self.ops) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, dtype)
 
     def build_mlp(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         """The MLP of layer `layer_idx`; model families with experts override this."""
-        return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, dtype, self.ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] (before the final norm) for flattened tokens."""
         table = self.lm_head if self.embed_tokens is None else self.embed_tokens
-        x = embedding_rows(table, input_ids)
+        x = self.ops.embedding(table, input_ids)
         cos, sin = self.rotary.lookup(positions)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
@@ -136,8 +141,8 @@ class QwenForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and LM head for the selected rows; logits in fp32 for the sampler (in `out` [rows, vocab]
-        where the CPU kernels take it, see `linear`)."""
-        return linear(self.norm(hidden), self.lm_head, out=out).float()
+        where the ops can use a buffer)."""
+        return self.ops.linear(self.norm(hidden), self.lm_head, None, out).float()
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """Every tensor the checkpoint must contain, mapped to the view of our parameters it fills.

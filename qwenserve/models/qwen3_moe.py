@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenserve.models.config import ModelConfig
-from qwenserve.models.layers import SwiGLUMLP, linear
+from qwenserve.models.layers import SwiGLUMLP
+from qwenserve.models.ops import Ops
 from qwenserve.models.qwen3 import QwenForCausalLM
 
 
@@ -15,8 +16,9 @@ class SparseMoeBlock(nn.Module):
     """Softmax router picks the top-k experts per token (renormalised when norm_topk_prob); each expert is
     a SwiGLU MLP. Tokens are grouped by expert so every expert runs one matrix product per step."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: Ops) -> None:
         super().__init__()
+        self.ops = ops
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
@@ -44,8 +46,8 @@ class SparseMoeBlock(nn.Module):
             if count == 0:
                 continue
             tokens = token_of[start : start + count]
-            gate, up = linear(x[tokens], self.gate_up_proj[expert]).split(self.intermediate, dim=-1)
-            y = linear(F.silu(gate) * up, self.down_proj[expert]) * weight_of[start : start + count, None]
+            gate, up = self.ops.linear(x[tokens], self.gate_up_proj[expert]).split(self.intermediate, dim=-1)
+            y = self.ops.linear(F.silu(gate) * up, self.down_proj[expert]) * weight_of[start : start + count, None]
             out.index_add_(0, tokens, y)
             start += count
         return out
@@ -67,5 +69,5 @@ class Qwen3MoeForCausalLM(QwenForCausalLM):
     def build_mlp(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         """A SparseMoeBlock on sparse layers, a dense SwiGLU MLP on the others."""
         if cfg.is_moe_layer(layer_idx):
-            return SparseMoeBlock(cfg, dtype)
-        return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            return SparseMoeBlock(cfg, dtype, self.ops)
+        return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, dtype, self.ops)

@@ -214,6 +214,12 @@ class EngineStats(Protocol):
 
 
 
+def _cpu_kernels_available() -> float:
+    from qwenserve import cpu_kernels  # imported here: it brings torch, which only engines need
+
+    return float(cpu_kernels.available())
+
+
 class EngineMetrics:
     """Scheduler and KV-cache metrics of a prefill or decode engine, ours and vLLM's (`vllm`).
 
@@ -262,6 +268,11 @@ class EngineMetrics:
             "qwenserve_engine_prefill_only_steps_total",
             "Steps that left the decodes out to drain a burst of queued prompts (short_first admission).",
             registry=r)
+        self.cpu_kernels_available = Gauge(
+            "qwenserve_cpu_kernels_available",
+            "1 where this process runs the C kernels for fp32 on CPU, 0 where PyTorch's slower ops stand in.",
+            registry=r)
+        self.cpu_kernels_available.set_function(_cpu_kernels_available)
         self._last_counts: dict[str, int] = {}
         self._lock = threading.Lock()
 

@@ -1,7 +1,10 @@
-"""The C kernels for fp32 on CPU: equal to the PyTorch paths they replace, and optional."""
+"""The C kernels for fp32 on CPU: equal to the PyTorch paths they replace, built per instruction set ahead of
+use, and optional (loudly)."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import platform
 import shutil
 from collections.abc import Iterator
@@ -16,9 +19,8 @@ from qwenserve.engine.attention.base import AttentionBatch
 from qwenserve.engine.attention.torch_backend import TorchAttentionBackend
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
-from qwenserve.engine.sampler import argmax as sampler_argmax
 from qwenserve.engine.sampling_params import SamplingParams
-from qwenserve.models.layers import RMSNorm, apply_rotary, linear
+from qwenserve.models.ops import CPU_KERNEL_OPS, TORCH_OPS, select_ops
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler: the kernels cannot be built here")
@@ -26,8 +28,10 @@ needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which(
 
 @pytest.fixture
 def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """load() re-run against an empty cache folder, and its cached answer restored afterwards."""
-    monkeypatch.setenv("QWENSERVE_CACHE", str(tmp_path))
+    """load() re-run against an empty cache folder and no prebuilt objects, and its cached answer restored
+    afterwards."""
+    monkeypatch.setenv("QWENSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("QWENSERVE_CPU_KERNEL_DIR", str(tmp_path / "prebuilt"))
     cpu_kernels.load.cache_clear()
     yield
     monkeypatch.undo()
@@ -70,16 +74,6 @@ def test_paged_decode_equals_gather_and_sdpa(heads: int, kv_heads: int, dim: int
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32, 63, 130])
-@pytest.mark.parametrize(("k", "n"), [(64, 96), (37, 13), (1024, 4099)])
-def test_linear_nt_equals_linear(rows: int, k: int, n: int) -> None:
-    gen = torch.Generator().manual_seed(rows * k + n)
-    x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    torch.testing.assert_close(cpu_kernels.linear_nt(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
-
-
-@needs_compiler
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 16, 17, 64, 130])
 @pytest.mark.parametrize(("k", "n"), [(64, 16), (37, 48), (1000, 80), (1024, 4096)])
 def test_linear_packed_equals_linear(rows: int, k: int, n: int) -> None:
@@ -87,139 +81,108 @@ def test_linear_packed_equals_linear(rows: int, k: int, n: int) -> None:
     up to 16 rows the one-panel tiles of up to 12 rows (one and two passes)."""
     gen = torch.Generator().manual_seed(rows * k + n + 1)
     x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    packed = cpu_kernels.pack_weight(w)
-    assert packed.shape == (n // 16, k, 16)
+    packed = cpu_kernels.PackedWeight.pack(w)
+    assert packed.panels.shape == (n // 16, k, 16) and packed.shape == (n, k)
     torch.testing.assert_close(cpu_kernels.linear_packed(x, packed), F.linear(x, w), rtol=1e-4, atol=2e-4)
-    torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(CPU_KERNEL_OPS.linear(x, packed, b), F.linear(x, w, b), rtol=1e-4, atol=2e-4)
     # Leading dimensions are flattened and restored, as F.linear does.
     x3 = x.reshape(1, rows, k)
-    torch.testing.assert_close(linear(x3, packed), F.linear(x3, w), rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(CPU_KERNEL_OPS.linear(x3, packed), F.linear(x3, w), rtol=1e-4, atol=2e-4)
 
 
-def test_packing_round_trips_and_refuses_what_it_cannot_pack() -> None:
+def test_packed_weights_keep_every_row_and_refuse_what_cannot_be_packed() -> None:
     experts = torch.randn(3, 32, 24)  # stacked MoE experts: each packs on its own
-    packed = cpu_kernels.pack_weight(experts)
-    assert packed.shape == (3, 2, 24, 16)
-    assert torch.equal(packed[1], cpu_kernels.pack_weight(experts[1]))
-    assert torch.equal(cpu_kernels.unpack_weight(packed), experts)
-    # Column c of panel q is row 16q + c: what embedding_rows reads for a tied, packed LM head.
-    assert torch.equal(packed[2][1][:, 5], experts[2][21])
+    packed = cpu_kernels.PackedWeight.pack(experts)
+    assert packed.panels.shape == (3, 2, 24, 16) and packed.shape == (3, 32, 24)
+    assert torch.equal(packed[1].panels, cpu_kernels.PackedWeight.pack(experts[1]).panels)
+    # Row v is column v % 16 of panel v // 16: the embeddings of a tied, packed LM head.
+    ids = torch.tensor([0, 21, 31, 5])
+    assert torch.equal(packed[2].rows(ids), experts[2][ids])
+    assert torch.equal(CPU_KERNEL_OPS.embedding(packed[2], ids), TORCH_OPS.embedding(experts[2], ids))
     for weight in (torch.randn(24, 8), torch.randn(32, 8, dtype=torch.float64)):
         assert not cpu_kernels.packable(weight)
         with pytest.raises(ValueError, match="multiple of 16"):
-            cpu_kernels.pack_weight(weight)
+            cpu_kernels.PackedWeight.pack(weight)
 
 
 @needs_compiler
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86-64 build target")
-def test_the_sixteen_register_build_is_right_too(tmp_path: Path) -> None:
-    """This host has 32 vector registers, so load() builds the packed kernel's wide tiles; a CPU with AVX2 only
-    (16 registers) gets the narrow one: build that variant explicitly and check both kernels in it."""
-    import ctypes
+def test_a_block_id_outside_the_cache_is_an_error_not_a_read() -> None:
+    """A scheduler bug (a freed or made-up block id, or a table shorter than its context) must raise before
+    the kernel reads anything, not read past the cache."""
+    k_cache = v_cache = torch.randn(4, 2, 1, 8)
+    q, out = torch.randn(1, 2, 8), torch.zeros(1, 2, 8)
+    for table, length in (([0, 4], 3), ([-1], 1), ([1, 2**40], 4), ([0], 3)):
+        with pytest.raises(IndexError, match="outside"):
+            cpu_kernels.paged_decode_attention(q, k_cache, v_cache, torch.tensor([table]), torch.tensor([length]),
+                                               out, 0.5)
+        assert not out.any()
+    cpu_kernels.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[3, 0]]), torch.tensor([3]), out, 0.5)
+    assert out.any()
 
-    target = tmp_path / "avx2.so"
-    cpu_kernels.build(cpu_kernels.compiler(), ["-O3", "-march=x86-64-v3", "-fopenmp", "-std=gnu11", "-fPIC",
-                                               "-shared"], target)
-    lib = ctypes.CDLL(str(target))
-    lib.linear_nt.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+
+@needs_compiler
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction-set variants")
+def test_build_writes_every_variant_and_load_opens_the_best_this_cpu_runs(fresh_load: None, tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """What the image build runs: one object per level, whatever this CPU is, so that a pod on any node finds
+    one it can run and never compiles. Each level's packed product is checked here, where the CPU runs it
+    (AVX2 has 16 vector registers and gets the narrow tiles, AVX-512 32 and the wide ones)."""
+    from qwenserve.cpu_kernels.__main__ import main
+
+    assert main(["build"]) == 0
+    built = sorted(path.name for path in (tmp_path / "prebuilt").iterdir())
+    assert built == sorted(cpu_kernels.variant_path(v).name for v in cpu_kernels.machine_variants())
+    assert [v.name for v in cpu_kernels.machine_variants()] == ["x86-64-v4", "x86-64-v3", "x86-64"]
     gen = torch.Generator().manual_seed(16)
-    for rows, k, n in [(1, 64, 96), (5, 37, 13), (33, 1024, 4099)]:
-        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
-        y = torch.empty(rows, n)
-        lib.linear_nt(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, k, n, 2)
-        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=1e-4)
-    lib.linear_packed.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-    for rows, k, n in [(1, 64, 16), (7, 37, 48), (33, 1024, 4096)]:
-        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
-        y, packed = torch.empty(rows, n), cpu_kernels.pack_weight(w)  # held: a temporary's memory is reused
-        lib.linear_packed(x.data_ptr(), packed.data_ptr(), y.data_ptr(), rows, k, n, 2)
-        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=2e-4)
+    for variant in cpu_kernels.supported_variants():
+        lib = ctypes.CDLL(str(cpu_kernels.variant_path(variant)))
+        lib.linear_packed.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+        for rows, k, n in [(1, 64, 16), (7, 37, 48), (33, 1024, 4096)]:
+            x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+            y, packed = torch.empty(rows, n), cpu_kernels.PackedWeight.pack(w)  # held: its memory is not reused
+            lib.linear_packed(x.data_ptr(), packed.panels.data_ptr(), y.data_ptr(), rows, k, n, 2)
+            torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=2e-4)
+    with caplog.at_level(logging.INFO, logger="qwenserve.cpu_kernels"):
+        assert cpu_kernels.available()
+    best = cpu_kernels.supported_variants()[0].name
+    assert cpu_kernels.loaded_variant() == f"{best} (prebuilt)"
+    assert "building" not in caplog.text  # nothing compiled at load
+    assert not (tmp_path / "cache" / "kernels").exists()
 
 
 @needs_compiler
-@pytest.mark.parametrize("shape", [(1, 8), (64, 1024), (7, 3, 33), (512, 96)])
-def test_rms_norm_equals_the_pytorch_formula(shape: tuple[int, ...]) -> None:
-    gen = torch.Generator().manual_seed(sum(shape))
-    x, w = torch.randn(*shape, generator=gen), torch.randn(shape[-1], generator=gen)
-    expected = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-6), expected, rtol=1e-5, atol=1e-5)
-    norm = RMSNorm(shape[-1], 1e-6)
-    norm.weight.data = w
-    strided = torch.cat([x, x], dim=-1)[..., : shape[-1]]  # q and k reach their norms as views of qkv
-    torch.testing.assert_close(norm(strided), expected, rtol=1e-5, atol=1e-5)
-
-
-@needs_compiler
-@pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 1, 2), (5, 2, 24), (64, 16, 128), (300, 8, 64)])
-def test_rotary_equals_pytorch_bit_for_bit(tokens: int, heads: int, dim: int) -> None:
-    """Products and sums rounded as PyTorch rounds them: equal, not merely close; strided input as a view of qkv."""
-    gen = torch.Generator().manual_seed(tokens + heads + dim)
-    qkv = torch.randn(tokens, 3 * heads * dim, generator=gen)
-    x = qkv[:, heads * dim : 2 * heads * dim].reshape(tokens, heads, dim)
-    cos, sin = torch.randn(tokens, 1, dim, generator=gen), torch.randn(tokens, 1, dim, generator=gen)
-    half = dim // 2
-    expected = x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-    assert torch.equal(cpu_kernels.rotary(x, cos.squeeze(1), sin.squeeze(1)), expected)
-    assert torch.equal(apply_rotary(x, cos, sin), expected)
-
-
-@needs_compiler
-@pytest.mark.parametrize("cols", [1, 7, 64, 65, 1000, 151936])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_argmax_equals_torch_argmax(cols: int, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Random rows, a row of ties (first index wins), a max in a block's tail, all -inf, NaNs (the first NaN
-    wins, as in torch), signed zeros; rows of a wider tensor (strided), and an empty batch."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # what the wrapper hands the kernel
-    gen = torch.Generator().manual_seed(cols)
-    wide = torch.randn(12, cols + 3, generator=gen)
-    x = wide[:, :cols]
-    x[1] = 0.5  # all tied
-    x[2, -1] = 1e30  # the last column
-    x[3] = float("-inf")
-    x[4, cols // 2 :] = float("nan")
-    x[5, -1] = float("nan")
-    x[5, 0] = float("inf")
-    x[6] = 0.0
-    x[6, cols // 3] = -0.0
-    x[7, : max(1, cols // 2)] = float("-inf")
-    x[8, cols // 2] = x[8, -1] = 50.0  # two equal maxima: the first
-    expected = torch.argmax(x, dim=-1)
-    assert torch.equal(cpu_kernels.argmax_rows(x), expected)
-    assert torch.equal(sampler_argmax(x), expected)
-    assert cpu_kernels.argmax_rows(torch.empty(0, cols)).shape == (0,)
+def test_without_a_prebuilt_object_load_builds_one_and_says_so(fresh_load: None, tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    assert cpu_kernels.available()
+    assert cpu_kernels.loaded_variant() == "-march=native (built at first use)"
+    assert any(r.levelname == "WARNING" and "no prebuilt CPU kernels" in r.getMessage() for r in caplog.records)
+    assert len(list((tmp_path / "cache" / "kernels").glob("*.so"))) == 1
 
 
 @needs_compiler
 def test_kernels_refuse_what_they_cannot_read() -> None:
+    with pytest.raises(ValueError, match="columns"):
+        cpu_kernels.linear_packed(torch.randn(2, 8), cpu_kernels.PackedWeight.pack(torch.randn(16, 9)))
     with pytest.raises(ValueError, match="contiguous fp32"):
-        cpu_kernels.linear_nt(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
-    with pytest.raises(ValueError, match="columns"):
-        cpu_kernels.linear_nt(torch.randn(2, 8), torch.randn(4, 9))
-    with pytest.raises(ValueError, match="columns"):
-        cpu_kernels.linear_packed(torch.randn(2, 8), cpu_kernels.pack_weight(torch.randn(16, 9)))
-    with pytest.raises(ValueError, match="packed weight"):
-        cpu_kernels.linear_packed(torch.randn(2, 8), torch.randn(1, 8, 8))
-    with pytest.raises(ValueError, match="features"):
-        cpu_kernels.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
-    with pytest.raises(ValueError, match="contiguous"):
-        cpu_kernels.rms_norm(torch.randn(8, 2).t(), torch.randn(8), 1e-6)
-    with pytest.raises(ValueError, match="cos and sin"):
-        cpu_kernels.rotary(torch.randn(2, 1, 8), torch.randn(3, 8), torch.randn(3, 8))
-    with pytest.raises(ValueError, match="contiguous rows"):
-        cpu_kernels.argmax_rows(torch.randn(8, 4).t())
-    with pytest.raises(ValueError, match="empty"):
-        cpu_kernels.argmax_rows(torch.empty(3, 0))
-    with pytest.raises(ValueError, match="even"):
-        cpu_kernels.rotary(torch.randn(2, 1, 7), torch.randn(2, 7), torch.randn(2, 7))
-    # linear() itself takes anything F.linear takes: transposed weights and other dtypes use the BLAS.
+        cpu_kernels.linear_packed(torch.randn(8, 2).t(), cpu_kernels.PackedWeight.pack(torch.randn(16, 8)))
+    with pytest.raises(ValueError, match="one packed matrix"):
+        cpu_kernels.linear_packed(torch.randn(2, 8), cpu_kernels.PackedWeight.pack(torch.randn(2, 16, 8)))
+    with pytest.raises(ValueError, match="inconsistent"):
+        cpu_kernels.paged_decode_attention(torch.randn(1, 3, 8), torch.randn(4, 2, 2, 8), torch.randn(4, 2, 2, 8),
+                                           torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                                           torch.empty(1, 3, 8), 0.5)
+    # The kernels' ops take anything F.linear takes where a weight is not packed: transposed, other dtypes.
     x, w = torch.randn(3, 8), torch.randn(8, 5)
-    torch.testing.assert_close(linear(x, w.t()), F.linear(x, w.t()))
+    torch.testing.assert_close(CPU_KERNEL_OPS.linear(x, w.t()), F.linear(x, w.t()))
 
 
-def test_switched_off_by_environment(fresh_load: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_switched_off_by_environment_says_so(fresh_load: None, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("QWENSERVE_CPU_KERNEL", "0")
-    assert cpu_kernels.load() is None
+    assert cpu_kernels.load() is None and cpu_kernels.loaded_variant() is None
+    assert [r.levelname for r in caplog.records if r.name == "qwenserve.cpu_kernels"] == ["WARNING"]
     assert TorchAttentionBackend(16).cpu_kernel is False
+    assert select_ops(torch.device("cpu"), torch.float32) is TORCH_OPS
 
 
 def test_a_failing_compiler_leaves_the_portable_path(fresh_load: None, monkeypatch: pytest.MonkeyPatch,
@@ -230,8 +193,15 @@ def test_a_failing_compiler_leaves_the_portable_path(fresh_load: None, monkeypat
     monkeypatch.setenv("CC", str(broken))
     assert cpu_kernels.load() is None
     assert "out of order" in caplog.text
-    x, w = torch.randn(2, 8), torch.randn(4, 8)
-    torch.testing.assert_close(linear(x, w), F.linear(x, w))
+    assert "CPU kernels unavailable" in caplog.text
+    assert select_ops(torch.device("cpu"), torch.float32) is TORCH_OPS
+
+
+@needs_compiler
+def test_ops_are_chosen_for_the_device_and_dtype() -> None:
+    assert select_ops(torch.device("cpu"), torch.float32) is CPU_KERNEL_OPS
+    assert select_ops(torch.device("cpu"), torch.bfloat16) is TORCH_OPS
+    assert select_ops(torch.device("meta"), torch.float32) is TORCH_OPS
 
 
 @needs_compiler
@@ -250,7 +220,7 @@ def test_engine_tokens_equal_with_and_without_kernels(fresh_load: None, monkeypa
         try:
             assert engine.runner.backend.cpu_kernel is (switch == "1")
             # The tied LM head (1024 rows) is packed only where the kernels run; embeddings read it either way.
-            assert engine.runner.model.lm_head.dim() == (3 if switch == "1" else 2)
+            assert isinstance(engine.runner.model.lm_head, cpu_kernels.PackedWeight) is (switch == "1")
             runs.append(engine.generate_sync(prompts, params))
         finally:
             engine.shutdown()
@@ -286,3 +256,22 @@ def test_scatter_rows_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match="contiguous"):
         cpu_kernels.scatter_rows(dst, torch.zeros(2, 4, 3).transpose(1, 2), torch.tensor([0, 1, 2]))
     cpu_kernels.scatter_rows(dst, src[:, :0], torch.tensor([], dtype=torch.int64))  # nothing to move
+
+
+def test_the_engine_gauge_says_whether_the_kernels_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from qwenserve.telemetry.metrics import EngineMetrics
+
+    registry = CollectorRegistry()
+    EngineMetrics(registry)
+    try:
+        cpu_kernels.load.cache_clear()
+        monkeypatch.setenv("QWENSERVE_CPU_KERNEL", "0")
+        assert registry.get_sample_value("qwenserve_cpu_kernels_available") == 0
+        monkeypatch.undo()
+        cpu_kernels.load.cache_clear()
+        expected = 1 if cpu_kernels.available() else 0
+        assert registry.get_sample_value("qwenserve_cpu_kernels_available") == expected
+    finally:
+        cpu_kernels.load.cache_clear()

@@ -1,9 +1,9 @@
 """Portable attention over the paged KV cache with plain PyTorch ops (CPU and CUDA).
 
 Decode rows (one query token) in fp32 on CPU go to the C kernel of qwenserve.cpu_kernels, which reads each
-sequence's blocks where they lie. Elsewhere, or without a C compiler, they are attended as one padded batch:
-their blocks are gathered with a single index into [batch, max_context, kv_heads, head_dim] and masked by
-length. Prefill chunks are attended one sequence at a time, which costs nothing extra because each chunk is
+sequence's blocks where they lie (chosen once, when the backend is built). Elsewhere, or without the kernels,
+they are attended as one padded batch: their blocks are gathered with a single index into
+[batch, max_context, kv_heads, head_dim] and masked by length. Prefill chunks are attended one sequence at a time, which costs nothing extra because each chunk is
 already a large matrix product.
 """
 
@@ -38,7 +38,7 @@ class TorchAttentionBackend:
         self.block_size = block_size
         self.cpu_kernel = cpu_kernel_for_fp32 and cpu_kernels.available()
         # Reused buffers for gathered keys and values. A fresh multi-megabyte tensor per layer is
-        # mmap'ed by the allocator and page-faulted on first touch, which cost ~5x the copy itself on CPU.
+        # mmap'ed by the allocator and page-faulted on first touch, which costs more than the copy itself on CPU.
         self._workspace: list[torch.Tensor | None] = [None, None]
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, which: int) -> torch.Tensor:

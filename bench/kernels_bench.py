@@ -1,0 +1,181 @@
+"""Each C kernel against the PyTorch op it replaces, at a Qwen3-0.6B layer's decode and prefill sizes.
+
+Run by hand (not a test):
+    .venv/bin/python bench/kernels_bench.py [--threads N] [--repeat N]
+
+Prints, per kernel and size, the median time of both paths and their ratio (PyTorch / kernel: above 1 the kernel
+wins), and the kernel's saving as a share of one whole decode step of that batch (28 layers' work, measured
+here with PyTorch's ops), which is what decides whether a kernel earns its C. For the ops whose kernels were
+deleted (RMSNorm, rotary, argmax) it prints PyTorch's share of a step: the most a kernel could give back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from qwenserve import cpu_kernels
+
+# Qwen3-0.6B: hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936.
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 1024, 28, 16, 8, 128, 3072, 151936
+BLOCK = 16
+PROJECTIONS = {"qkv": (HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM),
+               "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+
+
+def median_s(fn: Callable[[], object], repeat: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def row(name: str, torch_s: float, kernel_s: float, per_step: int, step_s: float | None) -> None:
+    share = f"{(torch_s - kernel_s) * per_step / step_s * 100:6.1f}%" if step_s else "     -"
+    print(f"{name:38s} torch {torch_s * 1e3:9.3f} ms  kernel {kernel_s * 1e3:9.3f} ms  "
+          f"ratio {torch_s / kernel_s:5.2f}x  step saving {share}")
+
+
+def decode_step_seconds(rows: int, context: int, repeat: int) -> float:
+    """One decode step of `rows` sequences with PyTorch's ops alone: 28 layers' projections and attention,
+    then the LM head. The denominator of 'step saving'."""
+
+    x = torch.randn(rows, HIDDEN)
+    weights = {name: torch.randn(*shape) for name, shape in PROJECTIONS.items()}
+    head = torch.randn(VOCAB, HIDDEN)
+    backend, k_cache, v_cache, batch = _attention_inputs(rows, context, use_kernel=False)
+    meta = backend.prepare(batch, torch.device("cpu"))
+    q = torch.randn(rows, HEADS, HEAD_DIM)
+
+    def step() -> None:
+        for _ in range(LAYERS):
+            for w in weights.values():
+                F.linear(x if w.shape[1] == HIDDEN else torch.randn(rows, w.shape[1]), w)
+            backend.forward(q, q[:0, :KV_HEADS], q[:0, :KV_HEADS], k_cache, v_cache, meta)
+        F.linear(x, head)
+
+    return median_s(step, max(3, repeat // 10))
+
+
+def _attention_inputs(rows: int, context: int, use_kernel: bool):
+    from qwenserve.engine.attention.base import AttentionBatch
+    from qwenserve.engine.attention.torch_backend import TorchAttentionBackend
+
+    blocks_each = -(-context // BLOCK)
+    num_blocks = rows * blocks_each
+    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    order = torch.randperm(num_blocks).tolist()
+    tables = [order[i * blocks_each : (i + 1) * blocks_each] for i in range(rows)]
+    batch = AttentionBatch(query_lens=[1] * rows, context_lens=[context] * rows, block_tables=tables,
+                           slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=rows)
+    return TorchAttentionBackend(BLOCK, cpu_kernel_for_fp32=use_kernel), k_cache, v_cache, batch
+
+
+def bench_paged_decode(rows: int, context: int, repeat: int, step_s: float | None) -> None:
+    q = torch.randn(rows, HEADS, HEAD_DIM)
+    times = []
+    for use_kernel in (False, True):
+        backend, k_cache, v_cache, batch = _attention_inputs(rows, context, use_kernel)
+        meta = backend.prepare(batch, torch.device("cpu"))
+        times.append(median_s(lambda b=backend, k=k_cache, v=v_cache, m=meta:
+                              b.forward(q, q[:0, :KV_HEADS], q[:0, :KV_HEADS], k, v, m), repeat))
+    row(f"paged_decode rows={rows} ctx={context}", times[0], times[1], LAYERS, step_s)
+
+
+def bench_linear(rows: int, repeat: int, step_s: float | None) -> None:
+    torch_total = packed_total = 0.0
+    for shape in PROJECTIONS.values():
+        x, w = torch.randn(rows, shape[1]), torch.randn(*shape)
+        packed = cpu_kernels.PackedWeight.pack(w)
+        torch_total += median_s(lambda x=x, w=w: F.linear(x, w), repeat)
+        packed_total += median_s(lambda x=x, p=packed: cpu_kernels.linear_packed(x, p), repeat)
+    row(f"linear_packed (4 projections) rows={rows}", torch_total, packed_total, LAYERS, step_s)
+    x, head = torch.randn(rows, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    packed = cpu_kernels.PackedWeight.pack(head)
+    row(f"linear_packed lm_head rows={rows}", median_s(lambda: F.linear(x, head), repeat),
+        median_s(lambda: cpu_kernels.linear_packed(x, packed), repeat), 1, step_s)
+
+
+def bench_returned_ops(rows: int, repeat: int, step_s: float | None) -> None:
+    """RMSNorm, rotary and argmax, which run as PyTorch ops since their C kernels were deleted: PyTorch's time
+    for a step's worth of each is the most a kernel could save, shown as a share of the step."""
+    x, w = torch.randn(rows, HIDDEN), torch.randn(HIDDEN)
+    qk, wq = torch.randn(rows * (HEADS + KV_HEADS), HEAD_DIM), torch.randn(HEAD_DIM)
+    # Per layer: two hidden-state norms and the q and k head norms.
+    norm = 2 * median_s(lambda: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)), repeat) + median_s(
+        lambda: wq * (qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + 1e-6)), repeat)
+    q = torch.randn(rows, HEADS, HEAD_DIM)
+    cos, sin, half = torch.randn(rows, 1, HEAD_DIM), torch.randn(rows, 1, HEAD_DIM), HEAD_DIM // 2
+    rotary = median_s(lambda: q * cos + torch.cat([-q[..., half:], q[..., :half]], dim=-1) * sin, repeat)
+    logits = torch.randn(rows, VOCAB)
+    argmax = median_s(lambda: logits.argmax(dim=-1), repeat)
+    for name, seconds, per_step in (("rms_norm (per layer)", norm, LAYERS), ("rotary (q)", rotary, 2 * LAYERS),
+                                    ("argmax", argmax, 1)):
+        share = f"{seconds * per_step / step_s * 100:6.2f}%" if step_s else "     -"
+        print(f"{name + f' rows={rows}':38s} torch {seconds * 1e3:9.3f} ms  (no kernel)      "
+              f"at most {share} of a step")
+
+
+def bench_token_bitmask(rows: int, repeat: int, step_s: float | None) -> None:
+    """Structured output's mask (token_bitmask.c) against the PyTorch unpack grammar.py falls back to."""
+    from qwenserve.engine.grammar import _BITS
+
+    logits = torch.randn(rows, VOCAB)
+    words = (VOCAB + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32)
+    index = torch.arange(rows)
+
+    def torch_mask() -> None:
+        allowed = _BITS[bitmask.view(torch.uint8).long()].view(rows, -1)[:, :VOCAB]
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+    row(f"token_bitmask rows={rows}", median_s(torch_mask, repeat),
+        median_s(lambda: cpu_kernels.apply_token_bitmask(logits, index, bitmask), repeat), 1, step_s)
+
+
+def bench_scatter(tokens: int, repeat: int) -> None:
+    """The KV import's scatter into the paged cache (kv_checksum.c), the whole model's layers at once."""
+    planes, slots = LAYERS * 2, tokens + 64
+    dst = torch.zeros(planes, slots, KV_HEADS * HEAD_DIM)
+    src = torch.randn(planes, tokens, KV_HEADS * HEAD_DIM)
+    rows = torch.randperm(slots)[:tokens]
+    row(f"kv scatter tokens={tokens}", median_s(lambda: dst.index_copy_(1, rows, src), repeat),
+        median_s(lambda: cpu_kernels.scatter_rows(dst, src, rows), repeat), 0, None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeat", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if cpu_kernels.load() is None:
+        raise SystemExit("the CPU kernels are not available here: nothing to compare")
+    print(f"threads {args.threads}, torch {torch.__version__}, CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}, kernels {cpu_kernels.loaded_variant()}")
+    for rows in (1, 8, 64):
+        step_s = decode_step_seconds(rows, 1024, args.repeat)
+        print(f"-- decode batch {rows} (context 1024): one PyTorch-only step {step_s * 1e3:.1f} ms")
+        bench_paged_decode(rows, 1024, args.repeat, step_s)
+        bench_linear(rows, args.repeat, step_s)
+        bench_token_bitmask(rows, args.repeat, step_s)
+        bench_returned_ops(rows, args.repeat, step_s)
+    print("-- prefill chunk of 512 tokens (no step share: prefill is priced per chunk)")
+    bench_linear(512, max(5, args.repeat // 5), None)
+    bench_returned_ops(512, args.repeat, None)
+    print("-- KV import")
+    bench_scatter(1024, args.repeat)
+
+
+if __name__ == "__main__":
+    main()

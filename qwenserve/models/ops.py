@@ -1,0 +1,93 @@
+"""The ops a model's layers call, chosen once when the model is built for its device and dtype.
+
+Model files call `ops.linear(x, w)` and `ops.embedding(table, ids)` and never ask which kernels run. PyTorch's
+ops everywhere, except fp32 on a CPU where the C kernels load: there `prepare` repacks the linear weights into
+`PackedWeight`s once after the checkpoint is loaded, and `linear` runs the packed product on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwenserve import cpu_kernels, progress
+from qwenserve.cpu_kernels import PackedWeight
+
+# The weights packed for the CPU kernels: every matrix a token's hidden state is multiplied by.
+PACKED_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+Weight = torch.Tensor | PackedWeight
+
+
+@dataclass(frozen=True, slots=True)
+class Ops:
+    """What the layers compute with. `linear(x, w, bias, out)`: x · wᵀ (+ bias), into `out` where the op can
+    use a buffer; `embedding(table, ids)`: rows of a table; `prepare(model)`: adapt the loaded weights to these
+    ops, returning how many it changed."""
+
+    name: str
+    linear: Callable[..., torch.Tensor]
+    embedding: Callable[[Weight, torch.Tensor], torch.Tensor]
+    prepare: Callable[[nn.Module], int]
+
+
+def _torch_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _torch_embedding(table: Weight, ids: torch.Tensor) -> torch.Tensor:
+    return table[ids]
+
+
+def _nothing_to_prepare(model: nn.Module) -> int:
+    return 0
+
+
+TORCH_OPS = Ops("torch", _torch_linear, _torch_embedding, _nothing_to_prepare)
+
+
+def _packed_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed product on PackedWeights; weights that could not be packed (rows not a multiple of 16) stay
+    tensors and go to F.linear. `out` is a buffer for a 2-D product (the logits: fresh memory of that size
+    would be faulted in page by page at every step)."""
+    if not isinstance(weight, PackedWeight):
+        return F.linear(x, weight, bias)
+    y = cpu_kernels.linear_packed(x.reshape(-1, x.shape[-1]).contiguous(), weight, out if x.dim() == 2 else None)
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y.add_(bias)
+
+
+def _packed_embedding(table: Weight, ids: torch.Tensor) -> torch.Tensor:
+    """A tied LM head is packed; its rows are the embeddings."""
+    return table.rows(ids) if isinstance(table, PackedWeight) else table[ids]
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Replace the model's packable linear weights by PackedWeights (after the checkpoint is loaded:
+    checkpoint_targets describes the unpacked layout); returns how many were packed."""
+    found = [(module, name) for module in model.modules() for name in PACKED_WEIGHTS
+             if (param := module._parameters.get(name)) is not None and cpu_kernels.packable(param.data)]
+    with progress.step("packing weights for the CPU kernels", total=len(found), unit="matrices",
+                       total_bytes=sum(module._parameters[name].nbytes for module, name in found)) as step:
+        for module, name in found:
+            packed = PackedWeight.pack(module._parameters.pop(name).data)
+            setattr(module, name, packed)  # a plain attribute now: nothing trains or moves it
+            step.advance(1, packed.nbytes)
+    return len(found)
+
+
+CPU_KERNEL_OPS = Ops("cpu_kernels", _packed_linear, _packed_embedding, pack_linear_weights)
+
+
+def select_ops(device: torch.device, dtype: torch.dtype) -> Ops:
+    """The C kernels' ops for fp32 on a CPU where they load (the packed product runs several times PyTorch's
+    BLAS at decode sizes: bench/kernels_bench.py), PyTorch's everywhere else."""
+    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available():
+        return CPU_KERNEL_OPS
+    return TORCH_OPS
