@@ -19,8 +19,9 @@ import pytest
 
 # The default segment prefix (qwenserve/kv_transfer/shm.py): every prefix the tests give starts with it.
 SEGMENT_PREFIX = "qwenserve-kv"
-# How often the watcher walks the process tree: far shorter than any stage's start-up.
-WATCH_PERIOD_S = 0.05
+# How often the watcher walks the process tree: far shorter than a stage's start-up before its first segment
+# (it imports torch and loads a model), long enough that a walk (some ms with torch's threads) costs ~1% of a core.
+WATCH_PERIOD_S = 0.25
 
 
 def descendants(root: int) -> set[int]:
