@@ -1,6 +1,6 @@
 /* y = x · Wᵀ (a linear layer without bias), fp32 on CPU, against W packed in panels.
  *
- * pack_weight() stores W [n, k] as [n / 16][k][16]: panel q holds, for every column i of x, the 16 weights of
+ * PackedWeight.pack stores W [n, k] as [n / 16][k][16]: panel q holds, for every column i of x, the 16 weights of
  * output columns 16q..16q+15 side by side. A tile then keeps rows of x × panels of y in accumulators and,
  * at each i, broadcasts x[r][i] against whole panel vectors: no horizontal sums, y stored a vector at a
  * time, and both FMA pipes full at the CPU's widest vectors (bench/kernels_bench.py measures it against
