@@ -10,7 +10,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from qwenserve.router.errors import ContextLengthExceeded, RateLimited, ServiceUnavailable
-from qwenserve.router.generation import _refusal
+from qwenserve.router.failover import refusal
 from qwenserve.router.grpc_generate import refuse
 from qwenserve.rpc_errors import abort, detail_of, error_detail, retry_after_of, rich_status
 from qwenserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
@@ -104,7 +104,7 @@ def _stage_error(code: grpc.StatusCode, detail: common_pb2.ErrorDetail | None) -
 def test_the_router_relays_a_stages_own_error_detail_and_names_a_bare_status_by_its_code() -> None:
     too_long = error_detail("context_length_exceeded", "max_tokens 900 + prompt 200 exceeds 1024",
                             field="sampling.max_tokens")
-    assert _refusal(_stage_error(grpc.StatusCode.OUT_OF_RANGE, too_long)) == too_long
-    bare = _refusal(_stage_error(grpc.StatusCode.OUT_OF_RANGE, None))
+    assert refusal(_stage_error(grpc.StatusCode.OUT_OF_RANGE, too_long)) == too_long
+    bare = refusal(_stage_error(grpc.StatusCode.OUT_OF_RANGE, None))
     assert (bare.code, bare.message) == ("context_length_exceeded", "refused")
-    assert _refusal(_stage_error(grpc.StatusCode.INVALID_ARGUMENT, None)).code == "invalid_argument"
+    assert refusal(_stage_error(grpc.StatusCode.INVALID_ARGUMENT, None)).code == "invalid_argument"

@@ -10,9 +10,10 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qwenserve.router.reasoning import ReasoningSplitter
+from qwenserve.router.errors import InvalidRequest
+from qwenserve.router.reasoning import ReasoningSplitter, thinking_open_in_prompt
 from qwenserve.router.tool_calls import TOOL_START, ToolCallParser
-from qwenserve.v1 import common_pb2
+from qwenserve.v1 import common_pb2, router_pb2
 
 TOOL_CHOICES = ("auto", "none", "required", "function")
 
@@ -35,6 +36,49 @@ def forced_prefix(tool_choice: str, name: str) -> str:
     if tool_choice == "function":
         return f'{TOOL_START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
     return ""
+
+
+def tool_choice_of(req: router_pb2.GenerateRequest, tool_call_parser: str) -> tuple[str, str]:
+    """(tool_choice, the answer's forced start) of a chat request that offers tools; ("none", "") otherwise.
+
+    Raises InvalidRequest for an unknown choice, tools on a server that parses none, a tool that is not a JSON
+    object, or a named tool that is not offered.
+    """
+    if req.WhichOneof("input") != "chat" or not req.chat.tools_json:
+        return "none", ""
+    choice = req.chat.tool_choice or "auto"
+    if choice not in TOOL_CHOICES:
+        raise InvalidRequest(f"chat.tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {choice!r}",
+                             "chat.tool_choice")
+    if choice == "none":
+        return choice, ""
+    if tool_call_parser == "none":
+        raise InvalidRequest("tools are turned off on this server (--tool-call-parser none)", "chat.tools_json")
+    names = set()
+    for raw in req.chat.tools_json:
+        try:
+            names.add(json.loads(raw).get("function", {}).get("name"))
+        except (ValueError, AttributeError):
+            raise InvalidRequest("chat.tools_json holds a tool that is not a JSON object", "chat.tools_json") \
+                from None
+    if choice == "function" and req.chat.tool_choice_name not in names:
+        raise InvalidRequest(f"chat.tool_choice_name {req.chat.tool_choice_name!r} is not one of the tools",
+                             "chat.tool_choice_name")
+    return choice, forced_prefix(choice, req.chat.tool_choice_name)
+
+
+def chat_shape_of(req: router_pb2.GenerateRequest, prompt_ids: list[int], tools: tuple[str, str],
+                  think: tuple[int, int] | None) -> ChatShape:
+    """How a chat request's answer is split: `tools` from `tool_choice_of`, `think` the <think> and </think>
+    ids when reasoning is split out (None: it is not)."""
+    choice, prefix = tools
+    return ChatShape(
+        reasoning=think is not None and not prefix,
+        open_in_prompt=think is not None and thinking_open_in_prompt(prompt_ids, *think),
+        think_end_id=think[1] if think is not None else -1,
+        tools=choice != "none",
+        prefix=prefix + req.chat.assistant_prefix,
+    )
 
 
 class ChatOutput:

@@ -1,8 +1,12 @@
-"""Stop strings over a stream of text deltas: emit only what can no longer become a stop string."""
+"""Stop strings over a stream of text deltas: emit only what can no longer become a stop string.
+
+`TextRelay` puts incremental detokenization in front: token ids in, text deltas out."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -60,3 +64,24 @@ class StopStringMatcher:
                     best = n
                     break
         return best
+
+
+class Detokenizer(Protocol):
+    def push(self, ids: Sequence[int]) -> str: ...
+    def flush(self) -> str: ...
+
+
+class TextRelay:
+    """Token ids to text deltas: incremental detokenization, then stop strings."""
+
+    def __init__(self, detokenizer: Detokenizer, stops: StopStringMatcher) -> None:
+        self._detok = detokenizer
+        self._stops = stops
+
+    def push(self, ids: Sequence[int]) -> tuple[str, bool]:
+        check = self._stops.push(self._detok.push(ids))
+        return check.text, check.stopped
+
+    def flush(self) -> str:
+        check = self._stops.push(self._detok.flush())
+        return check.text + ("" if check.stopped else self._stops.flush())
