@@ -12,22 +12,28 @@ refused with a 400 rather than silently dropped.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from qwenserve.router.errors import InvalidRequest
+from qwenserve.router.openai_fields import (
+    UINT32_MAX,
+    checked_json,
+    checked_text,
+    first_max_tokens,
+    is_token_id,
+    optional,
+    optional_number,
+    stop_strings,
+    type_name,
+)
 from qwenserve.v1 import common_pb2, router_pb2
 
 MAX_N = 16  # answers per request (n)
 MAX_PROMPTS = 64  # prompts in one legacy completions request
 MAX_CHOICES = 64  # prompts x n
 MAX_COMPLETION_LOGPROBS = 5  # the legacy API's limit on `logprobs`
-# Nesting allowed in free-form JSON we pass on (tool calls, chat_template_kwargs): the tokenizer
-# service parses it again and renders it in a template, which recurses once per level.
-MAX_JSON_DEPTH = 32
-UINT32_MAX = 2**32 - 1
 # OpenAI's "developer" role is the newer name of "system"; the chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -67,29 +73,6 @@ class ParsedRequest:
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt tokens' logprobs, this many alternatives
     echo_logprobs: bool = False  # legacy completions with echo and logprobs: the prompt's tokens lead `logprobs`
 
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object; a 400 that says what is wrong otherwise."""
-    if not raw.strip():
-        raise InvalidRequest("the request body is empty; send a JSON object", "body")
-    try:
-        # JSON over HTTP is UTF-8 (RFC 8259); json.loads(bytes) would guess UTF-16/32 instead of refusing.
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except UnicodeDecodeError as e:
-        raise InvalidRequest(f"the request body is not valid UTF-8: {e.reason} at byte {e.start}", "body") from e
-    except ValueError as e:
-        raise InvalidRequest(f"the request body is not valid JSON: {e}", "body") from e
-    except RecursionError as e:  # the C parser recurses once per level: "[[[[...]]]]" runs out of stack
-        raise InvalidRequest("the request body is not valid JSON: it is nested too deeply", "body") from e
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, got {_type_name(body)}", "body")
-    return body
-
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a valid JSON number")
-
-
 def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     """`POST /v1/chat/completions` body to a ParsedRequest."""
     _reject_wrapped(body, "messages")
@@ -102,8 +85,8 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     chat = req.chat
     for i, message in enumerate(messages):
         _chat_message(chat.messages.add(), message, f"messages[{i}]")
-    chat.add_generation_prompt = _optional(body, "add_generation_prompt", bool, True)
-    kwargs = _optional(body, "chat_template_kwargs", dict, None)
+    chat.add_generation_prompt = optional(body, "add_generation_prompt", bool, True)
+    kwargs = optional(body, "chat_template_kwargs", dict, None)
     if kwargs is not None:
         thinking = kwargs.get("enable_thinking")
         if thinking is not None:
@@ -111,18 +94,18 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
                 raise InvalidRequest("chat_template_kwargs.enable_thinking must be a boolean",
                                      "chat_template_kwargs.enable_thinking")
             chat.enable_thinking = thinking
-        chat.chat_template_kwargs_json = _json_text(kwargs, "chat_template_kwargs")
+        chat.chat_template_kwargs_json = checked_json(kwargs, "chat_template_kwargs")
     if body.get("functions") or body.get("function_call"):
         raise InvalidRequest("functions and function_call are the deprecated spelling; send tools and tool_choice",
                              "functions" if body.get("functions") else "function_call")
     tools = _tools(body.get("tools"))
-    chat.tools_json.extend(_json_text(tool, f"tools[{i}]") for i, tool in enumerate(tools))
+    chat.tools_json.extend(checked_json(tool, f"tools[{i}]") for i, tool in enumerate(tools))
     chat.tool_choice, chat.tool_choice_name = _tool_choice(body.get("tool_choice"), tools)
-    parallel = _optional(body, "parallel_tool_calls", bool, True)
+    parallel = optional(body, "parallel_tool_calls", bool, True)
 
-    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default=None)
-    logprobs = _optional(body, "logprobs", bool, False)
-    top_logprobs = _optional(body, "top_logprobs", int, None)
+    max_tokens = first_max_tokens(body, ("max_completion_tokens", "max_tokens"), default=None)
+    logprobs = optional(body, "logprobs", bool, False)
+    top_logprobs = optional(body, "top_logprobs", int, None)
     if top_logprobs is not None and not logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
     if top_logprobs is not None and not 0 <= top_logprobs <= 20:
@@ -139,19 +122,19 @@ def parse_tokenize(body: dict[str, Any]) -> tuple[str | None, router_pb2.Generat
         parsed = parse_chat({**body, "max_tokens": None, "stream": False})
         req = parsed.prompts[0]
     elif isinstance(body.get("prompt"), str):
-        req = router_pb2.GenerateRequest(prompt=_text(body["prompt"], "prompt"))
+        req = router_pb2.GenerateRequest(prompt=checked_text(body["prompt"], "prompt"))
     else:
         raise InvalidRequest("send prompt (a string) or messages", "prompt")
-    model = _optional(body, "model", str, None)
-    return model, req, _optional(body, "return_token_strs", bool, False)
+    model = optional(body, "model", str, None)
+    return model, req, optional(body, "return_token_strs", bool, False)
 
 
 def parse_detokenize(body: dict[str, Any]) -> tuple[str | None, list[int]]:
     """`POST /detokenize`: the model named and the token ids."""
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(_is_token_id(t) and 0 <= t <= UINT32_MAX for t in tokens):
+    if not isinstance(tokens, list) or not all(is_token_id(t) and 0 <= t <= UINT32_MAX for t in tokens):
         raise InvalidRequest("tokens must be an array of token ids", "tokens")
-    return _optional(body, "model", str, None), tokens
+    return optional(body, "model", str, None), tokens
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
@@ -201,12 +184,12 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
     if "prompt" not in body or body["prompt"] is None:
         raise InvalidRequest("prompt is required", "prompt")
     inputs = _prompts(body["prompt"])
-    echo = _optional(body, "echo", bool, False)
+    echo = optional(body, "echo", bool, False)
     if body.get("suffix"):
         raise InvalidRequest("suffix (fill-in-the-middle) is not supported by this server", "suffix")
     # Legacy default of the completions API: 16 tokens.
-    max_tokens = _max_tokens(body, ("max_tokens",), default=16)
-    top = _optional(body, "logprobs", int, None)
+    max_tokens = first_max_tokens(body, ("max_tokens",), default=16)
+    top = optional(body, "logprobs", int, None)
     if top is not None and not 0 <= top <= MAX_COMPLETION_LOGPROBS:
         raise InvalidRequest(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
     parsed = _common(body, "completion", inputs[0], max_tokens, top is not None, top or 0)
@@ -215,7 +198,7 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
         parsed.prompts.append(extra)
     if len(parsed.prompts) * parsed.n > MAX_CHOICES:
         raise InvalidRequest(f"prompts x n must be at most {MAX_CHOICES}", "n")
-    best_of = _optional(body, "best_of", int, None)
+    best_of = optional(body, "best_of", int, None)
     if best_of is not None and best_of != parsed.n:
         raise InvalidRequest("best_of other than n is not supported by this server", "best_of")
     parsed.echo = echo
@@ -244,51 +227,51 @@ def _common(
     top_logprobs: int,
 ) -> ParsedRequest:
     """The parameters chat and completions share: sampling, stop, n, streaming, extensions."""
-    model = _optional(body, "model", str, None)
+    model = optional(body, "model", str, None)
     if model is not None:
-        req.model = model = _text(model, "model")
+        req.model = model = checked_text(model, "model")
     s = req.sampling
     for name in ("temperature", "top_p", "repetition_penalty"):
-        value = _optional_number(body, name)
+        value = optional_number(body, name)
         if value is not None:
             setattr(s, name, value)
     for name in ("min_p", "presence_penalty", "frequency_penalty"):
-        value = _optional_number(body, name)
+        value = optional_number(body, name)
         if value is not None:
             setattr(s, name, value)
-    top_k = _optional(body, "top_k", int, None)
+    top_k = optional(body, "top_k", int, None)
     if top_k is not None:
         if top_k < -1 or top_k > UINT32_MAX // 2:
             raise InvalidRequest("top_k must be -1 or 0 (disabled) or a positive count", "top_k")
         s.top_k = max(0, top_k)  # vLLM spells "disabled" as -1
     if max_tokens is not None:
         s.max_tokens = max_tokens
-    min_tokens = _optional(body, "min_tokens", int, None)
+    min_tokens = optional(body, "min_tokens", int, None)
     if min_tokens is not None:
         if not 0 <= min_tokens <= UINT32_MAX:
             raise InvalidRequest("min_tokens must be >= 0", "min_tokens")
         s.min_tokens = min_tokens
-    s.ignore_eos = _optional(body, "ignore_eos", bool, False)
-    seed = _optional(body, "seed", int, None)
+    s.ignore_eos = optional(body, "ignore_eos", bool, False)
+    seed = optional(body, "seed", int, None)
     if seed is not None:
         if not -(2**63) <= seed < 2**64:
             raise InvalidRequest("seed must fit in 64 bits", "seed")
         s.seed = seed % 2**64  # negative seeds (valid in OpenAI's int64) map onto the same space
-    stop_ids = _optional(body, "stop_token_ids", list, None)
+    stop_ids = optional(body, "stop_token_ids", list, None)
     if stop_ids is not None:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX for t in stop_ids):
             raise InvalidRequest("stop_token_ids must be an array of token ids", "stop_token_ids")
         s.stop_token_ids.extend(stop_ids)
     s.logprobs = logprobs
     s.top_logprobs = top_logprobs
-    req.stop.extend(_stop(body.get("stop")))
-    skip = _optional(body, "skip_special_tokens", bool, None)
+    req.stop.extend(stop_strings(body.get("stop")))
+    skip = optional(body, "skip_special_tokens", bool, None)
     if skip is not None:
         req.skip_special_tokens = skip
-    salt = _optional(body, "cache_salt", str, None)
+    salt = optional(body, "cache_salt", str, None)
     if salt:
-        req.cache_salt = _text(salt, "cache_salt")
-    prompt_logprobs = _optional(body, "prompt_logprobs", int, None)
+        req.cache_salt = checked_text(salt, "cache_salt")
+    prompt_logprobs = optional(body, "prompt_logprobs", int, None)
     if prompt_logprobs is not None:
         if not 0 <= prompt_logprobs <= 20:
             raise InvalidRequest("prompt_logprobs must be in [0, 20] (alternatives per prompt token)",
@@ -301,18 +284,18 @@ def _common(
     if structured is not None:
         s.structured.CopyFrom(structured)
 
-    n = _optional(body, "n", int, 1)
+    n = optional(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise InvalidRequest(f"n must be in [1, {MAX_N}]", "n")
-    stream = _optional(body, "stream", bool, False)
-    options = _optional(body, "stream_options", dict, None)
+    stream = optional(body, "stream", bool, False)
+    options = optional(body, "stream_options", dict, None)
     include_usage = continuous = False
     if options is not None:
         if not stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
-        include_usage = _optional(options, "include_usage", bool, False, "stream_options.")
-        continuous = _optional(options, "continuous_usage_stats", bool, False, "stream_options.")
-    user = _optional(body, "user", str, None)
+        include_usage = optional(options, "include_usage", bool, False, "stream_options.")
+        continuous = optional(options, "continuous_usage_stats", bool, False, "stream_options.")
+    user = optional(body, "user", str, None)
     return ParsedRequest(
         kind=kind,
         model=model,
@@ -377,14 +360,14 @@ def _structured(body: dict[str, Any]) -> common_pb2.StructuredOutput | None:
                 raise InvalidRequest(f"{name} is not valid JSON: {e}", name) from None
         if not isinstance(value, dict | bool):
             raise InvalidRequest(f"{name} must be a JSON schema object", name)
-        return common_pb2.StructuredOutput(json_schema=_json_text(value, name))
+        return common_pb2.StructuredOutput(json_schema=checked_json(value, name))
     if field == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise InvalidRequest(f"{name} must be a non-empty array of strings", name)
-        return common_pb2.StructuredOutput(choice=common_pb2.StringList(values=[_text(c, name) for c in value]))
+        return common_pb2.StructuredOutput(choice=common_pb2.StringList(values=[checked_text(c, name) for c in value]))
     if not isinstance(value, str) or not value:
         raise InvalidRequest(f"{name} must be a non-empty string", name)
-    return common_pb2.StructuredOutput(**{field: _text(value, name)})
+    return common_pb2.StructuredOutput(**{field: checked_text(value, name)})
 
 
 def _reject_wrapped(body: dict[str, Any], required: str) -> None:
@@ -398,7 +381,7 @@ def _reject_wrapped(body: dict[str, Any], required: str) -> None:
 
 def _chat_message(out: common_pb2.ChatMessage, message: Any, where: str) -> None:
     if not isinstance(message, dict):
-        raise InvalidRequest(f"{where} must be an object with role and content, got {_type_name(message)}", where)
+        raise InvalidRequest(f"{where} must be an object with role and content, got {type_name(message)}", where)
     role = message.get("role")
     if not isinstance(role, str):
         raise InvalidRequest(f"{where}.role is required and must be a string", f"{where}.role")
@@ -419,153 +402,54 @@ def _chat_message(out: common_pb2.ChatMessage, message: Any, where: str) -> None
         if value is not None:
             if not isinstance(value, str):
                 raise InvalidRequest(f"{where}.{key} must be a string", f"{where}.{key}")
-            setattr(out, key, _text(value, f"{where}.{key}"))
+            setattr(out, key, checked_text(value, f"{where}.{key}"))
     if tool_calls is not None:
         if not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls):
             raise InvalidRequest(f"{where}.tool_calls must be an array of objects", f"{where}.tool_calls")
-        out.tool_calls_json.extend(_json_text(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(tool_calls))
+        out.tool_calls_json.extend(checked_json(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(tool_calls))
 
 
 def _content(content: Any, where: str) -> str:
     """A message's content: a string, or an array of text parts (joined with newlines)."""
     if isinstance(content, str):
-        return _text(content, where)
+        return checked_text(content, where)
     if not isinstance(content, list):
         raise InvalidRequest(f"{where} must be a string or an array of content parts", where)
     texts = []
     for i, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+            kind = part.get("type") if isinstance(part, dict) else type_name(part)
             raise InvalidRequest(f"{where}[{i}]: only text content parts are supported, got {kind!r}",
                                  f"{where}[{i}]")
         text = part.get("text")
         if not isinstance(text, str):
             raise InvalidRequest(f"{where}[{i}].text must be a string", f"{where}[{i}].text")
-        texts.append(_text(text, f"{where}[{i}].text"))
+        texts.append(checked_text(text, f"{where}[{i}].text"))
     return "\n".join(texts)
 
 
 def _prompts(prompt: Any) -> list[router_pb2.GenerateRequest]:
     """The legacy API's prompt: a string, token ids, or a batch of either."""
     if isinstance(prompt, str):
-        return [router_pb2.GenerateRequest(prompt=_text(prompt, "prompt"))]
+        return [router_pb2.GenerateRequest(prompt=checked_text(prompt, "prompt"))]
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequest("prompt must be a string, an array of strings, an array of token ids "
                              "or an array of token-id arrays", "prompt")
-    if all(_is_token_id(t) for t in prompt):
+    if all(is_token_id(t) for t in prompt):
         return [_token_prompt(prompt, "prompt")]
     if len(prompt) > MAX_PROMPTS:
         raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request", "prompt")
     out = []
     for i, item in enumerate(prompt):
         if isinstance(item, str):
-            out.append(router_pb2.GenerateRequest(prompt=_text(item, f"prompt[{i}]")))
-        elif isinstance(item, list) and item and all(_is_token_id(t) for t in item):
+            out.append(router_pb2.GenerateRequest(prompt=checked_text(item, f"prompt[{i}]")))
+        elif isinstance(item, list) and item and all(is_token_id(t) for t in item):
             out.append(_token_prompt(item, f"prompt[{i}]"))
         else:
             raise InvalidRequest(f"prompt[{i}] must be a string or a non-empty array of token ids", f"prompt[{i}]")
     return out
 
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _token_prompt(ids: list[int], where: str) -> router_pb2.GenerateRequest:
     if not all(0 <= t <= UINT32_MAX for t in ids):
         raise InvalidRequest(f"{where}: token ids must be non-negative", where)
     return router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=ids))
-
-
-def _stop(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [_text(stop, "stop")]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return [_text(s, "stop") for s in stop]
-    raise InvalidRequest("stop must be a string or an array of strings", "stop")
-
-
-def _max_tokens(body: dict[str, Any], names: tuple[str, ...], default: int | None) -> int | None:
-    """The first of `names` that is set (max_completion_tokens wins over the deprecated max_tokens)."""
-    for name in names:
-        value = _optional(body, name, int, None)
-        if value is not None:
-            if not 1 <= value <= UINT32_MAX:
-                raise InvalidRequest(f"{name} must be >= 1", name)
-            return value
-    return default
-
-
-def _optional(body: dict[str, Any], name: str, kind: type, default: Any, prefix: str = "") -> Any:
-    """body[name] if present and not null, checked to be of `kind` (bool is not an int here)."""
-    value = body.get(name)
-    if value is None:
-        return default
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if kind is int and isinstance(value, float) and value.is_integer():
-        return int(value)  # 2.0 from a client that only has floats
-    if not ok:
-        raise InvalidRequest(f"{prefix}{name} must be {_kind_name(kind)}, got {_type_name(value)}", prefix + name)
-    return value
-
-
-def _optional_number(body: dict[str, Any], name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequest(f"{name} must be a number, got {_type_name(value)}", name)
-    # abs() first: an integer of hundreds of digits is valid JSON that float() (and isfinite) cannot take.
-    if abs(value) > 1e6 or not math.isfinite(value):
-        raise InvalidRequest(f"{name} must be a finite number of reasonable size", name)
-    return float(value)
-
-
-def _text(value: str, where: str) -> str:
-    """Strings go into protobuf, which refuses lone surrogates ("\\ud800" is valid JSON)."""
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidRequest(f"{where} contains invalid Unicode (a lone surrogate)", where) from e
-    return value
-
-
-def _json_text(value: Any, where: str) -> str:
-    """Free-form JSON passed on as text: nesting bounded, every string (keys too) valid Unicode.
-
-    json.dumps would escape a lone surrogate as "\\ud800", and the tokenizer service would then
-    fail on it after parsing it back; so it is refused here, naming the field.
-    """
-    pending: list[tuple[Any, str, int]] = [(value, where, 1)]
-    while pending:
-        item, at, depth = pending.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise InvalidRequest(f"{where} is nested more than {MAX_JSON_DEPTH} levels deep", where)
-        if isinstance(item, str):
-            _text(item, at)
-        elif isinstance(item, dict):
-            for key, inner in item.items():
-                _text(key, at)
-                pending.append((inner, f"{at}.{key}", depth + 1))
-        elif isinstance(item, list):
-            pending.extend((inner, f"{at}[{i}]", depth + 1) for i, inner in enumerate(item))
-    return json.dumps(value)
-
-
-def _kind_name(kind: type) -> str:
-    return {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "an array"}.get(
-        kind, kind.__name__
-    )
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    return {str: "a string", dict: "an object", list: "an array"}.get(type(value), type(value).__name__)

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from qwenserve.router.errors import InvalidRequest
-from qwenserve.router.openai_request import parse_chat, parse_completion, parse_json_body
+from qwenserve.router.openai_fields import parse_json_body
+from qwenserve.router.openai_request import parse_chat, parse_completion
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
