@@ -28,8 +28,8 @@ static const uint64_t KEY0[8] = {
 };
 static const uint64_t ACC0[8] = {1, 2, 3, 4, 5, 6, 7, 8};
 /* Reads ask for the line this far ahead: one core alone cannot keep enough misses in flight to read memory at
- * its rate, and the hardware prefetcher alone reaches too short a way (measured: a one-core verify 12% faster,
- * a copy 9%; two cores 2-3%). Prefetches never fault, so running past the end is harmless. */
+ * its rate, and the hardware prefetcher alone reaches too short a way (bench/handoff_bench.py measures the
+ * rates). Prefetches never fault, so running past the end is harmless. */
 #define PREFETCH_BYTES 8192
 #define KEY_STEP 0xe7037ed1a0b428dbULL
 #define LENGTH_SEED 0x8ebc6af09c88c6e3ULL
