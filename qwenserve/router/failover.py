@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from opentelemetry import trace
@@ -73,13 +73,7 @@ async def prefill(fleet: WorkerFleet, prep: PreparedRequest) -> prefill_pb2.Pref
     RequestFailed when the request itself was refused or ran out of time.
     """
     tried: list[str] = []
-    request = prefill_pb2.PrefillRequest(
-        request_id=prep.internal_id,
-        prompt_token_ids=prep.prompt_ids,
-        sampling=prep.wire_sampling,
-        cache_salt=prep.cache_salt,
-        priority=prep.priority,
-    )
+    request = prefill_pb2.PrefillRequest(**_stage_fields(prep))
     tokens = len(prep.prompt_ids)
     for attempt in range(fleet.config.prefill_attempts):
         worker = fleet.prefill_pool.choose(prep.prompt_ids, exclude=tried)
@@ -235,13 +229,7 @@ def decode_request(
 ) -> decode_pb2.DecodeRequest:
     """The call that continues a request on a decode worker: from the prefill's handoff when it still holds
     (nothing generated since), else prefilled there with the tokens generated so far."""
-    request = decode_pb2.DecodeRequest(
-        request_id=prep.internal_id,
-        prompt_token_ids=prep.prompt_ids,
-        sampling=prep.wire_sampling,
-        cache_salt=prep.cache_salt,
-        priority=prep.priority,
-    )
+    request = decode_pb2.DecodeRequest(**_stage_fields(prep))
     if start is not None or progress.prompt_logprobs is not None:
         # Computed once, where the prompt was first computed: a decode worker that imports the KV or resumes
         # after a failover takes prefix-cache hits instead of scoring the prompt again.
@@ -252,6 +240,12 @@ def decode_request(
         request.local_prefill = True
         request.resume_token_ids.extend(progress.generated)
     return request
+
+
+def _stage_fields(prep: PreparedRequest) -> dict[str, Any]:
+    """What a prefill and a decode call both carry: the stages' id, the prompt, sampling, salt and tier."""
+    return {"request_id": prep.internal_id, "prompt_token_ids": prep.prompt_ids, "sampling": prep.wire_sampling,
+            "cache_salt": prep.cache_salt, "priority": prep.priority}
 
 
 def start_decode(
