@@ -36,6 +36,8 @@ def test_print_config_shows_the_presets_settings_on_every_stage_that_has_them(pr
             assert _value(lines[stage], name) == str(values[name]), (stage, name)
         assert _value(lines[stage], "preset") == preset
     assert _value(lines["decode-0"], "stream_interval_ms") == str(values["stream_interval_ms"])
+    assert _value(lines["router"], "max_streams_per_decode_worker") == str(values["max_streams_per_decode_worker"])
+    assert _value(lines["router"], "preset") == preset
     assert _value(lines["up"], "prefill_nice") == str(values["prefill_nice"])
 
 
@@ -45,7 +47,8 @@ def test_a_flag_or_variable_beside_the_preset_wins_and_the_variable_names_a_pres
     assert _value(lines["decode-0"], "stream_interval_ms") == "5.0"
     assert _value(lines["decode-0"], "max_num_batched_tokens") == "2048"
     lines = _print_config(env={"QWENSERVE_PRESET": "latency"})
-    assert _value(lines["decode-0"], "max_num_seqs") == "64" and _value(lines["up"], "prefill_nice") == "0"
+    assert _value(lines["decode-0"], "max_num_seqs") == "32" and _value(lines["up"], "prefill_nice") == "0"
+    assert _value(lines["router"], "max_streams_per_decode_worker") == "32"
     plain = _print_config()
     assert _value(plain["prefill-0"], "preset") == "none" and _value(plain["up"], "prefill_nice") == "10"
     assert _value(plain["decode-0"], "max_num_seqs") == "256"

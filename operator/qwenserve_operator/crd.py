@@ -258,9 +258,11 @@ def spec_schema() -> Schema:
             "coldStartTimeoutSeconds": _int(
                 "How long the router holds a request for a stage scaled to zero (autoscaling minReplicas 0) while "
                 "a pod starts; then it answers 503 with Retry-After.", minimum=1, default=120),
-            "preset": _str("Operating mode of prefill and decode: latency (short steps, short prompts first, every "
-                           "token sent at once) or throughput (long steps, arrival order, tokens coalesced); a "
-                           "stage's own args win over it.", enum=list(PRESET_NAMES), default="none"),
+            "preset": _str("Operating mode of prefill, decode and the router: latency (short prompts first, at "
+                           "most 32 streams per decode worker with the rest waiting at the router before prefill, "
+                           "every token sent at once) or throughput (arrival order, up to 256 streams a batch, "
+                           "tokens coalesced); a stage's own args win over it. Each router replica counts its own "
+                           "streams.", enum=list(PRESET_NAMES), default="none"),
             "stages": stages,
             "slo": slo,
             "prefillDecodeRatio": ratio,

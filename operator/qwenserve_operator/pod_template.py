@@ -101,7 +101,7 @@ def stage_args(name: str, namespace: str, stage: str, spec: Spec) -> list[str]:
         args += ["--model", model_dir(spec), "--http-port", str(HTTP_PORT)]
         if spec.get("apiKeysSecret"):
             args += ["--api-keys-file", f"{API_KEYS_DIR}/{spec['apiKeysSecret']['key']}"]
-    if stage in ("prefill", "decode") and spec.get("preset", "none") != "none":
+    if stage in ("prefill", "decode", "router") and spec.get("preset", "none") != "none":
         args += ["--preset", spec["preset"]]
     return args + list(spec["stages"][stage].get("args", []))
 

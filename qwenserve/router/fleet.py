@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from qwenserve.router.discovery import Change, PodDiscovery, Resolver
+from qwenserve.router.stream_slots import StreamSlots
 from qwenserve.router.workers import WorkerPool
 from qwenserve.telemetry.metrics import RouterMetrics
 from qwenserve.telemetry.tracing import client_interceptors
@@ -63,6 +64,9 @@ class WorkerFleet:
             if given:
                 self.metrics.available_workers.labels(config.model_name, stage).set_function(pool.num_available)
         self.metrics.held_requests.labels(config.model_name, "decode").set_function(lambda: self._held["decode"])
+        self.stream_slots = StreamSlots(config.max_streams_per_decode_worker, lambda: len(self.decode_pool.workers),
+                                        config.priority_aging_s)
+        self.metrics.queued_requests.labels(config.model_name).set_function(lambda: self.stream_slots.waiting)
         self.drain_deadline: float | None = None  # time.monotonic(); set once the router drains
         self._background: set[asyncio.Task[None]] = set()  # handoff releases still on their way
         self._closing = asyncio.Event()  # set by close(): delayed releases go out at once
@@ -167,6 +171,8 @@ class WorkerFleet:
         if change.added:
             self._workers_joined[stage].set()
             self._workers_joined[stage] = asyncio.Event()
+            if stage == "decode":
+                self.stream_slots.wake()  # more workers, more slots
         for address in change.removed:
             task = self._limit_asks.pop(address, None)
             if task is not None:
@@ -325,6 +331,12 @@ class WorkerFleet:
             return False
         finally:
             self._held[stage] -= 1
+
+    def queue_wait(self, prep: PreparedRequest) -> float:
+        """How long a request may wait for a decode stream slot: the queue wait, or less to its deadline."""
+        cutoff = self.cutoff(prep)
+        wait = self.config.max_queue_wait_s
+        return wait if cutoff is None else min(wait, cutoff - time.monotonic())
 
     def prefill_timeout(self, prompt_tokens: int) -> float:
         """A prefill call's deadline grows with its prompt: an 8k-token prompt of a 0.6B model takes minutes on

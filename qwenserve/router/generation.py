@@ -34,7 +34,7 @@ from qwenserve.router.chat_output import ChatOutput, ChatShape, chat_shape_of, t
 from qwenserve.router.discovery import Resolver, system_resolver
 from qwenserve.router.errors import ContextLengthExceeded, InvalidRequest, ServiceUnavailable, UnknownModel
 from qwenserve.router.failover import Progress, RequestFailed, Step, decode, prefill
-from qwenserve.router.fleet import WorkerFleet, remaining, shutting_down
+from qwenserve.router.fleet import WorkerFleet, remaining, shutting_down, stage_error
 from qwenserve.router.generation_defaults import with_defaults
 from qwenserve.router.reasoning import thinking_closed_in_prompt
 from qwenserve.router.request_ids import REQUEST_ID_RULE, internal_id, new_request_id, valid_request_id
@@ -90,6 +90,12 @@ class RouterConfig:
     # A request for a stage with no worker at all (scaled to zero) is held this long for one to appear (the
     # operator starts one when it sees the held count); 0: answered at once (no_decode_worker).
     cold_start_wait_s: float = 0.0
+    # At most this many requests in flight per decode worker, counted from before prefill: more wait here
+    # (first come, first served, at most max_queue_wait_s), so no stream stalls for a decode slot after its
+    # first token (stream_slots.py). 0: no bound.
+    max_streams_per_decode_worker: int = 0
+    max_queue_wait_s: float = 60.0
+    priority_aging_s: float = 5.0  # a waiting request's tier improves by one level per this many seconds
     # Chat answers: "qwen3" splits <think> blocks into reasoning ("none" leaves them in the text); "hermes"
     # parses <tool_call> blocks into tool calls when the request offers tools ("none" refuses tools).
     reasoning_parser: str = "qwen3"
@@ -347,6 +353,23 @@ class Router(WorkerFleet):
 
     async def _tokens(self, prep: PreparedRequest, progress: Progress) -> AsyncIterator[Step]:
         """Yields (token ids, logprobs, finish reason or 0, error detail) until a finish reason."""
+        if not await self.stream_slots.acquire(self.queue_wait(prep), prep.priority):
+            if self.expired(prep):
+                yield [], [], common_pb2.FINISH_REASON_ABORT, self.cutoff_detail(prep)
+                return
+            yield [], [], common_pb2.FINISH_REASON_ERROR, stage_error(
+                "resource_exhausted", f"every decode worker has {self.config.max_streams_per_decode_worker} "
+                f"requests in flight and none finished within the queue wait; retry shortly", retryable=True)
+            return
+        try:
+            async with contextlib.aclosing(self._generate(prep, progress)) as steps:
+                async for step in steps:
+                    yield step
+        finally:
+            self.stream_slots.release()
+
+    async def _generate(self, prep: PreparedRequest, progress: Progress) -> AsyncIterator[Step]:
+        """Prefill (on a prefill worker, else the decode worker's own), then decode, with failover."""
         use_prefill = bool(self.prefill_pool.workers) and len(prep.prompt_ids) >= self.config.local_prefill_threshold
         self.metrics.queue_time.observe(time.monotonic() - prep.arrived)
         resp: prefill_pb2.PrefillResponse | None = None

@@ -101,6 +101,10 @@ class RouterMetrics:
             "Requests held for a stage that has no worker (scaled to zero) while one starts; the operator "
             "scales the stage up when it sees them.",
             ["model", "worker_stage"], registry=r)
+        self.queued_requests = Gauge(
+            "qwenserve_router_queued_requests",
+            "Requests waiting for a decode stream slot (--max-streams-per-decode-worker), before prefill.",
+            ["model"], registry=r)
         self.cold_starts = Counter(
             "qwenserve_router_cold_starts_total",
             "Requests held for a stage scaled to zero, by how the wait ended (served, timed_out).",

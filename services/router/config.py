@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from qwenserve.flags import StrictParser, address_list, nested, option
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free
+from qwenserve.presets import PRESET_NAMES
 from qwenserve.router.front_door import FrontConfig, load_front_keys
 from qwenserve.router.generation_defaults import GenerationConfigError, load_generation_defaults
 from qwenserve.router.models import ModelsConfigError, load_models_file
@@ -56,6 +57,17 @@ class RouterServiceConfig(StageConfig):
     cold_start_wait_s: float = option(
         0.0, help="hold a request this long while the decode stage has no pod (scaled to zero) for one to start; "
                   "then 503 with Retry-After (0: at once)")
+    max_streams_per_decode_worker: int = option(
+        0, help="at most this many requests in flight per decode worker, counted before prefill; more wait here, "
+                "first come first served, so no stream stalls for a decode slot after its first token (0: no bound)")
+    max_queue_wait_s: float = option(
+        60.0, help="a request waiting longer than this for a decode stream slot gets 503 with Retry-After")
+    priority_aging_s: float = option(
+        5.0, help="requests waiting for a decode stream slot go by tier priority, one level better per this many "
+                  "seconds waited, as in the engines")
+    preset: str = option("none", choices=PRESET_NAMES,
+                         help="latency or throughput, as the engine stages': here it sets "
+                              "--max-streams-per-decode-worker; flags given beside it win")
     reasoning_parser: str = option(
         "qwen3", choices=("qwen3", "none"),
         help="chat answers: a <think> block goes to reasoning_content (none: it stays in the content)")
@@ -84,18 +96,20 @@ class RouterServiceConfig(StageConfig):
         object.__setattr__(self, "model_name", name)
 
 
-def build_parser(prog: str | None = None) -> StrictParser:
-    """`qwen-serve serve router`'s parser."""
+def build_parser(prog: str | None = None, argv: Sequence[str] = ()) -> StrictParser:
+    """`qwen-serve serve router`'s parser (with the defaults of the preset `argv` names)."""
     return stage_parser("router", RouterServiceConfig,
-                        "The Router stage: gRPC Generate and the OpenAI HTTP front over the workers.", prog)
+                        "The Router stage: gRPC Generate and the OpenAI HTTP front over the workers.", prog, argv)
 
 
 def parse_config(argv: Sequence[str], prog: str | None = None) -> RouterServiceConfig:
     """Flags, falling back to QWENSERVE_* environment variables, falling back to defaults."""
-    parser = build_parser(prog)
+    parser = build_parser(prog, argv)
     config: RouterServiceConfig = parser.parse_config(RouterServiceConfig, argv)
     if not config.decode and not config.models_file:
         parser.error("at least one --decode worker is required (host:port[,host:port]), or --models-file")
+    if config.max_streams_per_decode_worker < 0 or config.max_queue_wait_s < 0 or config.priority_aging_s < 0:
+        parser.error("--max-streams-per-decode-worker, --max-queue-wait-s and --priority-aging-s must be >= 0")
     return config
 
 

@@ -160,6 +160,8 @@ def _router(config: RouterServiceConfig, metrics: RouterMetrics, name: str, mode
             connect_timeout_s=config.connect_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
             stall_timeout_s=config.stall_timeout_s, resolve_interval_s=config.resolve_interval_s,
             cold_start_wait_s=config.cold_start_wait_s,
+            max_streams_per_decode_worker=config.max_streams_per_decode_worker,
+            max_queue_wait_s=config.max_queue_wait_s, priority_aging_s=config.priority_aging_s,
             reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
             think_token_ids=_think_token_ids(vocabulary), sampling_defaults=defaults,
         ),

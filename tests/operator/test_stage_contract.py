@@ -115,7 +115,8 @@ def test_the_crd_offers_exactly_the_transports_the_stages_define() -> None:
         assert tuple(parser._option_string_actions["--kv-transfer"].choices) == KV_TRANSFER_MODES
 
 
-def test_a_presets_crd_field_reaches_prefill_and_decode_as_their_flag() -> None:
+def test_a_presets_crd_field_reaches_prefill_decode_and_the_router_as_their_flag(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from qwenserve.presets import PRESET_NAMES as STAGE_PRESETS
     from qwenserve_operator.crd import PRESET_NAMES, spec_schema, with_defaults
     from qwenserve_operator.pod_template import stage_args
@@ -132,6 +133,12 @@ def test_a_presets_crd_field_reaches_prefill_and_decode_as_their_flag() -> None:
     spec["stages"]["decode"]["args"] = ["--max-num-batched-tokens", "1024", "--preset", "latency"]
     decode = decode_config(stage_args("d", "ns", "decode", spec)[2:])
     assert (decode.preset, decode.engine.max_num_batched_tokens, decode.stream_interval_ms) == ("latency", 1024, 0.0)
+    from qwenserve_services.router.config import parse_config as router_config
+
+    monkeypatch.setenv("QWENSERVE_DECODE", "decode.ns.svc:50052")  # the router's ConfigMap gives its workers
+    spec["preset"] = "latency"
+    router = router_config(stage_args("d", "ns", "router", spec)[2:])
+    assert (router.preset, router.max_streams_per_decode_worker) == ("latency", 32)
 
 
 def test_the_stages_refuse_a_flag_they_do_not_define(capsys: pytest.CaptureFixture[str]) -> None:
