@@ -80,8 +80,8 @@ class ImporterConfig:
     #: Release attempts before giving up and leaving the bytes to lease expiry.
     release_attempts: int = 3
     #: kvsum handoffs are hashed on the event loop this many bytes at a time, other callbacks running between
-    #: steps (~0.4-0.7 ms each at memory speed here): a hop to a worker thread and back costs two thread wake-ups,
-    #: ~0.2 ms measured here (a VM), and the worker's OpenMP team a third.
+    #: steps (each a fraction of a millisecond at memory speed): a hop to a worker thread and back would cost two
+    #: thread wake-ups, and the worker's OpenMP team a third (handoff_bench.py measures both).
     hash_step_bytes: int = STEP_BYTES
     #: Shared-memory segments kept mapped between fetches.
     max_mapped_segments: int = 16
