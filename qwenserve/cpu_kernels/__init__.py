@@ -175,15 +175,19 @@ def _open_prebuilt() -> ctypes.CDLL | None:
     global _loaded
     for variant in supported_variants():
         path = variant_path(variant)
-        if path.is_file():
-            try:
-                lib = _declare(ctypes.CDLL(str(path)))
-            except (OSError, AttributeError) as exc:
-                log.warning("cannot load the prebuilt CPU kernels %s: %s", path, exc)
-                continue
+        if path.is_file() and (lib := _open(path, "prebuilt")) is not None:
             _loaded = f"{variant.name} (prebuilt)"
             return lib
     return None
+
+
+def _open(path: Path, what: str) -> ctypes.CDLL | None:
+    """The library at `path` with its functions declared; None (and why, logged) when it will not load."""
+    try:
+        return _declare(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError) as exc:
+        log.warning("cannot load the %s CPU kernels %s: %s", what, path, exc)
+        return None
 
 
 def _build_here() -> ctypes.CDLL | None:
@@ -206,10 +210,7 @@ def _build_here() -> ctypes.CDLL | None:
             with progress.step(f"building the CPU kernels with {os.path.basename(cc)} (once per machine)"):
                 if not _build_first_working(cc, march, target):
                     continue
-        try:
-            lib = _declare(ctypes.CDLL(str(target)))
-        except (OSError, AttributeError) as exc:
-            log.warning("cannot load the CPU kernels built in %s: %s", target, exc)
+        if (lib := _open(target, "first-use")) is None:
             continue
         _loaded = f"{' '.join(march) or 'default target'} (built at first use)"
         return lib
