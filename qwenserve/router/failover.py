@@ -128,7 +128,7 @@ async def decode(
             worker = fleet.decode_pool.choose(prep.prompt_ids, exclude=tried)
         except NoWorkerAvailable:
             if not fleet.decode_pool.workers and fleet.config.cold_start_wait_s > 0 and not tried:
-                if await fleet.wait_for_worker("decode", prep):
+                if await fleet.wait_for_decode_worker(prep):
                     continue
                 yield [], [], common_pb2.FINISH_REASON_ERROR, stage_error(
                     "cold_start_timeout", f"no decode worker is running (scaled to zero) and none became ready "

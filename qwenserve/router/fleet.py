@@ -63,7 +63,7 @@ class WorkerFleet:
                                    ("decode", self.decode_pool, config.decode_addresses)):
             if given:
                 self.metrics.available_workers.labels(config.model_name, stage).set_function(pool.num_available)
-        self.metrics.held_requests.labels(config.model_name, "decode").set_function(lambda: self._held["decode"])
+        self.metrics.held_requests.labels(config.model_name, "decode").set_function(lambda: self._held)
         self.stream_slots = StreamSlots(config.max_streams_per_decode_worker, lambda: len(self.decode_pool.workers),
                                         config.priority_aging_s)
         self.metrics.queued_requests.labels(config.model_name).set_function(lambda: self.stream_slots.waiting)
@@ -76,8 +76,9 @@ class WorkerFleet:
         self._limits_changed = asyncio.Event()  # a worker reported, stopped being asked, or joined
         self._asking = False  # start() asks every worker for its limits, and from then on every new one
         self._started = False
-        self._workers_joined = {"prefill": asyncio.Event(), "decode": asyncio.Event()}  # set when a pod joins
-        self._held = {"prefill": 0, "decode": 0}  # requests waiting for a stage's first worker
+        # Only decode is waited for: with no prefill worker the decode worker prefills the prompt itself.
+        self._decode_joined = asyncio.Event()  # set when a decode pod joins
+        self._held = 0  # requests waiting for a decode worker to start
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -168,11 +169,10 @@ class WorkerFleet:
             pool.add(address)
             if self._asking:
                 self._ask(stage, address)
-        if change.added:
-            self._workers_joined[stage].set()
-            self._workers_joined[stage] = asyncio.Event()
-            if stage == "decode":
-                self.stream_slots.wake()  # more workers, more slots
+        if change.added and stage == "decode":
+            self._decode_joined.set()
+            self._decode_joined = asyncio.Event()
+            self.stream_slots.wake()  # more workers, more slots
         for address in change.removed:
             task = self._limit_asks.pop(address, None)
             if task is not None:
@@ -311,26 +311,25 @@ class WorkerFleet:
                 await asyncio.wait_for(self._closing.wait(), backoff)  # closing: one last attempt at once
             backoff = min(2 * backoff, 4.0)
 
-    async def wait_for_worker(self, stage: str, prep: PreparedRequest) -> bool:
-        """Hold a request while `stage` has no worker, until one joins (True) or the cold-start wait, or the
-        request's own deadline, runs out (False). The held count is what the operator scales up on."""
+    async def wait_for_decode_worker(self, prep: PreparedRequest) -> bool:
+        """Hold a request while decode has no worker (scaled to zero), until one joins (True) or the cold-start
+        wait, or the request's own deadline, runs out (False). The held count is what the operator scales up on."""
         wait = self.config.cold_start_wait_s
         cutoff = self.cutoff(prep)
         if cutoff is not None:
             wait = min(wait, cutoff - time.monotonic())
-        self._held[stage] += 1
+        self._held += 1
         started = time.monotonic()
         try:
-            joined = self._workers_joined[stage]
-            await asyncio.wait_for(joined.wait(), timeout=max(0.0, wait))
-            self.metrics.cold_starts.labels(stage, "served").inc()
-            log.info("%s: a %s worker joined after %.1fs held", prep.request_id, stage, time.monotonic() - started)
+            await asyncio.wait_for(self._decode_joined.wait(), timeout=max(0.0, wait))
+            self.metrics.cold_starts.labels("decode", "served").inc()
+            log.info("%s: a decode worker joined after %.1fs held", prep.request_id, time.monotonic() - started)
             return True
         except TimeoutError:
-            self.metrics.cold_starts.labels(stage, "timed_out").inc()
+            self.metrics.cold_starts.labels("decode", "timed_out").inc()
             return False
         finally:
-            self._held[stage] -= 1
+            self._held -= 1
 
     def queue_wait(self, prep: PreparedRequest) -> float:
         """How long a request may wait for a decode stream slot: the queue wait, or less to its deadline."""

@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from qwenserve.config_file import read_yaml
 from qwenserve.router.errors import ModelNotAllowed, UnknownModel
 from qwenserve.v1 import common_pb2, router_pb2
 
@@ -117,13 +116,7 @@ def parse_models(data: object, where: str) -> ModelsConfig:
 
 
 def load_models_file(path: str | Path) -> ModelsConfig:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise ModelsConfigError(f"{path}: cannot read the models file ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise ModelsConfigError(f"{path}: not valid YAML ({e})") from None
-    return parse_models(data, str(path))
+    return parse_models(read_yaml(path, "models file", ModelsConfigError), str(path))
 
 
 def canary_share(key: str, model: str) -> float:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
+from qwenserve.config_file import read_yaml
 
 PRICE_FIELDS = ("prompt", "cached_prompt", "completion", "reasoning")
 
@@ -86,10 +86,4 @@ def parse_price_list(data: object, where: str) -> PriceList:
 
 
 def load_price_list(path: str | Path) -> PriceList:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise PriceListError(f"{path}: cannot read the price list ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise PriceListError(f"{path}: not valid YAML ({e})") from None
-    return parse_price_list(data, str(path))
+    return parse_price_list(read_yaml(path, "price list", PriceListError), str(path))
