@@ -17,7 +17,9 @@ from qwenserve.engine.errors import HandoffUnsupportedError
 from qwenserve.engine.kv_handoff import KVImport
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.models import ModelConfig
+from qwenserve.models.config import HYBRID_MODEL_TYPES, MODEL_TYPE_ALIASES
 from qwenserve.models.qwen3_next import chunk_gated_delta_rule, recurrent_gated_delta_step
+from qwenserve.preflight import HYBRID_CHECKPOINT_TYPES, StartupError, check_handoff_supported
 
 HYBRIDS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -173,3 +175,10 @@ def test_chunked_delta_rule_equals_the_token_by_token_rule():
                                            beta[t : t + 1], states, slot)[0] for t in range(length)]
     torch.testing.assert_close(out, torch.stack(stepwise), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(final, states[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_worker_for_a_hybrid_model_refuses_to_start(checkpoint):
+    with pytest.raises(StartupError, match=r"hybrid linear-attention model \(model_type qwen3_next\).*--prefill 0"):
+        check_handoff_supported(checkpoint("qwen3_next"))
+    check_handoff_supported(checkpoint("qwen3_gqa4"))  # a dense model hands off as before
+    assert HYBRID_CHECKPOINT_TYPES == set(HYBRID_MODEL_TYPES) | set(MODEL_TYPE_ALIASES)
