@@ -94,9 +94,11 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, block_size, prefix_caching)
         self.states = StatePool(num_state_slots) if model_cfg.is_hybrid else None
         if self.runner.linear_state is not None:
-            log.info("linear-attention state: %d slots, %.3f GiB, for %d of %d layers (KV for the other %d)",
-                     num_state_slots, self.runner.linear_state.nbytes / 2**30, len(model_cfg.linear_layers),
-                     model_cfg.num_layers, len(model_cfg.kv_layers))
+            # Beside --kv-cache-gb, not out of it: a slot per --max-num-seqs, which is what bounds it.
+            state_bytes = self.runner.linear_state.nbytes
+            log.info("linear-attention state: %d slots (--max-num-seqs) of %.1f MiB, %.2f GiB beside the KV cache, for "
+                     "%d of %d layers (KV for the other %d)", num_state_slots, state_bytes / num_state_slots / 2**20,
+                     state_bytes / 2**30, len(model_cfg.linear_layers), model_cfg.num_layers, len(model_cfg.kv_layers))
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_batched_tokens=config.token_budget(),
