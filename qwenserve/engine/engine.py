@@ -43,6 +43,7 @@ from qwenserve.engine.sampler import Sampler
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.engine.scheduler import Scheduler, SchedulerLimits
 from qwenserve.engine.sequence import Sequence, SequenceStatus
+from qwenserve.engine.state_pool import StatePool
 from qwenserve.engine.step import EngineStep, StepObserver
 from qwenserve.engine.weights import load_checkpoint
 from qwenserve.kv_layout import KVLayout
@@ -66,7 +67,7 @@ class LLMEngine:
             keep_freed_memory()
         block_size = config.block_size or default_block_size(device, dtype)
         bytes_per_block = (
-            model_cfg.num_layers * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim
+            len(model_cfg.kv_layers) * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim
             * torch.empty((), dtype=dtype).element_size()
         )
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30 // bytes_per_block))
@@ -81,8 +82,23 @@ class LLMEngine:
         fingerprint = load_checkpoint(model, checkpoint)
         model.eval()
         backend = select_backend(config.attention_backend, device, dtype, block_size)
-        self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype)
-        self.pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
+        # A hybrid model's linear-attention state: one slot per sequence that may run at once.
+        num_state_slots = config.max_num_seqs if model_cfg.is_hybrid else 0
+        self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, num_state_slots)
+        prefix_caching = config.enable_prefix_caching
+        if model_cfg.is_hybrid and prefix_caching:
+            prefix_caching = False
+            log.info("prefix caching is off for %s: its linear-attention layers keep a state per sequence, not per "
+                     "token, so reusing a cached prefix would need a state snapshot at every block boundary",
+                     model_cfg.model_type)
+        self.pool = BlockPool(num_blocks, block_size, prefix_caching)
+        self.states = StatePool(num_state_slots) if model_cfg.is_hybrid else None
+        if self.runner.linear_state is not None:
+            # Beside --kv-cache-gb, not out of it: a slot per --max-num-seqs, which is what bounds it.
+            state_bytes = self.runner.linear_state.nbytes
+            log.info("linear-attention state: %d slots (--max-num-seqs) of %.1f MiB, %.2f GiB beside the KV cache, for "
+                     "%d of %d layers (KV for the other %d)", num_state_slots, state_bytes / num_state_slots / 2**20,
+                     state_bytes / 2**30, len(model_cfg.linear_layers), model_cfg.num_layers, len(model_cfg.kv_layers))
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_batched_tokens=config.token_budget(),
@@ -97,16 +113,18 @@ class LLMEngine:
                                             config.watermark_decay, config.watermark_reset_idle_s),
             ),
             self.pool,
+            self.states,
         )
         self._layout = KVLayout(
             dtype=str(dtype).removeprefix("torch."),
             block_size=block_size,
-            num_layers=model_cfg.num_layers,
+            num_layers=len(model_cfg.kv_layers),
             num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim,
             model_fingerprint=fingerprint,
         )
-        self.intake = RequestIntake(model_cfg.vocab_size, self.max_model_len, self.grammar, self._layout)
+        self.intake = RequestIntake(model_cfg.vocab_size, self.max_model_len, self.grammar, self._layout,
+                                    handoff_unsupported=model_cfg.model_type if model_cfg.is_hybrid else None)
         self.step = EngineStep(self.scheduler, self.runner, Sampler(config.seed, self.grammar), self._layout,
                                self.eos_token_ids, self.max_model_len, self._finish)
         self._commands: queue.Queue[object] = queue.Queue()

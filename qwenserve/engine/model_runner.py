@@ -1,7 +1,9 @@
 """Turns a scheduled step into one forward pass over the flattened tokens, and owns the KV cache tensor.
 
-The cache is one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]; a block id
-indexes the same slot range in every layer. Only the rows that are sampled reach the LM head.
+The cache is one tensor [num_kv_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]; a block id
+indexes the same slot range in every layer. Only the rows that are sampled reach the LM head. A hybrid model keeps
+KV for its full-attention layers only; its linear-attention layers' per-sequence states live in a
+LinearStateCache of `num_state_slots` slots (state_pool.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from qwenserve.engine.kv_handoff import KVExportTarget
 from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.scheduler import ScheduledSequence
 from qwenserve.engine.sequence import Sequence
+from qwenserve.engine.state_pool import LinearAttentionBatch, LinearStateCache
 from qwenserve.models import QwenForCausalLM
 
 #: Prompt positions whose logits are computed at once for prompt logprobs (~80 MB of fp32 logits at a 152k vocabulary).
@@ -31,6 +34,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        num_state_slots: int = 0,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -41,7 +45,10 @@ class ModelRunner:
         # An import scatters its rows with the C kernel where it loads (chosen once: it is the same every time).
         self._scatter_kernel = device.type == "cpu" and cpu_kernels.available()
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+            len(cfg.kv_layers), 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+        )
+        self.linear_state = (
+            LinearStateCache.for_model(cfg, num_state_slots, dtype, device) if cfg.is_hybrid else None
         )
 
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[ScheduledSequence]]:
@@ -77,7 +84,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True),
             num_decodes=sum(1 for s in items if s.num_tokens == 1),
         )
-        ctx = ForwardContext(self.backend, self.backend.prepare(batch, self.device), self.kv_cache)
+        ctx = ForwardContext(self.backend, self.backend.prepare(batch, self.device), self.kv_cache,
+                             self._linear_batch(items, batch.num_decodes))
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True),
             torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True),
@@ -89,6 +97,22 @@ class ModelRunner:
             return torch.empty(0), sampling
         rows = hidden[torch.tensor(sample_index, device=self.device)]
         return self.model.compute_logits(rows, self._logits_buffer(len(sampling))).cpu(), sampling
+
+    def _linear_batch(self, items: list[ScheduledSequence], num_decodes: int) -> LinearAttentionBatch | None:
+        """The step's sequences by state slot (hybrid models); the slots of sequences at their first token are
+        zeroed first."""
+        if self.linear_state is None:
+            return None
+        fresh = [s.seq.state_slot for s in items if s.seq.num_computed_tokens == 0]
+        if fresh:
+            self.linear_state.reset(fresh)
+        decode_slots = torch.tensor([s.seq.state_slot for s in items[:num_decodes]], dtype=torch.long,
+                                    device=self.device)
+        prefills, row = [], num_decodes
+        for item in items[num_decodes:]:
+            prefills.append((row, item.num_tokens, item.seq.state_slot))
+            row += item.num_tokens
+        return LinearAttentionBatch(self.linear_state, num_decodes, decode_slots, prefills)
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Append the logprobs of the prompt tokens these rows predict (the model's raw distribution), each with its

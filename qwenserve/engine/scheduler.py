@@ -9,6 +9,10 @@ a running sequence needs a block and none is free, the newest running sequence i
 are freed and it goes back to the front of the queue to be recomputed (its full blocks usually survive in
 the prefix cache, so recomputation is cheap).
 
+A hybrid model's sequence also holds a slot of the state pool (its linear-attention layers' state) from admission
+until it finishes or is preempted; nothing is admitted while no slot is free. A preempted sequence's state is
+dropped with its blocks: it recomputes from its first token.
+
 Admission policies (the order of the waiting queue is admission_policy.py's; each keeps priorities and
 lets nothing starve):
 - "fcfs": decodes, then in-flight prefill chunks, then new requests in arrival order.
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from qwenserve.engine.admission_policy import BurstSteps, WatermarkSettings, make_policy
 from qwenserve.engine.block_pool import BlockPool
 from qwenserve.engine.sequence import Sequence, SequenceStatus
+from qwenserve.engine.state_pool import StatePool
 
 
 @dataclass(slots=True)
@@ -71,13 +76,15 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    """Owns the waiting queue and the running batch; the block pool backs its decisions."""
+    """Owns the waiting queue and the running batch; the block pool (and for a hybrid model the state pool) backs
+    its decisions."""
 
-    def __init__(self, limits: SchedulerLimits, pool: BlockPool) -> None:
+    def __init__(self, limits: SchedulerLimits, pool: BlockPool, states: StatePool | None = None) -> None:
         self.policy = make_policy(limits.admission_policy, limits.max_queue_delay_s, limits.priority_aging_s,
                                   limits.watermark, BurstSteps(limits.burst_prefill_steps, limits.burst_max_stall_s))
         self.limits = limits
         self.pool = pool
+        self.states = states
         self.block_size = pool.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -104,6 +111,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.pool.free(seq.block_table)
         seq.block_table = []
+        self._release_state(seq)
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
@@ -170,8 +178,12 @@ class Scheduler:
                 break
             if only_whole and seq.num_tokens > budget and not seq.admitted_once:
                 continue
+            if self.states is not None and self.states.num_free == 0:
+                break
             if not self._try_reserve(seq):
                 break  # the pool is full: later (larger or equal) requests would not fit either
+            if self.states is not None:
+                seq.state_slot = self.states.allocate()
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -211,6 +223,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.free(seq.block_table)
         seq.block_table, seq.block_hashes = [], []
+        self._release_state(seq)
         seq.num_computed_tokens = 0
         seq.kv_import = None  # recomputed from tokens; imported KV may be gone by then
         seq.status = SequenceStatus.WAITING
@@ -218,6 +231,11 @@ class Scheduler:
         self.num_preemptions += 1
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         out.imports = [s for s in out.imports if s is not seq]
+
+    def _release_state(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
 
     def _blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from safetensors import safe_open
 from qwenserve import progress
 from qwenserve.engine.errors import CheckpointError
 from qwenserve.models import ModelConfig, QwenForCausalLM
+
+log = logging.getLogger("qwenserve.engine")
 
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that carry no weights we need.
@@ -51,6 +54,8 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
     folder = Path(folder)
     targets = model.checkpoint_targets()
     optional = model.optional_checkpoint_tensors()
+    skipped_parts = model.skipped_checkpoint_prefixes()
+    skipped: dict[str, int] = dict.fromkeys(skipped_parts, 0)
     seen: set[str] = set()
     samples: dict[str, bytes] = {}
     files = checkpoint_files(folder)
@@ -61,6 +66,10 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     if name.endswith(IGNORED_SUFFIXES) or (name in optional and name not in targets):
+                        continue
+                    part = next((p for p in skipped_parts if name.startswith(p)), None)
+                    if part is not None:
+                        skipped[part] += 1
                         continue
                     dst = targets.get(name)
                     if dst is None:
@@ -82,6 +91,9 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
                     samples[name] = tensor.reshape(-1)[::stride][:FINGERPRINT_SAMPLES].float().numpy().tobytes()
                     seen.add(name)
                     step.advance(1, dst.numel() * dst.element_size())
+    for part, count in skipped.items():
+        if count:
+            log.info("skipped %d checkpoint tensors under %s: %s", count, part, skipped_parts[part])
     missing = sorted(set(targets) - seen)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+# model_type as transformers writes it -> the family we serve: a text-only Qwen3.5 checkpoint says "qwen3_5_text".
+MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+# Hybrid families: Gated DeltaNet (linear attention) layers with a gated full-attention layer every few layers.
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -56,7 +60,38 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    # Hybrid models (Qwen3-Next, Qwen3.5): "linear_attention" or "full_attention" per layer; () means all full.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    attn_output_gate: bool = False  # q_proj also yields a per-channel sigmoid gate on the attention output
+    partial_rotary_factor: float = 1.0  # rope rotates only this leading fraction of each head
+    zero_centered_norm: bool = False  # RMSNorm weights are stored as w, applied as (1 + w)
+    shared_expert_intermediate_size: int = 0  # MoE with an always-on shared expert behind a sigmoid gate
+    # Where the decoder's tensors live in the checkpoint: "model." or, in a multimodal checkpoint served as
+    # text-only, "model.language_model.".
+    weight_prefix: str = "model."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear attention: they keep a per-sequence state instead of KV."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep KV in the paged cache (the full-attention ones), in order."""
+        if not self.layer_types:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "full_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The linear-attention layers, in order (their index here is their slot in the state tensors)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "linear_attention")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer `layer_idx` uses the sparse expert MLP (same rule as transformers)."""
@@ -71,6 +106,13 @@ class ModelConfig:
         """Normalise a config dict: 4.x keys (`rope_theta`, `rope_scaling`, `num_experts`) and 5.x keys
         (`rope_parameters`, `num_local_experts`) give the same result."""
         model_type = cfg.get("model_type", "")
+        weight_prefix = "model."
+        if model_type in HYBRID_MODEL_TYPES and isinstance(cfg.get("text_config"), dict):
+            # A multimodal checkpoint (Qwen3_5ForConditionalGeneration): its language model, served text-only.
+            outer = {k: cfg[k] for k in ("eos_token_id", "tie_word_embeddings") if k in cfg}
+            cfg = {**cfg["text_config"], **outer, "model_type": model_type}
+            weight_prefix = "model.language_model."
+        model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -82,6 +124,7 @@ class ModelConfig:
         num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        hybrid = model_type in HYBRID_MODEL_TYPES
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -96,16 +139,19 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Qwen3 has them only when the config says so.
             attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or hybrid,
             rope=_parse_rope(cfg),
-            num_experts=num_experts if model_type == "qwen3_moe" else 0,
+            num_experts=num_experts if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe") else 0,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0)),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            # Qwen3.5-MoE's router always renormalises its top-k (its config has no such key).
+            norm_topk_prob=model_type == "qwen3_5_moe" or bool(cfg.get("norm_topk_prob", hybrid)),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
             eos_token_ids=eos_ids,
+            weight_prefix=weight_prefix,
             raw=cfg,
+            **(_hybrid_fields(cfg) if hybrid else {}),
         )
 
     @classmethod
@@ -124,6 +170,34 @@ class ModelConfig:
             own = own if isinstance(own, list) else ([] if own is None else [own])
             cfg = {**cfg, "eos_token_id": list(dict.fromkeys([*own, *ids]))}
         return cls.from_dict(cfg)
+
+
+def _hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The fields only Qwen3-Next / Qwen3.5 configs have, with transformers' defaults where a key is absent."""
+    layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if not layer_types:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if len(layer_types) != layers or set(layer_types) - {"linear_attention", "full_attention"}:
+        raise UnsupportedModelError(
+            f"layer_types must name linear_attention or full_attention for each of the {layers} layers")
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return dict(
+        layer_types=tuple(layer_types),
+        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+        # transformers always gates these models' attention output; configs that say so say true.
+        attn_output_gate=bool(cfg.get("attn_output_gate", True)),
+        # transformers' default for these configs when neither place names it.
+        partial_rotary_factor=float(partial or cfg.get("partial_rotary_factor") or 0.25),
+        zero_centered_norm=True,
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+    )
 
 
 def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:

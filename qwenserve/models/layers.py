@@ -13,18 +13,22 @@ from qwenserve.models.ops import Ops
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 like the reference so low-precision runs match it."""
+    """Root-mean-square norm, computed in fp32 like the reference so low-precision runs match it.
+    `zero_centered` (Qwen3-Next, Qwen3.5): the checkpoint stores w and the scale is (1 + w), applied in fp32."""
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32, zero_centered: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise over the last dimension."""
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -83,7 +87,11 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [num_tokens, heads, head_dim] by the half-split convention Qwen checkpoints use (cos and sin come
-    as [num_tokens, 1, head_dim])."""
+    as [num_tokens, 1, rotary_dim]). A rotary_dim below head_dim (partial rotary) rotates the leading channels
+    and passes the rest through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim != x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

@@ -18,7 +18,7 @@ from qwenserve import cpu_kernels, progress
 from qwenserve.cpu_kernels import PackedWeight
 
 # The weights packed for the CPU kernels: every matrix a token's hidden state is multiplied by.
-PACKED_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+PACKED_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "in_proj", "out_proj")
 
 Weight = torch.Tensor | PackedWeight
 

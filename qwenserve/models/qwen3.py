@@ -17,7 +17,9 @@ from qwenserve.models.ops import Ops, select_ops
 
 
 class QwenAttention(nn.Module):
-    """Grouped-query attention with fused q/k/v, optional q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
+    """Grouped-query attention with fused q/k/v, optional q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3) and
+    an optional output gate (Qwen3-Next, Qwen3.5: q_proj yields each head's query and a sigmoid gate).
+    `layer_idx` is the layer's place in the KV cache (in a hybrid model, among the full-attention layers)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, ops: Ops) -> None:
         super().__init__()
@@ -26,14 +28,17 @@ class QwenAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        qkv_out = self.q_size + 2 * self.kv_size
+        self.output_gate = cfg.attn_output_gate
+        self.q_out = self.q_size * (2 if self.output_gate else 1)
+        qkv_out = self.q_out + 2 * self.kv_size
         self.qkv_proj = nn.Parameter(torch.empty(qkv_out, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.qkv_bias = (
             nn.Parameter(torch.empty(qkv_out, dtype=dtype), requires_grad=False) if cfg.attention_bias else None
         )
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, self.q_size, dtype=dtype), requires_grad=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        zc = cfg.zero_centered_norm
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, zc) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, zc) if cfg.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -41,7 +46,11 @@ class QwenAttention(nn.Module):
         """Self-attention of [num_tokens, hidden] against each sequence's cached context."""
         n = x.shape[0]
         qkv = self.ops.linear(x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_out, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:  # per head: head_dim query channels, then head_dim gate channels
+            q, gate = q.reshape(n, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+            gate = gate.reshape(n, self.q_size)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
@@ -49,11 +58,13 @@ class QwenAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attention(self.layer_idx, q, k, v)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.ops.linear(out, self.o_proj)
 
     def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the view of our fused parameter it fills."""
-        qs, ks = self.q_size, self.kv_size
+        qs, ks = self.q_out, self.kv_size
         w = self.qkv_proj.data
         targets = {
             f"{prefix}.q_proj.weight": w[:qs],
@@ -120,11 +131,14 @@ class QwenForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         )
-        self.layers = nn.ModuleList(
-            QwenDecoderLayer(cfg, i, self.build_mlp(cfg, i, dtype), dtype, self.ops) for i in range(cfg.num_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, dtype)
+        self.layers = nn.ModuleList(self.build_layer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.zero_centered_norm)
+        rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        self.rotary = RotaryEmbedding(rotary_dim, cfg.rope, max_positions, dtype)
+
+    def build_layer(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+        """Decoder layer `layer_idx`; hybrid families override this."""
+        return QwenDecoderLayer(cfg, layer_idx, self.build_mlp(cfg, layer_idx, dtype), dtype, self.ops)
 
     def build_mlp(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         """The MLP of layer `layer_idx`; model families with experts override this."""
@@ -147,20 +161,24 @@ class QwenForCausalLM(nn.Module):
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """Every tensor the checkpoint must contain, mapped to the view of our parameters it fills.
         The loader uses this to fill fused matrices in place and to name missing or unexpected tensors."""
-        head = self.lm_head.data
-        targets = {"model.norm.weight": self.norm.weight.data}
+        head, prefix = self.lm_head.data, self.cfg.weight_prefix
+        targets = {f"{prefix}norm.weight": self.norm.weight.data}
         if self.embed_tokens is None:
-            targets["model.embed_tokens.weight"] = head
+            targets[f"{prefix}embed_tokens.weight"] = head
         else:
-            targets["model.embed_tokens.weight"] = self.embed_tokens.data
+            targets[f"{prefix}embed_tokens.weight"] = self.embed_tokens.data
             targets["lm_head.weight"] = head
         for i, layer in enumerate(self.layers):
-            targets.update(layer.checkpoint_targets(f"model.layers.{i}"))
+            targets.update(layer.checkpoint_targets(f"{prefix}layers.{i}"))
         return targets
 
     def optional_checkpoint_tensors(self) -> set[str]:
         """Tensors a checkpoint may carry that we do not need (a tied LM head saved anyway)."""
         return {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+
+    def skipped_checkpoint_prefixes(self) -> dict[str, str]:
+        """Name prefix -> why: whole parts of a checkpoint this model does not run (the loader logs each once)."""
+        return {}
 
 
 class Qwen3ForCausalLM(QwenForCausalLM):

@@ -49,11 +49,32 @@ SPECS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# Hybrid linear-attention families (Gated DeltaNet layers + gated full attention), 4 layers each. Two value heads
+# per key head; rope on a quarter of each head (the configs' default partial_rotary_factor).
+_HYBRID = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=1000, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+)
+_HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+SPECS.update({
+    # Qwen3-Next: full attention every 2nd layer, MoE with a shared expert except on layer 2 (mlp_only_layers).
+    "qwen3_next": dict(model_type="qwen3_next", full_attention_interval=2, mlp_only_layers=[2], **_HYBRID,
+                       **_HYBRID_MOE),
+    # Qwen3.5 (text): dense MLP, full attention on the 4th layer only.
+    "qwen3_5": dict(model_type="qwen3_5_text", full_attention_interval=4, **_HYBRID),
+    # Qwen3.5-MoE (text): every layer MoE with a shared expert, full attention every 2nd layer.
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", full_attention_interval=2, **_HYBRID, **_HYBRID_MOE),
+})
+
 
 def _hf_config(spec: dict[str, Any]) -> Any:
-    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
-    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[spec["model_type"]]
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "qwen3_next": Qwen3NextConfig,
+           "qwen3_5_text": Qwen3_5TextConfig, "qwen3_5_moe_text": Qwen3_5MoeTextConfig}[spec["model_type"]]
     kwargs = {k: v for k, v in spec.items() if k != "model_type"}
     return cls(max_position_embeddings=512, rms_norm_eps=1e-6, **kwargs)
 

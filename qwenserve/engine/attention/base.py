@@ -44,11 +44,13 @@ class AttentionBackend(Protocol):
 
 @dataclass(slots=True)
 class ForwardContext:
-    """Per-step state the model threads through its layers: the cache and how to attend over it."""
+    """Per-step state the model threads through its layers: the cache and how to attend over it, and for a hybrid
+    model the linear-attention layers' per-sequence states (`linear`: a state_pool.LinearAttentionBatch)."""
 
     backend: AttentionBackend
     meta: Any
-    kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor  # [num_kv_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    linear: Any = None
 
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of layer `layer_idx` (see AttentionBackend.forward)."""

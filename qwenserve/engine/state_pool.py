@@ -1,0 +1,82 @@
+"""The state pool of hybrid models: per-sequence state of the linear-attention layers, beside the KV block pool.
+
+A Gated DeltaNet layer (Qwen3-Next, Qwen3.5) keeps, per sequence, a state of constant size instead of KV per token:
+the last (conv kernel - 1) inputs of its short causal convolution, and its recurrent matrix. The pool has one slot
+per sequence that can run at once (max_num_seqs); a sequence takes a slot when it is admitted and gives it back when
+it finishes or is preempted. A preempted sequence recomputes from its first token, its state as well as its KV, so a
+slot is never saved anywhere.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from qwenserve.models.config import ModelConfig
+
+
+class StatePool:
+    """Hands out state slots: which sequence's linear-attention state lives where in LinearStateCache."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(num_slots))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """A free slot; the scheduler checks num_free first."""
+        if not self._free:
+            raise RuntimeError("state pool exhausted")  # the scheduler admits only while a slot is free
+        return self._free.popleft()
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+@dataclass(slots=True)
+class LinearStateCache:
+    """The state tensors of every linear-attention layer, indexed [linear layer, slot]: `conv` holds the last
+    (kernel - 1) convolution inputs [L, slots, conv_dim, kernel - 1] in the serving dtype, `recurrent` the
+    delta-rule matrices [L, slots, value_heads, key_head_dim, value_head_dim] in fp32 (the reference keeps them so)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> LinearStateCache:
+        layers = len(cfg.linear_layers)
+        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
+            cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+        conv = torch.zeros(layers, num_slots, conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+        recurrent = torch.zeros(layers, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                cfg.linear_value_head_dim, dtype=torch.float32, device=device)
+        return cls(conv, recurrent)
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+    def reset(self, slots: list[int]) -> None:
+        """Zero the slots of sequences about to compute their first token (a fresh or a recomputed sequence)."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
+        self.conv[:, index] = 0
+        self.recurrent[:, index] = 0
+
+
+@dataclass(slots=True)
+class LinearAttentionBatch:
+    """One step's sequences as the linear-attention layers see them, in the attention batch's order: the
+    `num_decodes` one-token rows first (one batched recurrent update over `decode_slots`), then one chunk per
+    prefilling sequence, `prefills` = (first row, rows, slot)."""
+
+    state: LinearStateCache
+    num_decodes: int
+    decode_slots: torch.Tensor  # [num_decodes] int64
+    prefills: list[tuple[int, int, int]]

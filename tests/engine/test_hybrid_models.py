@@ -1,0 +1,184 @@
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) served colocated: greedy tokens equal
+transformers' across chunked prefill, batching, preemption and state-slot reuse; what is not supported yet
+(prefix caching, a KV handoff) is off or refused with a message that says so."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_checkpoints import random_prompts
+from safetensors.torch import load_file, save_file
+
+from qwenserve.engine.config import EngineConfig
+from qwenserve.engine.engine import LLMEngine
+from qwenserve.engine.errors import HandoffUnsupportedError
+from qwenserve.engine.kv_handoff import KVImport
+from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.models import ModelConfig
+from qwenserve.models.config import HYBRID_MODEL_TYPES, MODEL_TYPE_ALIASES
+from qwenserve.models.qwen3_next import chunk_gated_delta_rule, recurrent_gated_delta_step
+from qwenserve.preflight import HYBRID_CHECKPOINT_TYPES, StartupError, check_handoff_supported
+
+HYBRIDS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+# Up to 150 tokens: longer than any prefill chunk below, and than one chunk (64) of the chunked delta rule.
+PROMPTS = random_prompts(4, 5, 150, seed=21)
+
+
+def expected_tokens(reference, name: str, prompts: list[list[int]], n: int = 10) -> list[list[int]]:
+    return [reference(name, p, n)[0] for p in prompts]
+
+
+def assert_state_slots_released(engine) -> None:
+    assert engine.wait_until_idle(timeout=30)
+    assert engine.states.num_free == engine.states.num_slots
+
+
+@pytest.mark.parametrize("budget", [16, 100])
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_batched_requests_of_different_lengths_match_transformers_across_prefill_chunks(
+        name, budget, make_engine, reference):
+    engine = make_engine(name, max_num_batched_tokens=budget)
+    assert engine.generate_sync(PROMPTS, GREEDY) == expected_tokens(reference, name, PROMPTS)
+    assert_state_slots_released(engine)
+
+
+async def test_requests_joining_a_decoding_batch_match_transformers(make_engine, reference):
+    import asyncio
+
+    name = "qwen3_next"
+    engine = make_engine(name, max_num_batched_tokens=32)
+    started = asyncio.Event()
+
+    async def run(i: int) -> list[int]:
+        if i >= 2:
+            await started.wait()  # joins while the first requests decode: decodes and prefill chunks share steps
+        tokens: list[int] = []
+        async for out in engine.generate(f"r{i}", PROMPTS[i], GREEDY):
+            tokens += out.new_token_ids
+            if len(tokens) >= 3:
+                started.set()
+        return tokens
+
+    assert await asyncio.gather(*(run(i) for i in range(4))) == expected_tokens(reference, name, PROMPTS)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_preempted_requests_resume_with_identical_tokens(name, make_engine, reference):
+    # 12 blocks of 8 tokens: each request needs up to 5 blocks, so four cannot run together.
+    engine = make_engine(name, num_kv_blocks=12, block_size=8, admission_watermark=0.0, max_num_batched_tokens=32)
+    prompts = random_prompts(4, 14, 20, seed=3)
+    sampling = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert engine.generate_sync(prompts, sampling) == expected_tokens(reference, name, prompts, 16)
+    assert engine.stats().preemptions > 0
+    assert_state_slots_released(engine)
+
+
+def test_state_slots_bound_the_running_batch_and_are_reused(make_engine, reference):
+    name = "qwen3_5"
+    engine = make_engine(name, max_num_seqs=2)
+    assert engine.states.num_slots == 2
+    assert engine.generate_sync(PROMPTS, GREEDY) == expected_tokens(reference, name, PROMPTS)
+    assert_state_slots_released(engine)
+
+
+def test_one_token_prompt_starts_from_a_clean_state(make_engine, reference):
+    name = "qwen3_5_moe"
+    engine = make_engine(name)
+    engine.generate_sync(PROMPTS[:2], GREEDY)  # leaves used slots behind
+    assert engine.generate_sync([[7], [7, 8]], GREEDY) == expected_tokens(reference, name, [[7], [7, 8]])
+
+
+def test_prefix_caching_is_off_for_hybrid_models(make_engine, reference):
+    name = "qwen3_next"
+    engine = make_engine(name, enable_prefix_caching=True)
+    prompt = PROMPTS[1]
+    expected = expected_tokens(reference, name, [prompt])
+    assert engine.generate_sync([prompt], GREEDY) == expected
+    again = engine.generate_sync_outputs([prompt], GREEDY)[0]
+    assert [t for o in again for t in o.new_token_ids] == expected[0]
+    assert again[-1].usage.cached_prompt_tokens == 0
+    assert engine.stats().prefix_cache_hit_tokens == 0
+
+
+def test_kv_cache_holds_only_the_full_attention_layers(make_engine):
+    engine = make_engine("qwen3_5")  # full attention on 1 of 4 layers
+    assert engine.runner.kv_cache.shape[0] == 1
+    assert engine.kv_layout().num_layers == 1
+    assert engine.runner.linear_state.recurrent.shape[:2] == (3, engine.states.num_slots)
+
+
+def test_kv_handoff_of_a_hybrid_model_is_refused_with_the_reason(make_engine):
+    engine = make_engine("qwen3_next")
+    prompt = PROMPTS[0]
+    with pytest.raises(HandoffUnsupportedError, match=r"not supported for qwen3_next.*--prefill 0"):
+        engine.generate_sync([prompt], GREEDY, kv_export=lambda layout, n: torch.empty(0))
+    layout = engine.kv_layout()
+    kv = torch.zeros(layout.token_shape(len(prompt)), dtype=layout.torch_dtype())
+    with pytest.raises(HandoffUnsupportedError, match="hybrid linear-attention model"):
+        engine.generate_sync([prompt], GREEDY, kv_import=KVImport(kv, layout))
+
+
+def test_multimodal_checkpoint_serves_its_text_model_and_skips_vision_and_mtp(checkpoint, reference, tmp_path,
+                                                                              caplog):
+    """A Qwen3_5ForConditionalGeneration-style folder: text_config, the decoder under model.language_model., the
+    vision encoder under model.visual. and multi-token-prediction weights under mtp. (both skipped)."""
+    name = "qwen3_5"
+    text = checkpoint(name)
+    config = json.loads((text / "config.json").read_text())
+    wrapped = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+               "text_config": {**config, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1},
+               "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(wrapped))
+    tensors = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+               for k, v in load_file(text / "model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, tmp_path / "model.safetensors")
+    assert ModelConfig.from_folder(tmp_path).weight_prefix == "model.language_model."
+    with caplog.at_level("INFO", logger="qwenserve.engine"):
+        engine = LLMEngine.from_pretrained(tmp_path, EngineConfig(num_kv_blocks=64, block_size=8, num_threads=2))
+    try:
+        assert "skipped 1 checkpoint tensors under model.visual." in caplog.text
+        assert "skipped 1 checkpoint tensors under mtp." in caplog.text
+        assert engine.generate_sync(PROMPTS[:2], GREEDY) == expected_tokens(reference, name, PROMPTS[:2])
+    finally:
+        engine.shutdown()
+
+
+def test_config_reads_the_hybrid_fields():
+    cfg = ModelConfig.from_dict({
+        "model_type": "qwen3_next", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 4,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25, "num_experts": 4, "num_experts_per_tok": 2, "linear_num_key_heads": 1,
+    })
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)  # full_attention_interval 4
+    assert cfg.kv_layers == (3,) and cfg.linear_layers == (0, 1, 2) and cfg.is_hybrid
+    assert cfg.partial_rotary_factor == 0.25 and cfg.attn_output_gate and cfg.zero_centered_norm
+    assert cfg.norm_topk_prob and cfg.num_experts == 4
+    assert ModelConfig.from_dict({**cfg.raw, "model_type": "qwen3_5_moe_text"}).model_type == "qwen3_5_moe"
+
+
+def test_chunked_delta_rule_equals_the_token_by_token_rule():
+    gen = torch.Generator().manual_seed(0)
+    length, heads, dk, dv = 11, 3, 5, 4
+    q, k = (torch.nn.functional.normalize(torch.randn(length, heads, dk, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(length, heads, dv, generator=gen)
+    g = -torch.rand(length, heads, generator=gen)
+    beta = torch.rand(length, heads, generator=gen)
+    start = torch.randn(heads, dk, dv, generator=gen)
+    out, final = chunk_gated_delta_rule(q, k, v, g, beta, start.clone(), chunk_size=4)
+    states, slot = start.clone()[None], torch.tensor([0])
+    stepwise = [recurrent_gated_delta_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1],
+                                           beta[t : t + 1], states, slot)[0] for t in range(length)]
+    torch.testing.assert_close(out, torch.stack(stepwise), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, states[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_worker_for_a_hybrid_model_refuses_to_start(checkpoint):
+    with pytest.raises(StartupError, match=r"hybrid linear-attention model \(model_type qwen3_next\).*--prefill 0"):
+        check_handoff_supported(checkpoint("qwen3_next"))
+    check_handoff_supported(checkpoint("qwen3_gqa4"))  # a dense model hands off as before
+    assert HYBRID_CHECKPOINT_TYPES == set(HYBRID_MODEL_TYPES) | set(MODEL_TYPE_ALIASES)
