@@ -1,0 +1,101 @@
+"""Hybrid vs dense: a Qwen3.5-shaped hybrid model (Gated DeltaNet layers, full attention every 4th layer) against a
+dense Qwen3 of the same hidden size, depth, heads and MLP, on the same engine in the same run.
+
+Reported per model: decode tokens/s at several batch sizes (every request decoding, context `--context`), each
+with the hybrid/dense ratio, and what a request's state would weigh in a handoff: KV for the full-attention
+layers per prompt token plus the linear-attention layers' constant state (the hybrid's handoff is not built yet,
+so this is the size the engine holds for the request, computed from its KV layout and state pool, not a
+transfer).
+
+    .venv/bin/python bench/hybrid_bench.py                   # 0.6B-like depth/width (slow on 2 cores)
+    .venv/bin/python bench/hybrid_bench.py --small           # a quick shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from engine_bench import decode_step_seconds  # noqa: E402
+
+from qwenserve.engine.config import EngineConfig  # noqa: E402
+from qwenserve.engine.engine import LLMEngine  # noqa: E402
+
+SHAPES = {
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, linear_num_key_heads=16,
+                 linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128),
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=32, vocab_size=8192, linear_num_key_heads=4,
+                  linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32),
+}
+DENSE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size")
+
+
+def make_checkpoints(shape: str) -> dict[str, Path]:
+    """A random dense Qwen3 and hybrid Qwen3.5 (text) of `shape`, written once under /tmp."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+    spec = SHAPES[shape]
+    configs = {
+        "dense": Qwen3Config(max_position_embeddings=4096, tie_word_embeddings=True,
+                             **{k: spec[k] for k in DENSE_KEYS}),
+        "hybrid": Qwen3_5TextConfig(max_position_embeddings=4096, tie_word_embeddings=True, full_attention_interval=4,
+                                    linear_conv_kernel_dim=4, **spec),
+    }
+    folders = {}
+    for name, config in configs.items():
+        folder = Path(f"/tmp/qwenserve-bench/hybrid-{shape}-{name}")
+        if not (folder / "config.json").is_file():
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        folders[name] = folder
+    return folders
+
+
+def held_bytes(engine: LLMEngine, prompt_tokens: int) -> int:
+    """What the engine holds for one request of `prompt_tokens` tokens: KV of its full-attention layers, and the
+    linear-attention state of one slot."""
+    state = engine.runner.linear_state
+    per_slot = 0 if state is None else state.nbytes // state.conv.shape[1]
+    return engine.kv_layout().nbytes(prompt_tokens) + per_slot
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="a quick shape instead of the 0.6B-like one")
+    parser.add_argument("--batches", default="1,8,32", help="decode batch sizes")
+    parser.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding request")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    folders = make_checkpoints("small" if args.small else "0.6b")
+    batches = [int(b) for b in args.batches.split(",")]
+    rates: dict[str, dict[int, float]] = {}
+    for name, folder in folders.items():
+        engine = LLMEngine.from_pretrained(folder, EngineConfig(dtype="float32", max_num_seqs=max(batches),
+                                                                kv_cache_memory_gb=1.0))
+        try:
+            rates[name] = {b: b / decode_step_seconds(engine, b, context=args.context) for b in batches}
+            for tokens in (args.context, 4 * args.context):
+                print(f"{name:>6}: a {tokens}-token request holds {held_bytes(engine, tokens) / 2**20:8.2f} MiB "
+                      f"(KV of {engine.kv_layout().num_layers} full-attention layers"
+                      + (", plus one linear-attention state slot)" if engine.runner.linear_state is not None else ")"))
+        finally:
+            engine.shutdown()
+    for b in batches:
+        dense, hybrid = rates["dense"][b], rates["hybrid"][b]
+        print(f"batch {b:>3}: decode dense {dense:8.1f} tok/s  hybrid {hybrid:8.1f} tok/s  hybrid/dense "
+              f"{hybrid / dense:5.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
