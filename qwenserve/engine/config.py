@@ -41,7 +41,7 @@ class EngineConfig:
     # flash-attn's paged kernels run (their minimum page size).
     block_size: int | None = option(None, help="tokens per KV cache block (default: 16; 256 with flash-attn)")
     num_kv_blocks: int | None = None  # default: kv_cache_memory_gb worth of blocks
-    kv_cache_memory_gb: float = option(4.0, flag="--kv-cache-gb", help="memory for the paged KV cache, in GB")
+    kv_cache_memory_gb: float = option(4.0, flag="--kv-cache-gb", help="memory for the paged KV cache (and a hybrid model's linear-attention states), in GB")
     # Per-step token budget (prefill chunks + decodes); default: 512 on CPU, 2048 on CUDA (token_budget()).
     max_num_batched_tokens: int | None = option(None,
                                                 help="per-step token budget (default: 512 on CPU, 2048 on CUDA)")

@@ -43,7 +43,7 @@ from qwenserve.engine.sampler import Sampler
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.engine.scheduler import Scheduler, SchedulerLimits
 from qwenserve.engine.sequence import Sequence, SequenceStatus
-from qwenserve.engine.state_pool import StatePool
+from qwenserve.engine.state_pool import LinearStateCache, StatePool
 from qwenserve.engine.step import EngineStep, StepObserver
 from qwenserve.engine.weights import load_checkpoint
 from qwenserve.kv_layout import KVLayout
@@ -70,7 +70,16 @@ class LLMEngine:
             len(model_cfg.kv_layers) * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim
             * torch.empty((), dtype=dtype).element_size()
         )
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30 // bytes_per_block))
+        budget = config.kv_cache_memory_gb * 2**30
+        num_state_slots = 0
+        if model_cfg.is_hybrid:
+            # A hybrid model's linear-attention states come out of the same budget as its KV: a slot per sequence
+            # that may run at once (--max-num-seqs), but at most half the budget, so a large model's default
+            # max_num_seqs cannot allocate more than the operator gave; fewer slots then bound the running batch.
+            per_slot = LinearStateCache.bytes_per_slot(model_cfg, dtype)
+            num_state_slots = max(1, min(config.max_num_seqs, int(budget / 2 // per_slot)))
+            budget -= num_state_slots * per_slot
+        num_blocks = config.num_kv_blocks or max(1, int(budget // bytes_per_block))
         # Checked before the weights load: a max_model_len that cannot fit stops the start in a second, not a minute.
         self.max_model_len = self._fit_max_model_len(
             model_cfg.max_position_embeddings, KVCapacity(num_blocks, block_size, bytes_per_block)
@@ -82,8 +91,6 @@ class LLMEngine:
         fingerprint = load_checkpoint(model, checkpoint)
         model.eval()
         backend = select_backend(config.attention_backend, device, dtype, block_size)
-        # A hybrid model's linear-attention state: one slot per sequence that may run at once.
-        num_state_slots = config.max_num_seqs if model_cfg.is_hybrid else 0
         self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, num_state_slots)
         prefix_caching = config.enable_prefix_caching
         if model_cfg.is_hybrid and prefix_caching:
@@ -94,11 +101,13 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, block_size, prefix_caching)
         self.states = StatePool(num_state_slots) if model_cfg.is_hybrid else None
         if self.runner.linear_state is not None:
-            # Beside --kv-cache-gb, not out of it: a slot per --max-num-seqs, which is what bounds it.
             state_bytes = self.runner.linear_state.nbytes
-            log.info("linear-attention state: %d slots (--max-num-seqs) of %.1f MiB, %.2f GiB beside the KV cache, for "
-                     "%d of %d layers (KV for the other %d)", num_state_slots, state_bytes / num_state_slots / 2**20,
-                     state_bytes / 2**30, len(model_cfg.linear_layers), model_cfg.num_layers, len(model_cfg.kv_layers))
+            log.info("linear-attention state: %d slots of %.1f MiB (%.2f GiB of --kv-cache-gb; at most --max-num-seqs, "
+                     "at most half the budget) for %d of %d layers, KV for the other %d%s", num_state_slots,
+                     state_bytes / num_state_slots / 2**20, state_bytes / 2**30, len(model_cfg.linear_layers),
+                     model_cfg.num_layers, len(model_cfg.kv_layers),
+                     f"; at most {num_state_slots} sequences run at once" if num_state_slots < config.max_num_seqs
+                     else "")
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_batched_tokens=config.token_budget(),

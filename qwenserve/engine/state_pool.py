@@ -49,11 +49,17 @@ class LinearStateCache:
     conv: torch.Tensor
     recurrent: torch.Tensor
 
+    @staticmethod
+    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """One sequence's state across every linear-attention layer (the recurrent matrices in fp32)."""
+        conv = _conv_dim(cfg) * (cfg.linear_conv_kernel_dim - 1) * torch.empty((), dtype=dtype).element_size()
+        recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        return len(cfg.linear_layers) * (conv + recurrent)
+
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> LinearStateCache:
         layers = len(cfg.linear_layers)
-        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
-            cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+        conv_dim = _conv_dim(cfg)
         conv = torch.zeros(layers, num_slots, conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
         recurrent = torch.zeros(layers, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                 cfg.linear_value_head_dim, dtype=torch.float32, device=device)
@@ -80,3 +86,8 @@ class LinearAttentionBatch:
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes] int64
     prefills: list[tuple[int, int, int]]
+
+
+def _conv_dim(cfg: ModelConfig) -> int:
+    """Channels of the short convolution: the keys and queries of every key head, the values of every value head."""
+    return 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim

@@ -84,6 +84,21 @@ def test_state_slots_bound_the_running_batch_and_are_reused(make_engine, referen
     assert_state_slots_released(engine)
 
 
+def test_state_slots_take_at_most_half_the_memory_budget_and_then_bound_the_batch(make_engine, reference):
+    name = "qwen3_5"
+    probe = make_engine(name)
+    per_slot = probe.runner.linear_state.nbytes // probe.states.num_slots
+    budget = 5 * per_slot  # half of it holds two slots, not the eight --max-num-seqs asks for
+    engine = make_engine(name, num_kv_blocks=None, kv_cache_memory_gb=budget / 2**30, max_num_seqs=8)
+    assert engine.states.num_slots == 2
+    kv_bytes = engine.runner.kv_cache.nbytes
+    assert engine.runner.linear_state.nbytes + kv_bytes <= budget
+    assert kv_bytes > budget - 2 * per_slot - kv_bytes / engine.pool.num_blocks  # the rest went to KV blocks
+    short = random_prompts(3, 5, 30, seed=22)
+    assert engine.generate_sync(short, GREEDY) == expected_tokens(reference, name, short)
+    assert_state_slots_released(engine)
+
+
 def test_one_token_prompt_starts_from_a_clean_state(make_engine, reference):
     name = "qwen3_5_moe"
     engine = make_engine(name)
