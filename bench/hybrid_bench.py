@@ -81,7 +81,7 @@ def main() -> int:
     rates: dict[str, dict[int, float]] = {}
     for name, folder in folders.items():
         engine = LLMEngine.from_pretrained(folder, EngineConfig(dtype="float32", max_num_seqs=max(batches),
-                                                                kv_cache_memory_gb=1.0))
+                                                                kv_cache_memory_gb=4.0))
         try:
             rates[name] = {b: b / decode_step_seconds(engine, b, context=args.context) for b in batches}
             for tokens in (args.context, 4 * args.context):
