@@ -58,8 +58,8 @@ class RouterServiceConfig(StageConfig):
         0.0, help="hold a request this long while the decode stage has no pod (scaled to zero) for one to start; "
                   "then 503 with Retry-After (0: at once)")
     max_streams_per_decode_worker: int = option(
-        0, help="at most this many requests in flight per decode worker, counted before prefill; more wait here, "
-                "first come first served, so no stream stalls for a decode slot after its first token (0: no bound)")
+        0, help="at most this many requests in flight per decode worker, counted before prefill; more wait here "
+                "(tier priority, then arrival), so no stream stalls for a decode slot after its first token (0: no bound)")
     max_queue_wait_s: float = option(
         60.0, help="a request waiting longer than this for a decode stream slot gets 503 with Retry-After")
     priority_aging_s: float = option(
