@@ -41,23 +41,6 @@ def check_model_folder(model: str | Path, flag: str = "--model", *, needs_tokeni
         raise StartupError(f"{flag} {folder} has no tokenizer.json; copy the checkpoint's tokenizer files there")
 
 
-# The model_types of hybrid linear-attention checkpoints (qwenserve.models.config.HYBRID_MODEL_TYPES and their
-# aliases), here without importing the models (and torch) into a stage that is only starting.
-HYBRID_CHECKPOINT_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
-
-
-def check_handoff_supported(model: str | Path) -> None:
-    """A prefill worker exports every prompt's KV to a decode worker: refuse a model whose handoff is not supported
-    (a hybrid linear-attention model: the lease does not carry its linear-attention state yet)."""
-    model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type")
-    if model_type in HYBRID_CHECKPOINT_TYPES:
-        raise StartupError(
-            f"{model} is a hybrid linear-attention model (model_type {model_type}); a prefill worker hands its KV to "
-            "decode workers, and that handoff does not carry the linear-attention state yet: serve it colocated, "
-            "with no prefill worker (qwen-serve up MODEL --prefill 0: decode workers prefill themselves)"
-        )
-
-
 def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """Nothing listens on host:port, so a server can bind it (0 always can: the OS picks)."""
     if not port:

@@ -43,7 +43,7 @@ from qwenserve.engine.sampler import Sampler
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.engine.scheduler import Scheduler, SchedulerLimits
 from qwenserve.engine.sequence import Sequence, SequenceStatus
-from qwenserve.engine.state_pool import LinearStateCache, StatePool
+from qwenserve.engine.state_pool import LinearStateCache, StatePool, linear_state_layout
 from qwenserve.engine.step import EngineStep, StepObserver
 from qwenserve.engine.weights import load_checkpoint
 from qwenserve.kv_layout import KVLayout
@@ -131,9 +131,9 @@ class LLMEngine:
             num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim,
             model_fingerprint=fingerprint,
+            **linear_state_layout(model_cfg),
         )
-        self.intake = RequestIntake(model_cfg.vocab_size, self.max_model_len, self.grammar, self._layout,
-                                    handoff_unsupported=model_cfg.model_type if model_cfg.is_hybrid else None)
+        self.intake = RequestIntake(model_cfg.vocab_size, self.max_model_len, self.grammar, self._layout)
         self.step = EngineStep(self.scheduler, self.runner, Sampler(config.seed, self.grammar), self._layout,
                                self.eos_token_ids, self.max_model_len, self._finish)
         self._commands: queue.Queue[object] = queue.Queue()

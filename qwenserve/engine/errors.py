@@ -41,10 +41,6 @@ class RequestTooLargeError(RequestError):
     """The request needs more KV blocks than the whole pool holds, so it could never run."""
 
 
-class HandoffUnsupportedError(RequestError):
-    """The request asks for a KV import or export that this engine's model cannot hand off (a hybrid model)."""
-
-
 class DuplicateRequestError(RequestError):
     """A request with this id is already running."""
 

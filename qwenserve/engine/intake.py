@@ -13,7 +13,6 @@ from typing import Any
 from qwenserve.engine.errors import (
     ContextLengthExceededError,
     EmptyPromptError,
-    HandoffUnsupportedError,
     InvalidTokenError,
     RequestError,
 )
@@ -27,17 +26,13 @@ from qwenserve.kv_layout import KVLayout
 
 
 class RequestIntake:
-    """Checks requests against the model's vocabulary, max_model_len, the grammar backend and the KV layout.
-    `handoff_unsupported`: the model type of a model whose KV cannot be handed off (a hybrid model: its
-    linear-attention state is not part of the handoff yet), so a KV import or export is refused."""
+    """Checks requests against the model's vocabulary, max_model_len, the grammar backend and the KV layout."""
 
-    def __init__(self, vocab_size: int, max_model_len: int, grammar: GrammarBackend, layout: KVLayout,
-                 handoff_unsupported: str | None = None) -> None:
+    def __init__(self, vocab_size: int, max_model_len: int, grammar: GrammarBackend, layout: KVLayout) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.grammar = grammar
         self.layout = layout
-        self.handoff_unsupported = handoff_unsupported
 
     def sequence(
         self,
@@ -53,12 +48,6 @@ class RequestIntake:
         """The request as a Sequence, or a RequestError saying why it cannot run here."""
         if not prompt_token_ids:
             raise EmptyPromptError("the prompt has no tokens; send at least one token id")
-        if self.handoff_unsupported and (kv_import is not None or kv_export is not None):
-            raise HandoffUnsupportedError(
-                f"a KV handoff (disaggregated prefill and decode) is not supported for {self.handoff_unsupported}, a "
-                "hybrid linear-attention model, yet: its linear-attention state is not part of the handoff; serve it "
-                "colocated (qwen-serve up --prefill 0)"
-            )
         tokens = [int(t) for t in prompt_token_ids] + [int(t) for t in resume_token_ids]
         vocab = self.vocab_size
         bad = next((t for t in tokens if not 0 <= t < vocab), None)

@@ -1,8 +1,9 @@
 """How one request's KV leaves or enters the engine (disaggregated prefill/decode): the engine's side of a handoff.
 
 Exported and imported KV is token-major: a tensor [num_layers, 2 (k, v), num_tokens, num_kv_heads, head_dim] of
-the serving dtype, so the block size of the two engines need not agree. The layout itself, and the check that
-two layouts agree, are `qwenserve.kv_layout`'s.
+the serving dtype, so the block size of the two engines need not agree. A hybrid model's handoff carries, besides
+the KV of its full-attention layers, the state its linear-attention layers reached after those tokens (a
+LinearState). The layout itself, and the check that two layouts agree, are `qwenserve.kv_layout`'s.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ from typing import Protocol
 
 import torch
 
-from qwenserve.kv_layout import KVLayout, KVLayoutMismatch
+from qwenserve.kv_layout import KVLayout, KVLayoutMismatch, LinearState
 
 
 @dataclass(frozen=True, slots=True)
 class KVImport:
     """Prompt KV computed elsewhere: `kv` is [num_layers, 2, num_tokens, num_kv_heads, head_dim] covering
-    the first num_tokens tokens of the prompt (+ resume tokens), described by `layout`."""
+    the first num_tokens tokens of the prompt (+ resume tokens), described by `layout`; for a hybrid model `state`
+    is its linear-attention state after exactly those tokens."""
 
     kv: torch.Tensor
     layout: KVLayout
+    state: LinearState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +46,11 @@ class KVImport:
             raise KVLayoutMismatch(f"imported KV has dtype {kv.dtype}; this engine serves {engine_layout.dtype}")
         if kv.shape[2] > request_tokens:
             raise KVLayoutMismatch(f"imported KV covers {kv.shape[2]} tokens but the request has only {request_tokens}")
+        engine_layout.check_state(self.state)
+        if self.state is not None and kv.shape[2] >= request_tokens:
+            # KV can be recomputed over, a recurrent state cannot be rewound: the engine computes the last token.
+            raise KVLayoutMismatch(f"imported KV and state cover all {request_tokens} tokens of the request; a hybrid "
+                                   "model's import must leave at least the last token to compute")
 
 
 class KVExportTarget(Protocol):
@@ -56,7 +64,12 @@ class KVExportTarget(Protocol):
         """tensor[l, k, t] = planes[l, k, rows[t]]: planes is the paged cache as [L, 2, slots, H, D] on the CPU."""
         ...
 
+    def write_state(self, state: LinearState) -> None:
+        """Copy a hybrid model's linear-attention state in beside the KV (before the handoff is published)."""
+        ...
+
 
 # Called once per exported request: (layout, num_tokens) -> a writable [L, 2, T, H, D] tensor of the serving
-# dtype (typically a view over shared memory), or a KVExportTarget, that the engine fills with one copy.
+# dtype (typically a view over shared memory), or a KVExportTarget, that the engine fills with one copy. A hybrid
+# model's export needs a KVExportTarget: its linear-attention state goes with the KV.
 KVExportSink = Callable[[KVLayout, int], "torch.Tensor | KVExportTarget"]

@@ -17,6 +17,7 @@ from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.scheduler import ScheduledSequence
 from qwenserve.engine.sequence import Sequence
 from qwenserve.engine.state_pool import LinearAttentionBatch, LinearStateCache
+from qwenserve.kv_layout import LinearState
 from qwenserve.models import QwenForCausalLM
 
 #: Prompt positions whose logits are computed at once for prompt logprobs (~80 MB of fp32 logits at a 152k vocabulary).
@@ -162,9 +163,19 @@ class ModelRunner:
             return
         flat.index_copy_(2, slots, src)
 
+    def import_state(self, seq: Sequence, state: LinearState) -> None:
+        """Put a hybrid model's imported linear-attention state in the sequence's state slot."""
+        self.linear_state.load(seq.state_slot, state)
+
     def export_kv(self, seq: Sequence, num_tokens: int, out: torch.Tensor | KVExportTarget) -> None:
-        """Gather the sequence's first `num_tokens` tokens of KV into `out` [L, 2, T, H, D] with one copy."""
+        """Gather the sequence's first `num_tokens` tokens of KV into `out` [L, 2, T, H, D] with one copy; a hybrid
+        model's linear-attention state (after those tokens: the sequence's last computed) goes with it."""
         slots = self._token_slots(seq, num_tokens)
+        if self.linear_state is not None:
+            if isinstance(out, torch.Tensor):
+                raise TypeError("a hybrid model's KV export needs a KVExportTarget, which takes the "
+                                "linear-attention state with the KV, not a bare tensor")
+            out.write_state(self.linear_state.slot(seq.state_slot))
         if not isinstance(out, torch.Tensor):
             if self.kv_cache.device.type == "cpu" and out.tensor.dtype == self.kv_cache.dtype:
                 out.gather(self._flat_cache(), slots)

@@ -4,7 +4,8 @@ A Gated DeltaNet layer (Qwen3-Next, Qwen3.5) keeps, per sequence, a state of con
 the last (conv kernel - 1) inputs of its short causal convolution, and its recurrent matrix. The pool has one slot
 per sequence that can run at once (max_num_seqs); a sequence takes a slot when it is admitted and gives it back when
 it finishes or is preempted. A preempted sequence recomputes from its first token, its state as well as its KV, so a
-slot is never saved anywhere.
+slot is never saved anywhere. A disaggregated handoff carries the slot's contents (a kv_layout.LinearState) from the
+prefill worker's pool into a decode worker's.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from qwenserve.kv_layout import LinearState
 
 if TYPE_CHECKING:
     from qwenserve.models.config import ModelConfig
@@ -69,6 +72,15 @@ class LinearStateCache:
     def nbytes(self) -> int:
         return self.conv.nbytes + self.recurrent.nbytes
 
+    def slot(self, slot: int) -> LinearState:
+        """Views of one slot's state, every linear layer's (what a handoff carries)."""
+        return LinearState(conv=self.conv[:, slot], recurrent=self.recurrent[:, slot])
+
+    def load(self, slot: int, state: LinearState) -> None:
+        """Replace one slot's state with one computed elsewhere (a handoff's)."""
+        self.conv[:, slot].copy_(state.conv)
+        self.recurrent[:, slot].copy_(state.recurrent)
+
     def reset(self, slots: list[int]) -> None:
         """Zero the slots of sequences about to compute their first token (a fresh or a recomputed sequence)."""
         index = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
@@ -86,6 +98,20 @@ class LinearAttentionBatch:
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes] int64
     prefills: list[tuple[int, int, int]]
+
+
+def linear_state_layout(cfg: ModelConfig) -> dict[str, int]:
+    """The KVLayout fields that describe a model's linear-attention state (none for a model without such layers)."""
+    if not cfg.is_hybrid:
+        return {}
+    return {
+        "linear_layers": len(cfg.linear_layers),
+        "linear_conv_dim": _conv_dim(cfg),
+        "linear_conv_width": cfg.linear_conv_kernel_dim - 1,
+        "linear_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim,
+        "linear_value_head_dim": cfg.linear_value_head_dim,
+    }
 
 
 def _conv_dim(cfg: ModelConfig) -> int:

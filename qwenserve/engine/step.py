@@ -78,6 +78,8 @@ class EngineStep:
         try:
             for seq in plan.imports:
                 self.runner.import_kv(seq, seq.kv_import.kv, seq.num_computed_tokens)
+                if seq.kv_import.state is not None:
+                    self.runner.import_state(seq, seq.kv_import.state)
                 seq.kv_import = None
             logits, sampling = self.runner.execute(plan.scheduled)
         except Exception as exc:  # a failed step fails its requests, never the engine

@@ -2,6 +2,7 @@
 
     slot = exporter.reserve(handoff_id, layout, num_tokens)
     slot.gather(paged_cache, token_slots)               # the engine's one copy, hashed as it lands
+    slot.write_state(state)                             # a hybrid model's linear-attention state, after the KV
     handle = slot.publish(lease_s=30)                   # lease (+ checksum, if written through slot.tensor)
     ...                                                 # decode fetches, then releases
 The bytes stay until `release()` (the importer's ack, via KVTransfer.Release) or until the
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qwenserve.addresses import endpoint_host, is_wildcard_host
-from qwenserve.kv_layout import KVLayout
+from qwenserve.kv_layout import KVLayout, LinearState
 from qwenserve.kv_transfer.checksum import DEFAULT_ALGORITHM, compute_checksum, fused_copy, gather_copy
 from qwenserve.kv_transfer.errors import KVHandoffExists, KVHandoffGone, KVLayoutInvalid
 from qwenserve.kv_transfer.handle import (
@@ -112,8 +113,11 @@ class ExportSlot:
         self._entry = entry
         self.handoff_id = entry.handoff_id
         self.nbytes = entry.nbytes
+        kv, state = entry.layout.split(entry.data, entry.num_tokens)
         #: Writable [L, 2, T, H, D] tensor of the layout's dtype, directly over the transport's memory.
-        self.tensor = entry.data.view(entry.layout.torch_dtype()).view(entry.layout.token_shape(entry.num_tokens))
+        self.tensor = kv
+        #: A hybrid model's linear-attention state, after the KV in the same memory (None for other models).
+        self.state = state
 
     def write(self, src: torch.Tensor) -> None:
         """Copy a contiguous [L, 2, T, H, D] CPU tensor into the slot, hashing each chunk as it lands.
@@ -127,7 +131,7 @@ class ExportSlot:
             )
         self._entry.checksum = None
         checksum = fused_copy(self.tensor, src.contiguous(), self._exporter.config.checksum)
-        self._entry.checksum = checksum
+        self._keep_checksum(checksum)
 
     def gather(self, planes: torch.Tensor, rows: torch.Tensor) -> None:
         """Fill the slot from an engine's paged cache, hashing as the bytes land: tensor[l, k, t] = planes[l, k,
@@ -146,7 +150,21 @@ class ExportSlot:
         layers, kv = shape[:2]
         checksum = gather_copy(self.tensor.view(layers * kv, *shape[2:]), planes.view(layers * kv, *planes.shape[2:]),
                                rows, self._exporter.config.checksum)
-        self._entry.checksum = checksum
+        self._keep_checksum(checksum)
+
+    def write_state(self, state: LinearState) -> None:
+        """Copy a hybrid model's linear-attention state in after the KV; publish then hashes the whole handoff."""
+        if self.state is None:
+            raise KVLayoutInvalid(f"handoff {self.handoff_id}: its layout has no linear-attention state")
+        self._entry.layout.check_state(state, f"handoff {self.handoff_id}")
+        self._entry.checksum = None
+        self.state.recurrent.copy_(state.recurrent)
+        self.state.conv.copy_(state.conv)
+
+    def _keep_checksum(self, checksum: str) -> None:
+        # The hash taken while copying covers the KV only; with state after it, publish hashes all the bytes (the
+        # KV of a hybrid model's few full-attention layers is small, the state a fixed few MiB).
+        self._entry.checksum = checksum if self.state is None else None
 
     def publish(self, lease_s: float = 30.0) -> KVHandle:
         """Checksum the bytes, start a lease of `lease_s` seconds and return the handle for the importer."""

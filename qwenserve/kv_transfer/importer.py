@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from qwenserve.addresses import endpoint_host, is_wildcard_host
-from qwenserve.kv_layout import KVLayout, KVLayoutMismatch
+from qwenserve.kv_layout import KVLayout, KVLayoutMismatch, LinearState
 from qwenserve.kv_transfer.checksum import (
     KVSUM,
     NO_CHECKSUM,
@@ -113,22 +113,36 @@ class KVImporter:
         *,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The handoff's KV as an [L, 2, T, H, D] tensor, after checking layout and checksum.
+        """The handoff's KV as an [L, 2, T, H, D] tensor, after checking layout and checksum: for a model without
+        linear-attention layers (a hybrid model's handoff needs fetch_payload, which returns its state too).
 
         Raises KVLayoutMismatch (layout or model differs), KVChecksumMismatch (bytes corrupted),
         KVHandoffGone (released, expired, exporter gone), KVHandleInvalid (a transport or address this importer
         will not use) or KVTransportUnavailable.
         With `out` (a contiguous CPU tensor of the right shape and dtype) the bytes land there.
         """
+        kv, _ = await self.fetch_payload(handle, expected, out=out)
+        return kv
+
+    async def fetch_payload(
+        self,
+        handle: KVHandle,
+        expected: KVLayout,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, LinearState | None]:
+        """The handoff's KV [L, 2, T, H, D] and, for a hybrid model, the linear-attention state after those tokens,
+        checked as `fetch` says. `out`: as for fetch; for a hybrid model, a uint8 buffer of the handoff's length."""
         self._check_addresses(handle)
         layout = self._check_layout(handle, expected)
-        shape = layout.token_shape(handle.num_tokens)
+        shape, dtype = layout.token_shape(handle.num_tokens), layout.torch_dtype()
+        if layout.has_linear_state:
+            shape, dtype = (handle.length,), torch.uint8
         if out is not None and (
-            tuple(out.shape) != shape or out.dtype != layout.torch_dtype() or not out.is_contiguous()
-            or out.device.type != "cpu"
+            tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu"
         ):
             raise ValueError(
-                f"out must be a contiguous CPU tensor of shape {shape} and dtype {layout.dtype}, "
+                f"out must be a contiguous CPU tensor of shape {shape} and dtype {dtype}, "
                 f"got {tuple(out.shape)} {out.dtype} on {out.device}"
             )
         if lease_remaining_s(handle) <= 0:
@@ -143,7 +157,7 @@ class KVImporter:
             raise KVTransportUnavailable(
                 f"{describe(handle)}: this importer cannot read transport {handle.transport}"
             )
-        return data.view(layout.torch_dtype()).view(shape)
+        return layout.split(data, handle.num_tokens)
 
     async def release(self, handle: KVHandle, reason: str = "imported") -> bool:
         """Tell the exporter it may free the bytes. Idempotent; never raises for transport trouble.

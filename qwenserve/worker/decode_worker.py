@@ -154,7 +154,7 @@ class DecodeWorker:
                     raise KVLayoutMismatch(
                         f"the handoff holds {handle.num_tokens} tokens, the prompt has {prompt_len}"
                     )
-                tensor = await self.importer.fetch(handle, self.engine.kv_layout())
+                tensor, state = await self.importer.fetch_payload(handle, self.engine.kv_layout())
             except (KVTransferError, KVLayoutMismatch, OSError) as e:
                 # OSError: what the handle names could not be read; the router recomputes the prompt instead.
                 if self.handoff is not None:
@@ -169,7 +169,7 @@ class DecodeWorker:
             span.set_attribute("qwenserve.handoff.seconds", seconds)
             if self.handoff is not None:
                 self.handoff.record_transfer(transport, handle.length, seconds)
-        return KVImport(kv=tensor, layout=self.engine.kv_layout())
+        return KVImport(kv=tensor, layout=self.engine.kv_layout(), state=state)
 
 
 class _HeldHandoff:

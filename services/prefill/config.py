@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from qwenserve.addresses import advertise_host
 from qwenserve.flags import StrictParser, option
-from qwenserve.preflight import check_handoff_supported
 from qwenserve_services.stage_config import (
     KV_TRANSFER_MODES,
     EngineStageConfig,
@@ -54,6 +53,5 @@ def parse_config(argv: Sequence[str], prog: str | None = None) -> PrefillService
 def check(config: PrefillServiceConfig) -> PrefillServiceConfig:
     """The engine stage's checks, then the address handoffs advertise (--advertise-host, resolved here)."""
     config = check_engine_stage(config)
-    check_handoff_supported(config.model)
     check_kv_transfer(config.kv_transfer)
     return dataclasses.replace(config, advertise_host=advertise_host(config.host, config.advertise_host))

@@ -1,21 +1,22 @@
 """A hybrid linear-attention model (Qwen3.5 text: Gated DeltaNet layers and gated full attention) through
-`qwen-serve up` with the real vocabulary: served colocated (no prefill worker), its greedy tokens through the router
-equal transformers'; with a prefill worker (whose handoff cannot carry the linear-attention state yet) `qwen-serve up`
-refuses to start, saying how to serve it."""
+`qwen-serve up` with the real vocabulary: its greedy tokens through the router equal transformers', served
+colocated (no prefill worker) and disaggregated (the handoff carrying the full-attention KV and the linear-attention
+state from the prefill worker to the decode worker)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
-import subprocess
-import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
+from qwenserve.kv_layout import KVLayout
 from qwenserve.tokenizer import builtin
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.e2e.conftest import make_cluster
@@ -89,8 +90,24 @@ def test_a_hybrid_model_served_colocated_through_the_router_equals_transformers(
     assert served == _reference(hybrid_model)
 
 
-def test_up_with_a_prefill_worker_refuses_a_hybrid_model_and_says_how_to_serve_it(hybrid_model: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "qwenserve.cli", "up", str(hybrid_model), "--prefill", "1"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1
-    assert "hybrid linear-attention" in run.stderr and "--prefill 0" in run.stderr
+def test_a_hybrid_model_disaggregated_hands_off_its_state_and_equals_transformers(hybrid_model: Path,
+                                                                                    tmp_path: Path) -> None:
+    # The prefill worker computes the 84-token prompt in three chunks and hands the KV and state to decode.
+    env = {"QWENSERVE_MAX_NUM_BATCHED_TOKENS": "32", "QWENSERVE_DTYPE": "float32"}
+    with make_cluster(hybrid_model, tmp_path, prefill=1, decode=1, env=env) as cluster:
+        served = asyncio.run(_served(f"{cluster.host}:{cluster.router_port}"))
+        handed = _metric(cluster.child("decode-0").metrics_port, "qwenserve_handoff_bytes_total")
+        failed = _metric(cluster.child("decode-0").metrics_port, "qwenserve_handoff_failures_total")
+    assert served == _reference(hybrid_model)
+    # Every prompt came through a handoff of its KV (2 full-attention layers) and its state (2 linear layers).
+    layout = KVLayout("float32", 16, num_layers=2, num_kv_heads=2, head_dim=16, model_fingerprint="", linear_layers=2,
+                      linear_conv_dim=2 * 2 * 16 + 4 * 8, linear_conv_width=3, linear_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=8)
+    assert failed == 0
+    assert handed == sum(layout.nbytes(len(p)) for p in PROMPTS)
+
+
+def _metric(port: int, name: str) -> float:
+    """A counter's value summed over its labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))

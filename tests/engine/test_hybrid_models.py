@@ -1,6 +1,6 @@
-"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) served colocated: greedy tokens equal
-transformers' across chunked prefill, batching, preemption and state-slot reuse; what is not supported yet
-(prefix caching, a KV handoff) is off or refused with a message that says so."""
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): greedy tokens equal transformers' across
+chunked prefill, batching, preemption and state-slot reuse; prefix caching is off, with the reason logged. The
+handoff between engines is tests/engine/test_hybrid_handoff.py's."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
-from qwenserve.engine.errors import HandoffUnsupportedError
-from qwenserve.engine.kv_handoff import KVImport
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.models import ModelConfig
-from qwenserve.models.config import HYBRID_MODEL_TYPES, MODEL_TYPE_ALIASES
 from qwenserve.models.qwen3_next import chunk_gated_delta_rule, recurrent_gated_delta_step
-from qwenserve.preflight import HYBRID_CHECKPOINT_TYPES, StartupError, check_handoff_supported
 
 HYBRIDS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -125,17 +121,6 @@ def test_kv_cache_holds_only_the_full_attention_layers(make_engine):
     assert engine.runner.linear_state.recurrent.shape[:2] == (3, engine.states.num_slots)
 
 
-def test_kv_handoff_of_a_hybrid_model_is_refused_with_the_reason(make_engine):
-    engine = make_engine("qwen3_next")
-    prompt = PROMPTS[0]
-    with pytest.raises(HandoffUnsupportedError, match=r"not supported for qwen3_next.*--prefill 0"):
-        engine.generate_sync([prompt], GREEDY, kv_export=lambda layout, n: torch.empty(0))
-    layout = engine.kv_layout()
-    kv = torch.zeros(layout.token_shape(len(prompt)), dtype=layout.torch_dtype())
-    with pytest.raises(HandoffUnsupportedError, match="hybrid linear-attention model"):
-        engine.generate_sync([prompt], GREEDY, kv_import=KVImport(kv, layout))
-
-
 def test_multimodal_checkpoint_serves_its_text_model_and_skips_vision_and_mtp(checkpoint, reference, tmp_path,
                                                                               caplog):
     """A Qwen3_5ForConditionalGeneration-style folder: text_config, the decoder under model.language_model., the
@@ -190,10 +175,3 @@ def test_chunked_delta_rule_equals_the_token_by_token_rule():
                                            beta[t : t + 1], states, slot)[0] for t in range(length)]
     torch.testing.assert_close(out, torch.stack(stepwise), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(final, states[0], rtol=1e-5, atol=1e-5)
-
-
-def test_a_prefill_worker_for_a_hybrid_model_refuses_to_start(checkpoint):
-    with pytest.raises(StartupError, match=r"hybrid linear-attention model \(model_type qwen3_next\).*--prefill 0"):
-        check_handoff_supported(checkpoint("qwen3_next"))
-    check_handoff_supported(checkpoint("qwen3_gqa4"))  # a dense model hands off as before
-    assert HYBRID_CHECKPOINT_TYPES == set(HYBRID_MODEL_TYPES) | set(MODEL_TYPE_ALIASES)
