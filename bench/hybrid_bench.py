@@ -2,10 +2,9 @@
 dense Qwen3 of the same hidden size, depth, heads and MLP, on the same engine in the same run.
 
 Reported per model: decode tokens/s at several batch sizes (every request decoding, context `--context`), each
-with the hybrid/dense ratio, and what a request's state would weigh in a handoff: KV for the full-attention
-layers per prompt token plus the linear-attention layers' constant state (the hybrid's handoff is not built yet,
-so this is the size the engine holds for the request, computed from its KV layout and state pool, not a
-transfer).
+with the hybrid/dense ratio, and the bytes of one request's handoff from a prefill engine (published through a
+KVExporter as a prefill worker does, the length its handle carries): KV for the full-attention layers per prompt
+token, plus for the hybrid its linear-attention layers' constant state.
 
     .venv/bin/python bench/hybrid_bench.py                   # 0.6B-like depth/width (slow on 2 cores)
     .venv/bin/python bench/hybrid_bench.py --small           # a quick shape
@@ -25,6 +24,8 @@ from engine_bench import decode_step_seconds  # noqa: E402
 
 from qwenserve.engine.config import EngineConfig  # noqa: E402
 from qwenserve.engine.engine import LLMEngine  # noqa: E402
+from qwenserve.engine.sampling_params import SamplingParams  # noqa: E402
+from qwenserve.kv_transfer import ExporterConfig, KVExporter, KVTransport  # noqa: E402
 
 SHAPES = {
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=24, num_attention_heads=16,
@@ -60,12 +61,22 @@ def make_checkpoints(shape: str) -> dict[str, Path]:
     return folders
 
 
-def held_bytes(engine: LLMEngine, prompt_tokens: int) -> int:
-    """What the engine holds for one request of `prompt_tokens` tokens: KV of its full-attention layers, and the
-    linear-attention state of one slot."""
-    state = engine.runner.linear_state
-    per_slot = 0 if state is None else state.nbytes // state.conv.shape[1]
-    return engine.kv_layout().nbytes(prompt_tokens) + per_slot
+def handoff_bytes(engine: LLMEngine, prompt_tokens: int) -> int:
+    """The length of the handoff a prefill of `prompt_tokens` tokens publishes (its KV, and state if hybrid)."""
+    config = ExporterConfig(transport=KVTransport.KV_TRANSPORT_GRPC, control_endpoint="127.0.0.1:1", use_shm=False,
+                            pool_bytes=1 << 20, prefault=False)
+    with KVExporter(config) as exporter:
+        slots = []
+
+        def sink(layout: object, num_tokens: int) -> object:
+            slots.append(exporter.reserve("bench", layout, num_tokens))
+            return slots[-1]
+
+        prompt = [(7919 * i) % 8000 + 10 for i in range(prompt_tokens)]
+        engine.generate_sync([prompt], SamplingParams(max_tokens=2, ignore_eos=True), kv_export=sink)
+        handle = slots[0].publish(lease_s=5)
+        exporter.release("bench")
+        return handle.length
 
 
 def main() -> int:
@@ -79,21 +90,27 @@ def main() -> int:
     folders = make_checkpoints("small" if args.small else "0.6b")
     batches = [int(b) for b in args.batches.split(",")]
     rates: dict[str, dict[int, float]] = {}
+    sent: dict[tuple[str, int], int] = {}
     for name, folder in folders.items():
         engine = LLMEngine.from_pretrained(folder, EngineConfig(dtype="float32", max_num_seqs=max(batches),
                                                                 kv_cache_memory_gb=4.0))
         try:
             rates[name] = {b: b / decode_step_seconds(engine, b, context=args.context) for b in batches}
             for tokens in (args.context, 4 * args.context):
-                print(f"{name:>6}: a {tokens}-token request holds {held_bytes(engine, tokens) / 2**20:8.2f} MiB "
-                      f"(KV of {engine.kv_layout().num_layers} full-attention layers"
-                      + (", plus one linear-attention state slot)" if engine.runner.linear_state is not None else ")"))
+                sent[name, tokens] = handoff_bytes(engine, tokens)
+                layout = engine.kv_layout()
+                print(f"{name:>6}: a {tokens}-token prompt's handoff is {sent[name, tokens] / 2**20:8.2f} MiB (KV of "
+                      f"{layout.num_layers} full-attention layers"
+                      + (f", plus {layout.state_nbytes / 2**20:.2f} MiB of linear-attention state)"
+                         if layout.has_linear_state else ")"))
         finally:
             engine.shutdown()
     for b in batches:
         dense, hybrid = rates["dense"][b], rates["hybrid"][b]
         print(f"batch {b:>3}: decode dense {dense:8.1f} tok/s  hybrid {hybrid:8.1f} tok/s  hybrid/dense "
               f"{hybrid / dense:5.2f}")
+    for tokens in (args.context, 4 * args.context):
+        print(f"handoff of a {tokens}-token prompt: hybrid/dense bytes {sent['hybrid', tokens] / sent['dense', tokens]:5.2f}")
     return 0
 
 

@@ -153,6 +153,21 @@ def bench_scatter(tokens: int, repeat: int) -> None:
         median_s(lambda: cpu_kernels.scatter_rows(dst, src, rows), repeat), 0, None)
 
 
+def bench_gated_delta(rows: int, repeat: int) -> None:
+    """A hybrid model's recurrent update at decode (gated_delta.c) against its PyTorch step, at Qwen3.5's linear
+    attention shape (16 value heads of 128, key heads of 128), one layer; the state slots in place."""
+    from qwenserve.models.gated_delta import recurrent_gated_delta_step
+
+    heads, dim = 16, 128
+    states = torch.randn(max(rows, 8), heads, dim, dim) * 0.01
+    q, k = (F.normalize(torch.randn(rows, heads, dim), dim=-1) for _ in range(2))
+    v, g, beta = torch.randn(rows, heads, dim), -torch.rand(rows, heads), torch.rand(rows, heads)
+    slots = torch.randperm(states.shape[0])[:rows]
+    row(f"gated delta step rows={rows}",
+        median_s(lambda: recurrent_gated_delta_step(q, k, v, g, beta, states, slots), repeat),
+        median_s(lambda: cpu_kernels.gated_delta_step(q, k, v, g, beta, states, slots), repeat), 0, None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -175,6 +190,9 @@ def main() -> None:
     bench_returned_ops(512, args.repeat, None)
     print("-- KV import")
     bench_scatter(1024, args.repeat)
+    print("-- hybrid models: the recurrent update of one linear-attention layer at decode")
+    for rows in (1, 8, 32):
+        bench_gated_delta(rows, args.repeat)
 
 
 if __name__ == "__main__":

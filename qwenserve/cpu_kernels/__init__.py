@@ -1,7 +1,8 @@
 """C kernels for what PyTorch's CPU ops leave slow, each kept because bench/kernels_bench.py measures a gain that
 shows in a step: decode attention read straight from the paged KV cache (paged_decode.c); the linear layers'
 x · Wᵀ on weights packed in panels of 16 output columns (linear.c, `PackedWeight`); structured output's token
-mask applied to the logits without unpacking it (token_bitmask.c); and the KV handoff's checksum, with the
+mask applied to the logits without unpacking it (token_bitmask.c); a hybrid model's recurrent update at decode, in
+place in the state slots (gated_delta.c); and the KV handoff's checksum, with the
 copy, the gather and the scatter that compute it or move the bytes (kv_checksum.c; kv_transfer/checksum.py
 defines the algorithm). They are loaded with ctypes: no Python or torch headers, so no ABI to keep.
 
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 PANEL = 16  # output columns per panel of a packed weight (linear.c's PANEL)
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("paged_decode.c", "linear.c", "kv_checksum.c", "token_bitmask.c"))
+                for name in ("paged_decode.c", "linear.c", "kv_checksum.c", "token_bitmask.c", "gated_delta.c"))
 ENV_SWITCH = "QWENSERVE_CPU_KERNEL"
 ENV_DIR = "QWENSERVE_CPU_KERNEL_DIR"
 # -fopenmp: the library then needs libgomp.so.1, which torch has already loaded, so both share one pool. A
@@ -168,6 +169,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.apply_token_bitmask.argtypes = [pointer, i64, pointer, i64, pointer, i64, i64]
     lib.kv_scatter_rows.restype = None
     lib.kv_scatter_rows.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64, i64, i64]
+    lib.gated_delta_step.restype = ctypes.c_int
+    lib.gated_delta_step.argtypes = [pointer] * 6 + [i64, pointer, pointer] + [i64] * 4 + [ctypes.c_int]
     return lib
 
 
@@ -390,3 +393,31 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> No
     size = dst.element_size()
     lib.kv_scatter_rows(src.data_ptr(), src.stride(0) * size, dst.data_ptr(), dst.stride(0) * size, dst.shape[0],
                         rows.data_ptr(), rows.numel(), row * size, torch.get_num_threads())
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One token of the gated delta rule for B sequences, as models.gated_delta.recurrent_gated_delta_step: q, k
+    [B, H, dk], v [B, H, dv], g and beta [B, H] fp32 CPU; `states` [slots, H, dk, dv] fp32 contiguous, updated in
+    place at `slots` [B]. Returns the outputs [B, H, dv]. IndexError when a slot is outside the states. The GIL is
+    released while it runs."""
+    lib = _loaded_lib()
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    _check_cpu_fp32("gated_delta_step", q, k, v, g, beta, states)
+    batch, heads, dk = q.shape
+    dv = v.shape[-1]
+    if (k.shape != q.shape or v.shape[:2] != (batch, heads) or g.shape != (batch, heads) or beta.shape != g.shape
+            or states.shape[1:] != (heads, dk, dv)):
+        raise ValueError("gated_delta_step: inconsistent shapes")
+    slots = slots.to(torch.int64).contiguous()
+    if slots.shape != (batch,):
+        raise ValueError(f"gated_delta_step: {slots.numel()} slots for a batch of {batch}")
+    out = torch.empty(batch, heads, dv, dtype=torch.float32)
+    status = lib.gated_delta_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                  states.data_ptr(), states.shape[0], slots.data_ptr(), out.data_ptr(), batch, heads,
+                                  dk, dv, torch.get_num_threads())
+    if status == -2:
+        raise IndexError(f"gated_delta_step: a slot is outside [0, {states.shape[0]}) (a scheduler bug)")
+    if status != 0:
+        raise ValueError(f"gated_delta_step: value head dim {dv} is larger than the kernel's scratch")
+    return out

@@ -1,12 +1,14 @@
 """The ops a model's layers call, chosen once when the model is built for its device and dtype.
 
-Model files call `ops.linear(x, w)` and `ops.embedding(table, ids)` and never ask which kernels run. PyTorch's
-ops everywhere, except fp32 on a CPU where the C kernels load: there `prepare` repacks the linear weights into
-`PackedWeight`s once after the checkpoint is loaded, and `linear` runs the packed product on them.
+Model files call `ops.linear(x, w)`, `ops.embedding(table, ids)` and `ops.gated_delta_step(...)` and never ask which
+kernels run. PyTorch's ops everywhere, except on a CPU where the C kernels load: there a hybrid model's recurrent
+update at decode runs in the C kernel (its state is fp32 whatever the serving dtype), and for fp32 `prepare` repacks
+the linear weights into `PackedWeight`s once after the checkpoint is loaded, and `linear` runs the packed product.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +18,7 @@ from torch import nn
 
 from qwenserve import cpu_kernels, progress
 from qwenserve.cpu_kernels import PackedWeight
+from qwenserve.models.gated_delta import recurrent_gated_delta_step
 
 # The weights packed for the CPU kernels: every matrix a token's hidden state is multiplied by.
 PACKED_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "in_proj", "out_proj")
@@ -27,12 +30,14 @@ Weight = torch.Tensor | PackedWeight
 class Ops:
     """What the layers compute with. `linear(x, w, bias, out)`: x · wᵀ (+ bias), into `out` where the op can
     use a buffer; `embedding(table, ids)`: rows of a table; `prepare(model)`: adapt the loaded weights to these
-    ops, returning how many it changed."""
+    ops, returning how many it changed; `gated_delta_step(q, k, v, g, beta, states, slots)`: one decode token of
+    the gated delta rule, the states updated in place (gated_delta.recurrent_gated_delta_step says the contract)."""
 
     name: str
     linear: Callable[..., torch.Tensor]
     embedding: Callable[[Weight, torch.Tensor], torch.Tensor]
     prepare: Callable[[nn.Module], int]
+    gated_delta_step: Callable[..., torch.Tensor] = recurrent_gated_delta_step
 
 
 def _torch_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
@@ -82,12 +87,16 @@ def pack_linear_weights(model: nn.Module) -> int:
     return len(found)
 
 
-CPU_KERNEL_OPS = Ops("cpu_kernels", _packed_linear, _packed_embedding, pack_linear_weights)
+CPU_KERNEL_OPS = Ops("cpu_kernels", _packed_linear, _packed_embedding, pack_linear_weights,
+                     cpu_kernels.gated_delta_step)
+# bf16 / fp16 on a CPU: PyTorch's products (the packed kernel is fp32), the C kernel's recurrent update.
+CPU_STATE_KERNEL_OPS = dataclasses.replace(TORCH_OPS, name="torch+cpu_gated_delta",
+                                           gated_delta_step=cpu_kernels.gated_delta_step)
 
 
 def select_ops(device: torch.device, dtype: torch.dtype) -> Ops:
-    """The C kernels' ops for fp32 on a CPU where they load (the packed product runs several times PyTorch's
-    BLAS at decode sizes: bench/kernels_bench.py), PyTorch's everywhere else."""
-    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available():
-        return CPU_KERNEL_OPS
+    """The C kernels' ops on a CPU where they load (the packed product runs several times PyTorch's BLAS at decode
+    sizes, the recurrent update ~50x PyTorch's ops: bench/kernels_bench.py), PyTorch's everywhere else."""
+    if device.type == "cpu" and cpu_kernels.available():
+        return CPU_KERNEL_OPS if dtype == torch.float32 else CPU_STATE_KERNEL_OPS
     return TORCH_OPS

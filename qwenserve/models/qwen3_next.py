@@ -7,9 +7,9 @@ zero-centered (the scale is 1 + w), rope rotates only a leading fraction of each
 gated shared expert.
 
 Tokens are flattened across sequences as in qwen3.py. The linear layers read each sequence's state slot from the
-ForwardContext: decode rows (one token each) update all their states in one batched recurrent step; a prefill
-chunk runs the chunked form of the delta rule (chunks of CHUNK_SIZE tokens) from its sequence's state and leaves
-the state of its last token, so the next chunk carries on from there.
+ForwardContext: decode rows (one token each) update all their states in one batched recurrent step (the ops table's:
+a C kernel on CPUs); a prefill chunk runs the chunked form of the delta rule (models/gated_delta.py) from its
+sequence's state and leaves the state of its last token, so the next chunk carries on from there.
 
 The two families differ in how the linear layers' input projections are stored: Qwen3-Next fuses them per key
 head (in_proj_qkvz, in_proj_ba, grouped by key head), Qwen3.5 keeps four matrices (in_proj_qkv, _z, _b, _a).
@@ -26,6 +26,7 @@ from torch import nn
 
 from qwenserve.engine.attention.base import ForwardContext
 from qwenserve.models.config import ModelConfig
+from qwenserve.models.gated_delta import chunk_gated_delta_rule, l2_normalize
 from qwenserve.models.layers import RMSNorm, SwiGLUMLP
 from qwenserve.models.ops import Ops
 from qwenserve.models.qwen3 import QwenAttention, QwenForCausalLM
@@ -33,72 +34,6 @@ from qwenserve.models.qwen3_moe import SparseMoeBlock
 
 if TYPE_CHECKING:
     from qwenserve.engine.state_pool import LinearAttentionBatch
-
-#: Tokens per chunk of the chunked delta rule: the triangular solve is C x C, the scan over chunks sequential.
-CHUNK_SIZE = 64
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dimension (eps inside the root, as the reference kernels)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def chunk_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    chunk_size: int = CHUNK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over one sequence's T tokens, a chunk at a time, in fp32.
-
-    q, k [T, H, dk] (normalised; q scaled), v [T, H, dv], g (log decay, <= 0) and beta [T, H], state [H, dk, dv]
-    before the first token. Returns (outputs [T, H, dv], state after the last token). Per token the rule is
-    S = exp(g) S;  u = beta (v - k S);  S = S + kᵀ u;  o = q S. Within a chunk the writes u solve one unit lower
-    triangular system (each token corrects for the earlier tokens' writes), so a chunk costs a few matrix products
-    and only the chunks are scanned in order.
-    """
-    length = q.shape[0]
-    pad = (-length) % chunk_size
-
-    def chunked(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, chunks, C, ...], zero-padded at the end
-        x = x.transpose(0, 1)
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad) if x.dim() == 3 else (0, pad))
-        return x.reshape(x.shape[0], -1, chunk_size, *x.shape[2:])
-
-    # Padded tokens have k = v = beta = 0 and g = 0: they write nothing and decay nothing.
-    q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
-    gamma = g.cumsum(dim=-1)  # log of the decay from the chunk's start to each token
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    k_beta = k * beta[..., None]
-    # (I + A) u = beta v - beta exp(gamma) k S0, with A[t, j] = beta_t (k_t . k_j) exp(gamma_t - gamma_j) for j < t.
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    u_from_values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    u_per_state = torch.linalg.solve_triangular(system, k_beta * gamma.exp()[..., None], upper=False,
-                                                unitriangular=True)
-    scores = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * gamma.exp()[..., None]
-    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
-    chunk_decay = gamma[..., -1].exp()
-    out = torch.empty_like(v)
-    for i in range(q.shape[1]):
-        u = u_from_values[:, i] - u_per_state[:, i] @ state
-        out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ u
-        state = state * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ u
-    return out.reshape(out.shape[0], -1, out.shape[-1])[:, :length].transpose(0, 1), state
-
-
-def recurrent_gated_delta_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
-    slots: torch.Tensor,
-) -> torch.Tensor:
-    """One token of the gated delta rule for each of B sequences at once: q, k [B, H, dk], v [B, H, dv], g and beta
-    [B, H]; `states` [slots, H, dk, dv] is updated in place at `slots` [B]. Returns the outputs [B, H, dv]."""
-    s = states[slots] * g.exp()[..., None, None]
-    predicted = (k.unsqueeze(-2) @ s).squeeze(-2)
-    s = s + k.unsqueeze(-1) * ((v - predicted) * beta[..., None]).unsqueeze(-2)
-    states[slots] = s
-    return (q.unsqueeze(-2) @ s).squeeze(-2)
-
 
 class GatedDeltaNet(nn.Module):
     """A linear-attention layer: projections, a depthwise causal convolution (kernel K, its last K-1 inputs kept
@@ -174,8 +109,8 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty_like(v)
         nd = batch.num_decodes
         if nd:
-            out[:nd] = recurrent_gated_delta_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], recurrent,
-                                                  batch.decode_slots)
+            out[:nd] = self.ops.gated_delta_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], recurrent,
+                                                 batch.decode_slots)
         for start, count, slot in batch.prefills:
             rows = slice(start, start + count)
             out[rows], recurrent[slot] = chunk_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows],

@@ -1,4 +1,4 @@
-"""The C kernels for fp32 on CPU: equal to the PyTorch paths they replace, built per instruction set ahead of
+"""The C kernels on CPU: equal to the PyTorch paths they replace, built per instruction set ahead of
 use, and optional (loudly)."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from qwenserve.engine.attention.torch_backend import TorchAttentionBackend
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
-from qwenserve.models.ops import CPU_KERNEL_OPS, TORCH_OPS, select_ops
+from qwenserve.models.gated_delta import recurrent_gated_delta_step
+from qwenserve.models.ops import CPU_KERNEL_OPS, CPU_STATE_KERNEL_OPS, TORCH_OPS, select_ops
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler: the kernels cannot be built here")
@@ -200,8 +201,40 @@ def test_a_failing_compiler_leaves_the_portable_path(fresh_load: None, monkeypat
 @needs_compiler
 def test_ops_are_chosen_for_the_device_and_dtype() -> None:
     assert select_ops(torch.device("cpu"), torch.float32) is CPU_KERNEL_OPS
-    assert select_ops(torch.device("cpu"), torch.bfloat16) is TORCH_OPS
+    # bf16: PyTorch's products, the C kernel's recurrent update (a hybrid model's state is fp32 in every dtype).
+    assert select_ops(torch.device("cpu"), torch.bfloat16) is CPU_STATE_KERNEL_OPS
+    assert CPU_STATE_KERNEL_OPS.linear is TORCH_OPS.linear
+    assert CPU_STATE_KERNEL_OPS.gated_delta_step is cpu_kernels.gated_delta_step
     assert select_ops(torch.device("meta"), torch.float32) is TORCH_OPS
+
+
+@needs_compiler
+@pytest.mark.parametrize(("heads", "dk", "dv"), [(16, 128, 128), (4, 16, 8), (3, 5, 13)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gated_delta_step_equals_the_pytorch_step(heads: int, dk: int, dv: int, threads: int) -> None:
+    """Slots out of order with one left alone, head dims with a tail past the vector width, several steps in a row
+    (each from the state the last one left)."""
+    gen = torch.Generator().manual_seed(heads * dk + dv)
+    batch, num_slots = 5, 8
+    states = torch.randn(num_slots, heads, dk, dv, generator=gen) * 0.1
+    expected = states.clone()
+    slots = torch.tensor([6, 0, 3, 7, 1])
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(3):
+            q, k = (F.normalize(torch.randn(batch, heads, dk, generator=gen), dim=-1) for _ in range(2))
+            v = torch.randn(batch, heads, dv, generator=gen)
+            g, beta = -torch.rand(batch, heads, generator=gen), torch.rand(batch, heads, generator=gen)
+            want = recurrent_gated_delta_step(q, k, v, g, beta, expected, slots)
+            got = cpu_kernels.gated_delta_step(q, k, v, g, beta, states, slots)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(states, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(2)
+    with pytest.raises(IndexError, match="slot is outside"):
+        cpu_kernels.gated_delta_step(q, k, v, g, beta, states, torch.tensor([0, 1, 2, 3, num_slots]))
+    with pytest.raises(ValueError, match="5 slots for a batch of 4"):
+        cpu_kernels.gated_delta_step(q[:4], k[:4], v[:4], g[:4], beta[:4], states, slots)
 
 
 @needs_compiler

@@ -11,11 +11,13 @@ import torch
 from engine_checkpoints import random_prompts
 from safetensors.torch import load_file, save_file
 
+from qwenserve import cpu_kernels
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.models import ModelConfig
-from qwenserve.models.qwen3_next import chunk_gated_delta_rule, recurrent_gated_delta_step
+from qwenserve.models.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_step
+from qwenserve.models.ops import TORCH_OPS
 
 HYBRIDS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -37,8 +39,18 @@ def assert_state_slots_released(engine) -> None:
 def test_batched_requests_of_different_lengths_match_transformers_across_prefill_chunks(
         name, budget, make_engine, reference):
     engine = make_engine(name, max_num_batched_tokens=budget)
+    if cpu_kernels.available():  # the decode rows' recurrent update runs in the C kernel
+        assert engine.runner.model.ops.gated_delta_step is cpu_kernels.gated_delta_step
     assert engine.generate_sync(PROMPTS, GREEDY) == expected_tokens(reference, name, PROMPTS)
     assert_state_slots_released(engine)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_the_portable_recurrent_update_gives_the_same_tokens(name, make_engine, reference, monkeypatch):
+    monkeypatch.setattr("qwenserve.models.qwen3.select_ops", lambda device, dtype: TORCH_OPS)
+    engine = make_engine(name)
+    assert engine.runner.model.ops is TORCH_OPS
+    assert engine.generate_sync(PROMPTS, GREEDY) == expected_tokens(reference, name, PROMPTS)
 
 
 async def test_requests_joining_a_decoding_batch_match_transformers(make_engine, reference):
