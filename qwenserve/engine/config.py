@@ -47,6 +47,11 @@ class EngineConfig:
                                                 help="per-step token budget (default: 512 on CPU, 2048 on CUDA)")
     max_num_seqs: int = option(256, help="running sequences at once")
     enable_prefix_caching: bool = option(True, help="share the KV cache of common prompt prefixes")
+    # Hybrid models' prefix caching: their linear-attention state is kept at these boundaries (state_snapshots.py).
+    state_snapshot_tokens: int = option(
+        256, help="hybrid models: with prefix caching, keep their linear-attention state every this many prompt "
+                  "tokens (rounded up to whole KV blocks), where a cached prefix resumes; 0: prefix caching off "
+                  "for them")
     # "short_first" protects the TTFT of short prompts in a burst (see scheduler.py); "fcfs" is plain order.
     admission_policy: str = option("short_first", choices=("short_first", "fcfs", "watermark"),
                                    help="which waiting request is admitted first (admission_policy.py)")

@@ -44,6 +44,7 @@ from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.engine.scheduler import Scheduler, SchedulerLimits
 from qwenserve.engine.sequence import Sequence, SequenceStatus
 from qwenserve.engine.state_pool import LinearStateCache, StatePool, linear_state_layout
+from qwenserve.engine.state_snapshots import StateSnapshots
 from qwenserve.engine.step import EngineStep, StepObserver
 from qwenserve.engine.weights import load_checkpoint
 from qwenserve.kv_layout import KVLayout
@@ -52,6 +53,8 @@ from qwenserve.models import ModelConfig, model_class
 log = logging.getLogger("qwenserve.engine")
 
 _STOP = object()
+# Snapshots of a hybrid model's linear-attention state, at most (a tiny model's are small enough for thousands).
+MAX_STATE_SNAPSHOTS = 1024
 
 
 class LLMEngine:
@@ -71,7 +74,7 @@ class LLMEngine:
             * torch.empty((), dtype=dtype).element_size()
         )
         budget = config.kv_cache_memory_gb * 2**30
-        num_state_slots = 0
+        num_state_slots = num_snapshots = 0
         if model_cfg.is_hybrid:
             # A hybrid model's linear-attention states come out of the same budget as its KV: a slot per sequence
             # that may run at once (--max-num-seqs), but at most half the budget, so a large model's default
@@ -79,6 +82,10 @@ class LLMEngine:
             per_slot = LinearStateCache.bytes_per_slot(model_cfg, dtype)
             num_state_slots = max(1, min(config.max_num_seqs, int(budget / 2 // per_slot)))
             budget -= num_state_slots * per_slot
+            # Prefix caching keeps states at snapshot boundaries: at most a quarter of what is left, for the KV.
+            if config.enable_prefix_caching and config.state_snapshot_tokens > 0:
+                num_snapshots = min(MAX_STATE_SNAPSHOTS, int(budget / 4 // per_slot))
+                budget -= num_snapshots * per_slot
         num_blocks = config.num_kv_blocks or max(1, int(budget // bytes_per_block))
         # Checked before the weights load: a max_model_len that cannot fit stops the start in a second, not a minute.
         self.max_model_len = self._fit_max_model_len(
@@ -93,11 +100,10 @@ class LLMEngine:
         backend = select_backend(config.attention_backend, device, dtype, block_size)
         self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, num_state_slots)
         prefix_caching = config.enable_prefix_caching
+        snapshots = None
         if model_cfg.is_hybrid and prefix_caching:
-            prefix_caching = False
-            log.info("prefix caching is off for %s: its linear-attention layers keep a state per sequence, not per "
-                     "token, so reusing a cached prefix would need a state snapshot at every block boundary",
-                     model_cfg.model_type)
+            snapshots = self._state_snapshots(model_cfg, num_snapshots, block_size, dtype, device)
+            prefix_caching = snapshots is not None
         self.pool = BlockPool(num_blocks, block_size, prefix_caching)
         self.states = StatePool(num_state_slots) if model_cfg.is_hybrid else None
         if self.runner.linear_state is not None:
@@ -123,6 +129,7 @@ class LLMEngine:
             ),
             self.pool,
             self.states,
+            snapshots,
         )
         self._layout = KVLayout(
             dtype=str(dtype).removeprefix("torch."),
@@ -312,6 +319,24 @@ class LLMEngine:
     def observe_steps(self, observer: StepObserver | None) -> None:
         """Have `observer` told about every step from now on (None: no more); on the engine thread."""
         self.step.observer = observer
+
+    def _state_snapshots(self, model_cfg: ModelConfig, count: int, block_size: int, dtype: torch.dtype,
+                         device: torch.device) -> StateSnapshots | None:
+        """A hybrid model's prefix cache of linear-attention states (state_snapshots.py), or None (and why, logged)
+        when --state-snapshot-tokens is 0 or the budget holds no snapshot: prefix caching is then off for it."""
+        tokens = self.config.state_snapshot_tokens
+        if tokens <= 0 or count == 0:
+            log.info("prefix caching is off for %s: its linear-attention layers keep a state per sequence, not per "
+                     "token, and %s", model_cfg.model_type,
+                     "--state-snapshot-tokens 0 keeps no snapshot of it" if tokens <= 0
+                     else "--kv-cache-gb leaves no room for a snapshot of it")
+            return None
+        interval = -(-tokens // block_size) * block_size
+        storage = LinearStateCache.for_model(model_cfg, count, dtype, device)
+        log.info("prefix caching for %s: its linear-attention state is kept every %d prompt tokens, in %d snapshots "
+                 "of %.1f MiB (%.2f GiB of --kv-cache-gb), reused least recently used first", model_cfg.model_type,
+                 interval, count, storage.nbytes / count / 2**20, storage.nbytes / 2**30)
+        return StateSnapshots(storage, interval)
 
     def kv_layout(self) -> KVLayout:
         """How this engine's KV is shaped and which weights produced it (for export / import)."""

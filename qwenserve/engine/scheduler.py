@@ -11,7 +11,9 @@ the prefix cache, so recomputation is cheap).
 
 A hybrid model's sequence also holds a slot of the state pool (its linear-attention layers' state) from admission
 until it finishes or is preempted; nothing is admitted while no slot is free. A preempted sequence's state is
-dropped with its blocks: it recomputes from its first token.
+dropped with its blocks: it recomputes from its first token. With prefix caching, a hybrid model's prefill chunks
+end at every snapshot boundary, whose state is kept (state_snapshots.py), and a prefix hit counts only up to the
+last boundary whose snapshot is kept: the sequence's slot is restored from it.
 
 Admission policies (the order of the waiting queue is admission_policy.py's; each keeps priorities and
 lets nothing starve):
@@ -35,6 +37,7 @@ from qwenserve.engine.admission_policy import BurstSteps, WatermarkSettings, mak
 from qwenserve.engine.block_pool import BlockPool
 from qwenserve.engine.sequence import Sequence, SequenceStatus
 from qwenserve.engine.state_pool import StatePool
+from qwenserve.engine.state_snapshots import StateSnapshots
 
 
 @dataclass(slots=True)
@@ -51,10 +54,12 @@ class ScheduledSequence:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """The step's work; `imports` are newly admitted sequences whose KV must be scattered in first."""
+    """The step's work; `imports` are newly admitted sequences whose KV must be scattered in first, `restores`
+    newly admitted sequences of a hybrid model whose state slot is loaded from a snapshot (seq.restore_state)."""
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     imports: list[Sequence] = field(default_factory=list)
+    restores: list[Sequence] = field(default_factory=list)
     prefill_only: bool = False  # short_first left the decodes out of this step to drain a burst
 
     @property
@@ -79,12 +84,14 @@ class Scheduler:
     """Owns the waiting queue and the running batch; the block pool (and for a hybrid model the state pool) backs
     its decisions."""
 
-    def __init__(self, limits: SchedulerLimits, pool: BlockPool, states: StatePool | None = None) -> None:
+    def __init__(self, limits: SchedulerLimits, pool: BlockPool, states: StatePool | None = None,
+                 snapshots: StateSnapshots | None = None) -> None:
         self.policy = make_policy(limits.admission_policy, limits.max_queue_delay_s, limits.priority_aging_s,
                                   limits.watermark, BurstSteps(limits.burst_prefill_steps, limits.burst_max_stall_s))
         self.limits = limits
         self.pool = pool
         self.states = states
+        self.snapshots = snapshots
         self.block_size = pool.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -157,7 +164,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._chunk(seq, budget)
             need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
             while need > self.pool.num_free:
                 victim = self.running[-1]
@@ -189,7 +196,9 @@ class Scheduler:
             self.running.append(seq)
             if seq.kv_import is not None:
                 out.imports.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            if seq.restore_state is not None:
+                out.restores.append(seq)
+            n = self._chunk(seq, budget)
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
         return budget
@@ -202,6 +211,9 @@ class Scheduler:
             # The last token is always computed: its logits are needed to sample.
             hashes = self.pool.chain_hashes(seq.token_ids, seq.cache_salt, (seq.num_tokens - 1) // bs)
         hits, idle_hits = self.pool.count_prefix_hits(hashes)
+        if self.snapshots is not None and hits:
+            hits = self._snapshot_hit(hashes, hits)
+            idle_hits = self.pool.count_prefix_hits(hashes[:hits])[1]
         need_new = self._blocks_for(seq.num_tokens) - hits
         reserve = self.limits.watermark_blocks if self.running else 0
         if need_new + idle_hits > self.pool.num_free - reserve:
@@ -209,6 +221,7 @@ class Scheduler:
         seq.block_table = self.pool.lookup_prefix(hashes[:hits]) + self.pool.allocate(need_new)
         seq.block_hashes = hashes[:hits]
         seq.num_computed_tokens = hits * bs
+        seq.restore_state = hashes[hits - 1] if self.snapshots is not None and hits else None
         if seq.kv_import is not None:
             seq.num_computed_tokens = min(seq.kv_import.num_tokens, seq.num_tokens - 1)
         if not seq.admitted_once:
@@ -226,11 +239,13 @@ class Scheduler:
         self._release_state(seq)
         seq.num_computed_tokens = 0
         seq.kv_import = None  # recomputed from tokens; imported KV may be gone by then
+        seq.restore_state = None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         out.imports = [s for s in out.imports if s is not seq]
+        out.restores = [s for s in out.restores if s is not seq]
 
     def _release_state(self, seq: Sequence) -> None:
         if seq.state_slot is not None:
@@ -240,8 +255,30 @@ class Scheduler:
     def _blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def on_step_computed(self, scheduled: list[ScheduledSequence]) -> None:
-        """Advance computed counts and publish newly filled blocks to the prefix cache."""
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens the sequence computes this step: what is left, within the budget, and for a hybrid model with
+        snapshots not past the next snapshot boundary (its state is kept there)."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        if self.snapshots is not None:
+            interval = self.snapshots.interval
+            boundary = (seq.num_computed_tokens // interval + 1) * interval
+            if boundary < seq.num_tokens:
+                n = min(n, boundary - seq.num_computed_tokens)
+        return n
+
+    def _snapshot_hit(self, hashes: list[bytes], hits: int) -> int:
+        """The cached blocks a hybrid model can use: up to the last snapshot boundary among the first `hits`
+        blocks whose state is kept, else none."""
+        step = self.snapshots.interval // self.block_size
+        for blocks in range(hits - hits % step, 0, -step):
+            if hashes[blocks - 1] in self.snapshots:
+                return blocks
+        return 0
+
+    def on_step_computed(self, scheduled: list[ScheduledSequence]) -> list[tuple[int, bytes]]:
+        """Advance computed counts and publish newly filled blocks to the prefix cache. Returns the state slots to
+        snapshot, with their keys: a hybrid model's sequences that stopped at a snapshot boundary."""
+        snapshots: list[tuple[int, bytes]] = []
         for item in scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
@@ -249,3 +286,8 @@ class Scheduler:
             for h in self.pool.chain_hashes(seq.token_ids, seq.cache_salt, full, known=seq.block_hashes):
                 self.pool.register(seq.block_table[len(seq.block_hashes)], h)
                 seq.block_hashes.append(h)
+            computed = seq.num_computed_tokens
+            if (self.snapshots is not None and computed % self.snapshots.interval == 0 and computed < seq.num_tokens
+                    and seq.state_slot is not None):
+                snapshots.append((seq.state_slot, seq.block_hashes[computed // self.block_size - 1]))
+        return snapshots

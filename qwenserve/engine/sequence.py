@@ -39,6 +39,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full blocks registered so far
     state_slot: int | None = None  # hybrid models: its linear-attention state's slot (state_pool.py) while running
+    restore_state: bytes | None = None  # hybrid models: the snapshot its slot is loaded from at admission
     num_cached_tokens: int = 0  # prefix-cache hit at first admission (reported in usage)
     admitted_once: bool = False
     arrival_time: float = field(default_factory=time.monotonic)

@@ -81,13 +81,18 @@ class EngineStep:
                 if seq.kv_import.state is not None:
                     self.runner.import_state(seq, seq.kv_import.state)
                 seq.kv_import = None
+            snapshots = self.scheduler.snapshots
+            for seq in plan.restores:
+                self.runner.import_state(seq, snapshots.restore(seq.restore_state))
+                seq.restore_state = None
             logits, sampling = self.runner.execute(plan.scheduled)
         except Exception as exc:  # a failed step fails its requests, never the engine
             log.exception("engine step failed")
             for item in plan.scheduled:
                 self.finish(item.seq, "error", error=f"{type(exc).__name__}: {exc}")
             return
-        self.scheduler.on_step_computed(plan.scheduled)
+        for slot, key in self.scheduler.on_step_computed(plan.scheduled):
+            self.scheduler.snapshots.save(key, self.runner.linear_state.slot(slot))
         now = time.perf_counter()
         self.scheduler.observe_step(plan, now - started)
         if self.observer is not None:

@@ -1,7 +1,8 @@
 """A hybrid linear-attention model (Qwen3.5 text: Gated DeltaNet layers and gated full attention) through
 `qwen-serve up` with the real vocabulary: its greedy tokens through the router equal transformers', served
 colocated (no prefill worker) and disaggregated (the handoff carrying the full-attention KV and the linear-attention
-state from the prefill worker to the decode worker)."""
+state from the prefill worker to the decode worker), where a repeated prompt resumes from the prefill worker's
+prefix cache and its kept state."""
 
 from __future__ import annotations
 
@@ -64,21 +65,30 @@ def _reference(folder: Path) -> list[list[int]]:
     return out
 
 
-async def _served(address: str) -> list[list[int]]:
-    async def one(stub: router_pb2_grpc.RouterStub, prompt: list[int]) -> list[int]:
-        request = router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=prompt))
-        request.sampling.max_tokens = NEW_TOKENS
-        request.sampling.ignore_eos = True
-        request.sampling.temperature = 0.0
-        tokens: list[int] = []
-        async for msg in stub.Generate(request, timeout=120):
-            assert not msg.error.code, msg.error
-            tokens += msg.token_ids
-        return tokens
+async def _one(stub: router_pb2_grpc.RouterStub, prompt: list[int]) -> tuple[list[int], int]:
+    """The greedy tokens, and the prompt tokens served from the prefix cache."""
+    request = router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=prompt))
+    request.sampling.max_tokens = NEW_TOKENS
+    request.sampling.ignore_eos = True
+    request.sampling.temperature = 0.0
+    tokens: list[int] = []
+    cached = 0
+    async for msg in stub.Generate(request, timeout=120):
+        assert not msg.error.code, msg.error
+        tokens += msg.token_ids
+        cached = max(cached, msg.usage.cached_prompt_tokens)
+    return tokens, cached
 
+
+async def _served(address: str, again: list[int] | None = None) -> tuple[list[list[int]], int]:
+    """PROMPTS batched together; then, if given, `again` alone: (their tokens in order, `again`'s cached tokens)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-        return list(await asyncio.gather(*(one(stub, p) for p in PROMPTS)))  # batched together
+        served = [tokens for tokens, _ in await asyncio.gather(*(_one(stub, p) for p in PROMPTS))]
+        if again is None:
+            return served, 0
+        tokens, cached = await _one(stub, again)
+        return [*served, tokens], cached
 
 
 def test_a_hybrid_model_served_colocated_through_the_router_equals_transformers(hybrid_model: Path,
@@ -86,25 +96,29 @@ def test_a_hybrid_model_served_colocated_through_the_router_equals_transformers(
     # A 32-token step budget: the 84-token prompt is prefilled in three chunks, the state carried between them.
     env = {"QWENSERVE_MAX_NUM_BATCHED_TOKENS": "32", "QWENSERVE_DTYPE": "float32"}
     with make_cluster(hybrid_model, tmp_path, prefill=0, decode=1, env=env) as cluster:
-        served = asyncio.run(_served(f"{cluster.host}:{cluster.router_port}"))
+        served, _ = asyncio.run(_served(f"{cluster.host}:{cluster.router_port}"))
     assert served == _reference(hybrid_model)
 
 
 def test_a_hybrid_model_disaggregated_hands_off_its_state_and_equals_transformers(hybrid_model: Path,
                                                                                     tmp_path: Path) -> None:
-    # The prefill worker computes the 84-token prompt in three chunks and hands the KV and state to decode.
-    env = {"QWENSERVE_MAX_NUM_BATCHED_TOKENS": "32", "QWENSERVE_DTYPE": "float32"}
+    # The prefill worker computes the 84-token prompt in three chunks and hands the KV and state to decode; it
+    # keeps the state every 32 tokens, so the same prompt again resumes at 64 from its prefix cache.
+    env = {"QWENSERVE_MAX_NUM_BATCHED_TOKENS": "32", "QWENSERVE_DTYPE": "float32",
+           "QWENSERVE_STATE_SNAPSHOT_TOKENS": "32"}
     with make_cluster(hybrid_model, tmp_path, prefill=1, decode=1, env=env) as cluster:
-        served = asyncio.run(_served(f"{cluster.host}:{cluster.router_port}"))
+        served, cached = asyncio.run(_served(f"{cluster.host}:{cluster.router_port}", again=PROMPTS[1]))
         handed = _metric(cluster.child("decode-0").metrics_port, "qwenserve_handoff_bytes_total")
         failed = _metric(cluster.child("decode-0").metrics_port, "qwenserve_handoff_failures_total")
-    assert served == _reference(hybrid_model)
+    want = _reference(hybrid_model)
+    assert served == [*want, want[1]]
+    assert cached == 64
     # Every prompt came through a handoff of its KV (2 full-attention layers) and its state (2 linear layers).
     layout = KVLayout("float32", 16, num_layers=2, num_kv_heads=2, head_dim=16, model_fingerprint="", linear_layers=2,
                       linear_conv_dim=2 * 2 * 16 + 4 * 8, linear_conv_width=3, linear_value_heads=4,
                       linear_key_head_dim=16, linear_value_head_dim=8)
     assert failed == 0
-    assert handed == sum(layout.nbytes(len(p)) for p in PROMPTS)
+    assert handed == sum(layout.nbytes(len(p)) for p in [*PROMPTS, PROMPTS[1]])
 
 
 def _metric(port: int, name: str) -> float:

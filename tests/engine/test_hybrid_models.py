@@ -1,5 +1,5 @@
 """Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): greedy tokens equal transformers' across
-chunked prefill, batching, preemption and state-slot reuse; prefix caching is off, with the reason logged. The
+chunked prefill, batching, preemption and state-slot reuse, and resuming a cached prefix from a kept state. The
 handoff between engines is tests/engine/test_hybrid_handoff.py's."""
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ async def test_requests_joining_a_decoding_batch_match_transformers(make_engine,
 
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_preempted_requests_resume_with_identical_tokens(name, make_engine, reference):
-    # 12 blocks of 8 tokens: each request needs up to 5 blocks, so four cannot run together.
-    engine = make_engine(name, num_kv_blocks=12, block_size=8, admission_watermark=0.0, max_num_batched_tokens=32)
+    # 12 blocks of 8 tokens: each request needs up to 5 blocks, so four cannot run together. A snapshot at every
+    # block: a preempted request may resume from one of its own.
+    engine = make_engine(name, num_kv_blocks=12, block_size=8, admission_watermark=0.0, max_num_batched_tokens=32,
+                         state_snapshot_tokens=8)
     prompts = random_prompts(4, 14, 20, seed=3)
     sampling = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert engine.generate_sync(prompts, sampling) == expected_tokens(reference, name, prompts, 16)
@@ -114,9 +116,12 @@ def test_one_token_prompt_starts_from_a_clean_state(make_engine, reference):
     assert engine.generate_sync([[7], [7, 8]], GREEDY) == expected_tokens(reference, name, [[7], [7, 8]])
 
 
-def test_prefix_caching_is_off_for_hybrid_models(make_engine, reference):
+def test_prefix_caching_is_off_without_snapshots_and_says_why(make_engine, reference, caplog):
     name = "qwen3_next"
-    engine = make_engine(name, enable_prefix_caching=True)
+    with caplog.at_level("INFO", logger="qwenserve.engine"):
+        engine = make_engine(name, enable_prefix_caching=True, state_snapshot_tokens=0)
+    assert "prefix caching is off for qwen3_next" in caplog.text and "--state-snapshot-tokens 0" in caplog.text
+    assert engine.scheduler.snapshots is None
     prompt = PROMPTS[1]
     expected = expected_tokens(reference, name, [prompt])
     assert engine.generate_sync([prompt], GREEDY) == expected
@@ -124,6 +129,61 @@ def test_prefix_caching_is_off_for_hybrid_models(make_engine, reference):
     assert [t for o in again for t in o.new_token_ids] == expected[0]
     assert again[-1].usage.cached_prompt_tokens == 0
     assert engine.stats().prefix_cache_hit_tokens == 0
+
+
+# A 100-token system prompt, then questions of different lengths.
+SYSTEM = random_prompts(1, 100, 100, seed=41)[0]
+QUESTIONS = [SYSTEM + q for q in random_prompts(3, 3, 40, seed=42)]
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_shared_prefix_resumes_from_the_state_kept_at_its_last_boundary(name, make_engine, reference):
+    # Snapshots every 32 tokens (4 blocks of 8): the 100-token prefix has boundaries at 32, 64 and 96.
+    engine = make_engine(name, state_snapshot_tokens=32, max_num_batched_tokens=256)
+    first = engine.generate_sync_outputs(QUESTIONS[:1], GREEDY)[0]
+    assert first[-1].usage.cached_prompt_tokens == 0
+    assert len(engine.scheduler.snapshots) >= 3
+    later = engine.generate_sync_outputs(QUESTIONS[1:], GREEDY)
+    assert [o[-1].usage.cached_prompt_tokens for o in later] == [96, 96]
+    assert engine.scheduler.snapshots.restored == 2
+    got = [[t for o in outs for t in o.new_token_ids] for outs in [first, *later]]
+    assert got == expected_tokens(reference, name, QUESTIONS)
+    assert_state_slots_released(engine)
+
+
+def test_a_prefix_whose_snapshots_were_evicted_is_recomputed_exactly(make_engine, reference, monkeypatch):
+    monkeypatch.setattr("qwenserve.engine.engine.MAX_STATE_SNAPSHOTS", 1)
+    name = "qwen3_5"
+    engine = make_engine(name, state_snapshot_tokens=32, max_num_batched_tokens=256)
+    engine.generate_sync(QUESTIONS[:1], GREEDY)  # keeps only the last of its snapshots, at 96
+    branch = SYSTEM[:70] + QUESTIONS[2][100:]  # its cached blocks reach 64, whose snapshot is gone
+    outs = engine.generate_sync_outputs([branch], GREEDY)[0]
+    assert outs[-1].usage.cached_prompt_tokens == 0
+    assert [t for o in outs for t in o.new_token_ids] == expected_tokens(reference, name, [branch])[0]
+    again = engine.generate_sync_outputs(QUESTIONS[1:2], GREEDY)[0]  # 96's snapshot was replaced by the branch's
+    assert again[-1].usage.cached_prompt_tokens in (0, 32, 64)
+    assert [t for o in again for t in o.new_token_ids] == expected_tokens(reference, name, QUESTIONS[1:2])[0]
+
+
+def test_state_snapshots_are_reused_least_recently_used_first():
+    from qwenserve.engine.state_pool import LinearStateCache
+    from qwenserve.engine.state_snapshots import StateSnapshots
+    from qwenserve.kv_layout import LinearState
+
+    storage = LinearStateCache(torch.zeros(1, 2, 3, 1), torch.zeros(1, 2, 1, 2, 2))
+
+    def state(x: float) -> LinearState:
+        return LinearState(torch.full((1, 3, 1), x), torch.full((1, 1, 2, 2), x))
+
+    snapshots = StateSnapshots(storage, interval=16)
+    snapshots.save(b"a", state(1.0))
+    snapshots.save(b"b", state(2.0))
+    assert float(snapshots.restore(b"a").recurrent[0, 0, 0, 0]) == 1.0  # now b is the least recently used
+    snapshots.save(b"c", state(3.0))
+    assert b"b" not in snapshots and b"a" in snapshots and b"c" in snapshots
+    assert float(snapshots.restore(b"c").conv[0, 2, 0]) == 3.0 and float(snapshots.restore(b"a").conv[0, 0, 0]) == 1.0
+    snapshots.save(b"a", state(9.0))  # already kept: not copied again
+    assert float(snapshots.restore(b"a").conv[0, 0, 0]) == 1.0 and snapshots.saved == 3
 
 
 def test_kv_cache_holds_only_the_full_attention_layers(make_engine):
