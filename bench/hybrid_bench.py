@@ -6,6 +6,11 @@ with the hybrid/dense ratio, and the bytes of one request's handoff from a prefi
 KVExporter as a prefill worker does, the length its handle carries): KV for the full-attention layers per prompt
 token, plus for the hybrid its linear-attention layers' constant state.
 
+With --prefix, the hybrid's prefix caching (state snapshots every 256 tokens) against the same engine with it off
+(--state-snapshot-tokens 0): the time to the first token of a request whose system prompt (`--system` tokens) an
+earlier request already computed, what the snapshots cost a cold prompt (its prefill chunks end at every
+boundary), and the memory one snapshot takes.
+
     .venv/bin/python bench/hybrid_bench.py                   # 0.6B-like depth/width (slow on 2 cores)
     .venv/bin/python bench/hybrid_bench.py --small           # a quick shape
 """
@@ -13,7 +18,9 @@ token, plus for the hybrid its linear-attention layers' constant state.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -79,15 +86,53 @@ def handoff_bytes(engine: LLMEngine, prompt_tokens: int) -> int:
         return handle.length
 
 
+def prefix_caching(folder: Path, system_tokens: int, questions: int = 4) -> None:
+    """TTFT of questions sharing a system prompt, snapshots on vs off, and a cold prompt's cost of them."""
+    system = [(7919 * i) % 8000 + 10 for i in range(system_tokens)]
+    asks = [system + [(104_729 * q + 31 * i) % 8000 + 10 for i in range(48)] for q in range(questions + 1)]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    seconds: dict[int, tuple[float, float]] = {}
+    for snapshot_tokens in (0, 256):
+        engine = LLMEngine.from_pretrained(folder, EngineConfig(dtype="float32", kv_cache_memory_gb=4.0,
+                                                                state_snapshot_tokens=snapshot_tokens))
+        try:
+            engine.generate_sync([[(13 * i) % 8000 + 10 for i in range(system_tokens)]], one)  # warms the engine up
+            started = time.perf_counter()
+            engine.generate_sync(asks[:1], one)  # cold: computes (and keeps) the system prompt
+            cold = time.perf_counter() - started
+            warm = []
+            for ask in asks[1:]:
+                started = time.perf_counter()
+                outs = engine.generate_sync_outputs([ask], one)[0]
+                warm.append(time.perf_counter() - started)
+            seconds[snapshot_tokens] = (cold, statistics.median(warm))
+            snapshots = engine.scheduler.snapshots
+            kept = "" if snapshots is None else (
+                f", {len(snapshots)} snapshots of {snapshots.storage.nbytes / snapshots.capacity / 2**20:.1f} MiB kept")
+            print(f"snapshots {'every 256' if snapshot_tokens else 'off':>9}: cold prompt {cold:6.2f} s, warm TTFT "
+                  f"{seconds[snapshot_tokens][1]:6.2f} s (cached {outs[-1].usage.cached_prompt_tokens} of "
+                  f"{len(asks[1])} tokens){kept}")
+        finally:
+            engine.shutdown()
+    (cold_off, warm_off), (cold_on, warm_on) = seconds[0], seconds[256]
+    print(f"a {system_tokens}-token system prompt: warm TTFT off/on {warm_off / warm_on:5.2f}x; the cold prompt "
+          f"with snapshots takes {cold_on / cold_off:5.2f}x its time without")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a quick shape instead of the 0.6B-like one")
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     parser.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding request")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--prefix", action="store_true", help="measure the hybrid's prefix caching instead")
+    parser.add_argument("--system", type=int, default=1024, help="--prefix: tokens of the shared system prompt")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folders = make_checkpoints("small" if args.small else "0.6b")
+    if args.prefix:
+        prefix_caching(folders["hybrid"], args.system)
+        return 0
     batches = [int(b) for b in args.batches.split(",")]
     rates: dict[str, dict[int, float]] = {}
     sent: dict[tuple[str, int], int] = {}
