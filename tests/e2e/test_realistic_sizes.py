@@ -8,9 +8,11 @@ over ~1,180 tokens. Each test compares the tokens the cluster streams with an in
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import re
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -24,8 +26,9 @@ from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.e2e.conftest import make_cluster
 
-# Minutes, not seconds: 0.6B-shaped prefills of 2k and 4k tokens, in-process and in the cluster. (8k took
-# 5.5 of CI's 30 minutes on a 2-core AVX2 machine; 4k's ~940 MB of fp32 KV overflows the pool just the same.)
+# Minutes, not seconds: a 0.6B-shaped prefill of 2k tokens, in a reference engine and in the cluster. (8k took
+# 5.5 of CI's 30 minutes on a 2-core AVX2 machine, 4k then three; 2k's ~470 MB of fp32 KV overflows the 64 MiB
+# pool seven times over, which is the path these tests are for.)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # Smaller than any handoff below: every one of them overflows the pool.
@@ -38,6 +41,13 @@ def _prompt(n: int, salt: int) -> list[int]:
 
 
 def _reference(model: Path, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
+    """The tokens of an engine in a process of its own: the engine keeps the memory it frees (host_memory.py), so
+    in this one its ~7 GB would stay beside the cluster's two 0.6B-shaped workers for the rest of the session."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_generate_in_process, model, dtype, prompts).result(timeout=1200)
+
+
+def _generate_in_process(model: Path, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
     engine = LLMEngine.from_pretrained(
         model, EngineConfig(dtype=dtype, kv_cache_memory_gb=2.5, num_threads=2, enable_prefix_caching=False)
     )
@@ -103,10 +113,9 @@ def _assert_served_by_handoff(cluster: LocalCluster, tokens: list[int], last: ro
     assert _handoff_bytes(cluster.child("decode-0").metrics_port) > 0
 
 
-def test_fp32_prompts_of_2k_and_4k_tokens_hand_off_through_a_pool_smaller_than_their_kv(
-    fp32_model: Path, tmp_path: Path
-) -> None:
-    prompts = [_prompt(2048, 1), _prompt(4096, 2)]
+def test_fp32_prompt_of_2k_tokens_hands_off_through_a_pool_smaller_than_its_kv(fp32_model: Path,
+                                                                                  tmp_path: Path) -> None:
+    prompts = [_prompt(2048, 1)]
     expected = _reference(fp32_model, "float32", prompts)
     with _cluster(fp32_model, tmp_path, "float32") as cluster:
         for prompt, want in zip(prompts, expected, strict=True):
