@@ -50,6 +50,8 @@ class RouterServiceConfig(StageConfig):
     prefill_timeout_s: float = option(
         300.0, help="deadline of one prefill call (plus 0.1 s a prompt token) when the request has none sooner"
     )
+    tokenizer_timeout_s: float = option(
+        30.0, help="deadline of one tokenizer call (and of a worker's GetInfo) when the request has none sooner")
     stall_timeout_s: float = option(
         30.0, help="a decode stream silent this long (first token included) fails over to another worker")
     resolve_interval_s: float = option(

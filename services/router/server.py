@@ -158,6 +158,7 @@ def _router(config: RouterServiceConfig, metrics: RouterMetrics, name: str, mode
             model_name=name or folder_name, max_model_len=max_model_len or model_len,
             local_prefill_threshold=config.local_prefill_threshold,
             connect_timeout_s=config.connect_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
+            rpc_timeout_s=config.tokenizer_timeout_s,
             stall_timeout_s=config.stall_timeout_s, resolve_interval_s=config.resolve_interval_s,
             cold_start_wait_s=config.cold_start_wait_s,
             max_streams_per_decode_worker=config.max_streams_per_decode_worker,

@@ -32,7 +32,7 @@ LEASE_S = 8.0
 # The router's deadlines in this cluster (flags), short enough for a CI run, and its tokenizer call's default.
 STALL_TIMEOUT_S = 5.0
 PREFILL_TIMEOUT_S = 10.0
-TOKENIZER_DEADLINE_S = 30.0  # RouterConfig.rpc_timeout_s
+TOKENIZER_DEADLINE_S = 10.0  # the router's --tokenizer-timeout-s
 # Open descriptors a surviving process may have gained (sockets in TIME_WAIT handling, lazily opened files).
 FD_SLACK = 12
 # The gauges that must come back to their baseline once the load has stopped.
@@ -86,7 +86,8 @@ def deployment(chaos_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                            log_dir=tmp_path_factory.mktemp("chaos-logs"),
                            extra_worker_args=["--lease-s", str(LEASE_S)],
                            extra_router_args=["--stall-timeout-s", str(STALL_TIMEOUT_S),
-                                              "--prefill-timeout-s", str(PREFILL_TIMEOUT_S)])
+                                              "--prefill-timeout-s", str(PREFILL_TIMEOUT_S),
+                                              "--tokenizer-timeout-s", str(TOKENIZER_DEADLINE_S)])
     try:
         with cluster:
             yield ChaosDeployment(cluster, MODEL_NAME, redis=redis_server)
