@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 PANEL = 16  # output columns per panel of a packed weight (linear.c's PANEL)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode.c", "linear.c", "kv_checksum.c", "token_bitmask.c", "gated_delta.c"))
+HEADERS = (Path(__file__).with_name("vec8.h"),)  # included by the sources: part of what names a build
 ENV_SWITCH = "QWENSERVE_CPU_KERNEL"
 ENV_DIR = "QWENSERVE_CPU_KERNEL_DIR"
 # -fopenmp: the library then needs libgomp.so.1, which torch has already loaded, so both share one pool. A
@@ -82,7 +83,7 @@ def kernel_dir() -> Path:
 
 
 def _source_digest() -> str:
-    return hashlib.sha256(b"\0".join(path.read_bytes() for path in SOURCES)).hexdigest()[:16]
+    return hashlib.sha256(b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))).hexdigest()[:16]
 
 
 def machine_variants() -> tuple[Variant, ...]:

@@ -13,34 +13,24 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline v8f gd_load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void gd_store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-
-static inline v8f gd_splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+#include "vec8.h"
 
 /* acc[j] += a * (decay * row[j]): the prediction k S from the decayed matrix, rounded as the reference. */
 static void predict_row(float *acc, float a, float decay, const float *row, int64_t n) {
-    v8f va = gd_splat(a), vd = gd_splat(decay);
+    v8f va = splat8(a), vd = splat8(decay);
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) gd_store8(acc + j, gd_load8(acc + j) + va * (vd * gd_load8(row + j)));
+    for (; j + 8 <= n; j += 8) store8(acc + j, load8(acc + j) + va * (vd * load8(row + j)));
     for (; j < n; j++) acc[j] += a * (decay * row[j]);
 }
 
 /* row = decay * row + a * u, then o += q_i * row. */
 static void update_row(float *row, float decay, float a, const float *u, float qi, float *o, int64_t n) {
-    v8f vd = gd_splat(decay), va = gd_splat(a), vq = gd_splat(qi);
+    v8f vd = splat8(decay), va = splat8(a), vq = splat8(qi);
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        v8f r = vd * gd_load8(row + j) + va * gd_load8(u + j);
-        gd_store8(row + j, r);
-        gd_store8(o + j, gd_load8(o + j) + vq * r);
+        v8f r = vd * load8(row + j) + va * load8(u + j);
+        store8(row + j, r);
+        store8(o + j, load8(o + j) + vq * r);
     }
     for (; j < n; j++) {
         float r = decay * row[j] + a * u[j];

@@ -17,15 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+#include "vec8.h"
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     v8f acc0 = {0}, acc1 = {0};
