@@ -140,6 +140,10 @@ class OperatorThread:
         settings.scanning.disabled = True
         settings.watching.reconnect_backoff = 0.5
         settings.background.instant_exit_timeout = 0.5
+        # A stopped dev cluster goes away: its workers need not idle out first (kopf's defaults add ~7 s to a stop).
+        settings.queueing.idle_timeout = 0.5
+        settings.queueing.exit_timeout = 0.5
+        settings.posting.idle_timeout = 0.5
         registry = make_registry(OperatorConfig(interval=self.interval, scrape_timeout=2.0),
                                  connection=kopf.ConnectionInfo(server=self.api_url))
         try:

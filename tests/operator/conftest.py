@@ -109,6 +109,10 @@ async def run_operator(k8s: kmock.KubernetesEmulator) -> AsyncIterator[Callable[
         settings.scanning.disabled = True
         settings.watching.reconnect_backoff = 0.1
         settings.background.instant_exit_timeout = 0.1
+        # Workers and the poster exit at once at teardown instead of idling out (7 s a test otherwise).
+        settings.queueing.idle_timeout = 0.2
+        settings.queueing.exit_timeout = 0.1
+        settings.posting.idle_timeout = 0.1
         ready = threading.Event()
         registry = make_registry(OperatorConfig(interval=interval, scrape_timeout=2.0),
                                  connection=kopf.ConnectionInfo(server=str(k8s.url).rstrip("/")))
