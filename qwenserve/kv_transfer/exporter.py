@@ -23,7 +23,13 @@ import torch
 
 from qwenserve.addresses import endpoint_host, is_wildcard_host
 from qwenserve.kv_layout import KVLayout, LinearState
-from qwenserve.kv_transfer.checksum import DEFAULT_ALGORITHM, compute_checksum, fused_copy, gather_copy
+from qwenserve.kv_transfer.checksum import (
+    DEFAULT_ALGORITHM,
+    NO_CHECKSUM,
+    compute_checksum,
+    fused_copy,
+    gather_copy,
+)
 from qwenserve.kv_transfer.errors import KVHandoffExists, KVHandoffGone, KVLayoutInvalid
 from qwenserve.kv_transfer.handle import (
     MARKER_BYTES,
@@ -130,7 +136,7 @@ class ExportSlot:
                 f"{self.tensor.dtype} {tuple(self.tensor.shape)}"
             )
         self._entry.checksum = None
-        checksum = fused_copy(self.tensor, src.contiguous(), self._exporter.config.checksum)
+        checksum = fused_copy(self.tensor, src.contiguous(), self._copy_algorithm())
         self._keep_checksum(checksum)
 
     def gather(self, planes: torch.Tensor, rows: torch.Tensor) -> None:
@@ -149,7 +155,7 @@ class ExportSlot:
         self._entry.checksum = None
         layers, kv = shape[:2]
         checksum = gather_copy(self.tensor.view(layers * kv, *shape[2:]), planes.view(layers * kv, *planes.shape[2:]),
-                               rows, self._exporter.config.checksum)
+                               rows, self._copy_algorithm())
         self._keep_checksum(checksum)
 
     def write_state(self, state: LinearState) -> None:
@@ -161,9 +167,12 @@ class ExportSlot:
         self.state.recurrent.copy_(state.recurrent)
         self.state.conv.copy_(state.conv)
 
+    def _copy_algorithm(self) -> str:
+        # With linear-attention state after the KV, publish hashes the whole handoff once: a hash taken while
+        # copying would cover the KV only, so the copy takes none.
+        return self._exporter.config.checksum if self.state is None else NO_CHECKSUM
+
     def _keep_checksum(self, checksum: str) -> None:
-        # The hash taken while copying covers the KV only; with state after it, publish hashes all the bytes (the
-        # KV of a hybrid model's few full-attention layers is small, the state a fixed few MiB).
         self._entry.checksum = checksum if self.state is None else None
 
     def publish(self, lease_s: float = 30.0) -> KVHandle:
