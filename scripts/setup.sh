@@ -19,6 +19,9 @@ pip install -e ".[${extras}]"
 # The CPU kernels, one object per instruction-set level, so that no process compiles them at first use.
 .venv/bin/python -m qwenserve.cpu_kernels build >/dev/null \
   || echo "setup: the CPU kernels could not be built: PyTorch's ops will run instead, slower" >&2
+# flash-linear-attention for its tests in Triton's interpreter (tests/engine/test_linear_attention_gpu.py), in a folder
+# of its own: on the venv's path, transformers would run its kernels for the CPU reference models, where they cannot.
+[ -d .venv/fla/fla ] || pip install --no-deps --target .venv/fla "fla-core==0.6.0" "einops==0.8.1"
 
 # The tests talk to a real Redis server; Mooncake's engine loads libibverbs even over TCP; the chart's alerts are
 # tested with promtool (Debian's prometheus package; nothing is started).

@@ -48,7 +48,7 @@ from qwenserve.engine.state_snapshots import StateSnapshots
 from qwenserve.engine.step import EngineStep, StepObserver
 from qwenserve.engine.weights import load_checkpoint
 from qwenserve.kv_layout import KVLayout
-from qwenserve.models import ModelConfig, model_class
+from qwenserve.models import ModelConfig, linear_attention_gpu, model_class
 
 log = logging.getLogger("qwenserve.engine")
 
@@ -114,6 +114,10 @@ class LLMEngine:
                      model_cfg.num_layers, len(model_cfg.kv_layers),
                      f"; at most {num_state_slots} sequences run at once" if num_state_slots < config.max_num_seqs
                      else "")
+            if device.type == "cuda" and not linear_attention_gpu.fla_available():
+                log.warning("flash-linear-attention is not installed (or %s=0): the delta rule runs in PyTorch's ops "
+                            "on CUDA, slower; `pip install fla-core` (the gpu extra) adds its kernels",
+                            linear_attention_gpu.ENV_SWITCH)
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_batched_tokens=config.token_budget(),

@@ -1,5 +1,8 @@
-"""The gated delta rule of Gated DeltaNet layers (Qwen3-Next, Qwen3.5) in PyTorch: the chunked form a prefill runs,
-and the one-token step a decode runs (which the ops table replaces by a C kernel on CPUs, cpu_kernels/gated_delta.c).
+"""The recurrences of Gated DeltaNet layers (Qwen3-Next, Qwen3.5) in PyTorch: the gated delta rule's chunked form a
+prefill runs and its one-token step a decode runs, and the short convolution's step.
+
+These are the ops table's defaults and the contracts its replacements keep: a C kernel for the step on CPUs
+(cpu_kernels/gated_delta.c), flash-linear-attention and causal-conv1d on CUDA (models/linear_attention_gpu.py).
 """
 
 from __future__ import annotations
@@ -71,3 +74,27 @@ def recurrent_gated_delta_step(
     s = s + k.unsqueeze(-1) * ((v - predicted) * beta[..., None]).unsqueeze(-2)
     states[slots] = s
     return (q.unsqueeze(-2) @ s).squeeze(-2)
+
+
+def chunk_gated_delta_prefills(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
+    prefills: list[tuple[int, int, int]],
+) -> torch.Tensor:
+    """The chunked rule for each of a step's prefill chunks: `prefills` = (first row, rows, slot), consecutive rows of
+    q, k [n, H, dk], v [n, H, dv], g and beta [n, H]; each sequence starts from `states` [slots, H, dk, dv] at its
+    slot and leaves its state there. Returns the outputs of the chunks' rows, in order."""
+    outputs = []
+    for start, count, slot in prefills:
+        rows = slice(start, start + count)
+        out, states[slot] = chunk_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], states[slot])
+        outputs.append(out)
+    return torch.cat(outputs)
+
+
+def short_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                    slots: torch.Tensor) -> torch.Tensor:
+    """One input x [B, C] per sequence through the depthwise causal convolution weight [C, K]: each sequence's last
+    K-1 inputs (`conv_state` [slots, C, K-1] at `slots` [B]) are shifted by one in place. Returns silu(conv)."""
+    window = torch.cat([conv_state[slots], x[:, :, None]], dim=-1)  # [B, C, K]
+    conv_state[slots] = window[:, :, 1:]
+    return F.silu((window * weight).sum(dim=-1))

@@ -1,9 +1,13 @@
 """The ops a model's layers call, chosen once when the model is built for its device and dtype.
 
-Model files call `ops.linear(x, w)`, `ops.embedding(table, ids)` and `ops.gated_delta_step(...)` and never ask which
-kernels run. PyTorch's ops everywhere, except on a CPU where the C kernels load: there a hybrid model's recurrent
-update at decode runs in the C kernel (its state is fp32 whatever the serving dtype), and for fp32 `prepare` repacks
-the linear weights into `PackedWeight`s once after the checkpoint is loaded, and `linear` runs the packed product.
+Model files call `ops.linear(x, w)`, `ops.embedding(table, ids)` and a Gated DeltaNet layer's recurrences
+(`ops.gated_delta_step`, `ops.gated_delta_prefills`, `ops.short_conv_step`) and never ask which kernels run.
+PyTorch's ops everywhere, except:
+- on a CPU where the C kernels load: a hybrid model's recurrent update at decode runs in the C kernel (its state is
+  fp32 whatever the serving dtype), and for fp32 `prepare` repacks the linear weights into `PackedWeight`s once
+  after the checkpoint is loaded, and `linear` runs the packed product;
+- on CUDA, the recurrences run in flash-linear-attention's and causal-conv1d's kernels where those packages are
+  installed (models/linear_attention_gpu.py); each is optional.
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ from torch import nn
 
 from qwenserve import cpu_kernels, progress
 from qwenserve.cpu_kernels import PackedWeight
-from qwenserve.models.gated_delta import recurrent_gated_delta_step
+from qwenserve.models import linear_attention_gpu
+from qwenserve.models.gated_delta import (
+    chunk_gated_delta_prefills,
+    recurrent_gated_delta_step,
+    short_conv_step,
+)
 
 # The weights packed for the CPU kernels: every matrix a token's hidden state is multiplied by.
 PACKED_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "in_proj", "out_proj")
@@ -31,13 +40,17 @@ class Ops:
     """What the layers compute with. `linear(x, w, bias, out)`: x · wᵀ (+ bias), into `out` where the op can
     use a buffer; `embedding(table, ids)`: rows of a table; `prepare(model)`: adapt the loaded weights to these
     ops, returning how many it changed; `gated_delta_step(q, k, v, g, beta, states, slots)`: one decode token of
-    the gated delta rule, the states updated in place (gated_delta.recurrent_gated_delta_step says the contract)."""
+    the gated delta rule, the states updated in place; `gated_delta_prefills(q, k, v, g, beta, states, prefills)`:
+    a step's prefill chunks; `short_conv_step(x, conv_state, weight, slots)`: the decode rows' convolution
+    (models/gated_delta.py says the three contracts)."""
 
     name: str
     linear: Callable[..., torch.Tensor]
     embedding: Callable[[Weight, torch.Tensor], torch.Tensor]
     prepare: Callable[[nn.Module], int]
     gated_delta_step: Callable[..., torch.Tensor] = recurrent_gated_delta_step
+    gated_delta_prefills: Callable[..., torch.Tensor] = chunk_gated_delta_prefills
+    short_conv_step: Callable[..., torch.Tensor] = short_conv_step
 
 
 def _torch_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
@@ -94,9 +107,24 @@ CPU_STATE_KERNEL_OPS = dataclasses.replace(TORCH_OPS, name="torch+cpu_gated_delt
                                            gated_delta_step=cpu_kernels.gated_delta_step)
 
 
+def cuda_ops() -> Ops:
+    """PyTorch's ops with the Gated DeltaNet recurrences of whichever kernel packages are installed."""
+    ops = TORCH_OPS
+    if linear_attention_gpu.fla_available():
+        ops = dataclasses.replace(ops, name=f"{ops.name}+fla", gated_delta_step=linear_attention_gpu.fla_gated_delta_step,
+                                  gated_delta_prefills=linear_attention_gpu.fla_gated_delta_prefills)
+    if linear_attention_gpu.causal_conv1d_available():
+        ops = dataclasses.replace(ops, name=f"{ops.name}+causal_conv1d",
+                                  short_conv_step=linear_attention_gpu.causal_conv1d_step)
+    return ops
+
+
 def select_ops(device: torch.device, dtype: torch.dtype) -> Ops:
     """The C kernels' ops on a CPU where they load (the packed product runs several times PyTorch's BLAS at decode
-    sizes, the recurrent update ~50x PyTorch's ops: bench/kernels_bench.py), PyTorch's everywhere else."""
+    sizes, the recurrent update ~50x PyTorch's ops: bench/kernels_bench.py), the kernel packages' recurrences on
+    CUDA where installed, PyTorch's everywhere else."""
     if device.type == "cpu" and cpu_kernels.available():
         return CPU_KERNEL_OPS if dtype == torch.float32 else CPU_STATE_KERNEL_OPS
+    if device.type == "cuda":
+        return cuda_ops()
     return TORCH_OPS

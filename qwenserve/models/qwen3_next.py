@@ -8,8 +8,9 @@ gated shared expert.
 
 Tokens are flattened across sequences as in qwen3.py. The linear layers read each sequence's state slot from the
 ForwardContext: decode rows (one token each) update all their states in one batched recurrent step (the ops table's:
-a C kernel on CPUs); a prefill chunk runs the chunked form of the delta rule (models/gated_delta.py) from its
-sequence's state and leaves the state of its last token, so the next chunk carries on from there.
+a C kernel on CPUs, flash-linear-attention's on CUDA where installed); a prefill chunk runs the chunked form of the
+delta rule (models/gated_delta.py) from its sequence's state and leaves the state of its last token, so the next
+chunk carries on from there.
 
 The two families differ in how the linear layers' input projections are stored: Qwen3-Next fuses them per key
 head (in_proj_qkvz, in_proj_ba, grouped by key head), Qwen3.5 keeps four matrices (in_proj_qkv, _z, _b, _a).
@@ -26,7 +27,7 @@ from torch import nn
 
 from qwenserve.engine.attention.base import ForwardContext
 from qwenserve.models.config import ModelConfig
-from qwenserve.models.gated_delta import chunk_gated_delta_rule, l2_normalize
+from qwenserve.models.gated_delta import l2_normalize
 from qwenserve.models.layers import RMSNorm, SwiGLUMLP
 from qwenserve.models.ops import Ops
 from qwenserve.models.qwen3 import QwenAttention, QwenForCausalLM
@@ -82,14 +83,12 @@ class GatedDeltaNet(nn.Module):
         w, keep = self.conv_weight, self.kernel - 1
         nd = batch.num_decodes
         if nd:
-            window = torch.cat([conv_state[batch.decode_slots], x[:nd, :, None]], dim=-1)  # [nd, C, K]
-            out[:nd] = (window * w).sum(dim=-1)
-            conv_state[batch.decode_slots] = window[:, :, 1:]
+            out[:nd] = self.ops.short_conv_step(x[:nd], conv_state, w, batch.decode_slots)
         for start, count, slot in batch.prefills:
             seq = torch.cat([conv_state[slot], x[start : start + count].T], dim=-1)  # [C, K-1 + count]
-            out[start : start + count] = F.conv1d(seq[None], w[:, None, :], groups=self.conv_dim)[0].T
+            out[start : start + count] = F.silu(F.conv1d(seq[None], w[:, None, :], groups=self.conv_dim)[0].T)
             conv_state[slot] = seq[:, seq.shape[1] - keep :]
-        return F.silu(out)
+        return out
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Linear attention of [num_tokens, hidden], each sequence from (and into) its state slot."""
@@ -111,10 +110,10 @@ class GatedDeltaNet(nn.Module):
         if nd:
             out[:nd] = self.ops.gated_delta_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], recurrent,
                                                  batch.decode_slots)
-        for start, count, slot in batch.prefills:
-            rows = slice(start, start + count)
-            out[rows], recurrent[slot] = chunk_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows],
-                                                                recurrent[slot])
+        if batch.prefills:  # consecutive rows after the decodes
+            end = batch.prefills[-1][0] + batch.prefills[-1][1]
+            out[batch.prefills[0][0] : end] = self.ops.gated_delta_prefills(q, k, v, g, beta, recurrent,
+                                                                             batch.prefills)
         gated = self.norm(out.to(x.dtype)).float() * F.silu(z.float())
         return self.ops.linear(gated.to(x.dtype).reshape(n, self.value_dim), self.out_proj)
 
