@@ -10,7 +10,9 @@
 The functions keep models/gated_delta.py's contracts (q, k normalised and q scaled; values and states in fp32; the
 states [slots, H, dk, dv] updated in place at the given slots), so ops.select_ops can put them in the ops table
 without the layer noticing. They are written against the packages' public calls with keyword arguments only: the
-positional order of flash-linear-attention's gates changed between releases.
+positional order of flash-linear-attention's gates changed between releases. Before a package is chosen, a small
+case runs through it and through PyTorch's forms on the device (`fla_agrees`, `causal_conv1d_agrees`): a release
+that fails or computes something else is logged and left out, as a CPU kernel that will not load is.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ log = logging.getLogger(__name__)
 
 #: Set to 0 to run PyTorch's forms on CUDA even where the packages are installed (to compare, or to rule them out).
 ENV_SWITCH = "QWENSERVE_LINEAR_ATTENTION_KERNELS"
-#: causal-conv1d's kernels take convolutions of 2 to 4 taps (Qwen3-Next and Qwen3.5 use 4).
-CAUSAL_CONV1D_WIDTHS = range(2, 5)
+#: How far a package's start-up case may be from PyTorch's forms (its products may run in TF32 on the GPU).
+CHECK_TOLERANCE = 2e-2
 
 
 def _switched_off() -> bool:
@@ -112,3 +114,79 @@ def causal_conv1d_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.
 
     return causal_conv1d_update(x, conv_state, weight, activation="silu",
                                 conv_state_indices=slots.to(torch.int32))
+
+
+def _self_check(name: str, run: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """True where `run()` -> (the package's result, PyTorch's) raises nothing and the two agree; else a WARNING."""
+    try:
+        got, expected = (t.float() for t in run())
+        diff = (got - expected).abs().max().item()
+        reason = f"differs from PyTorch's forms by up to {diff:.3g}" if not diff <= CHECK_TOLERANCE * max(
+            1.0, expected.abs().max().item()) else None
+    except Exception as exc:  # whatever a kernel raises, the engine must still start
+        reason = f"failed ({type(exc).__name__}: {exc})"
+    if reason is not None:
+        log.warning("%s %s in a start-up check: PyTorch's forms run instead", name, reason)
+    return reason is None
+
+
+def _delta_rule_case(device: torch.device, heads: int = 2, dk: int = 128, dv: int = 128) -> tuple[torch.Tensor, ...]:
+    """q, k, v, g, beta of 80 rows and states of 4 slots, as a layer hands them over (the released Qwen3-Next and
+    Qwen3.5 checkpoints all have 128-wide key and value heads)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=gen, device=device)
+
+    q = rand(80, heads, dk) - 0.5
+    k = rand(80, heads, dk) - 0.5
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True)) * dk**-0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True))
+    return q, k, rand(80, heads, dv) - 0.5, -0.5 * rand(80, heads), rand(80, heads), 0.1 * rand(4, heads, dk, dv)
+
+
+def delta_rule_check(step: Callable[..., torch.Tensor], prefills: Callable[..., torch.Tensor],
+                     device: torch.device) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """A check case for `_self_check`: two decode rows, then prefill chunks of 70 and 8 tokens (more than one of the
+    kernels' 64-token chunks), through `step` and `prefills` and through PyTorch's forms; outputs and states."""
+    from qwenserve.models import gated_delta
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, g, beta, states = _delta_rule_case(device)
+        results = []
+        for step_fn, prefills_fn in ((step, prefills), (gated_delta.recurrent_gated_delta_step,
+                                                        gated_delta.chunk_gated_delta_prefills)):
+            s = states.clone()
+            decoded = step_fn(q[:2], k[:2], v[:2], g[:2], beta[:2], s, torch.tensor([3, 0], device=device))
+            prefilled = prefills_fn(q, k, v, g, beta, s, [(2, 70, 1), (72, 8, 2)])
+            results.append(torch.cat([decoded.flatten(), prefilled.flatten(), s.flatten()]))
+        return results[0], results[1]
+
+    return run
+
+
+@functools.cache
+def fla_agrees(device: torch.device) -> bool:
+    """flash-linear-attention's kernels give PyTorch's numbers on `device` (checked once per device)."""
+    return _self_check("flash-linear-attention",
+                       delta_rule_check(fla_gated_delta_step, fla_gated_delta_prefills, device))
+
+
+@functools.cache
+def causal_conv1d_agrees(device: torch.device, dtype: torch.dtype) -> bool:
+    """causal-conv1d's step gives PyTorch's numbers and kept inputs on `device` in `dtype` (checked once)."""
+    from qwenserve.models import gated_delta
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator(device=device).manual_seed(0)
+        conv = torch.rand(4, 384, 3, generator=gen, device=device).to(dtype)  # [slots, C, K-1]
+        weight = torch.rand(384, 4, generator=gen, device=device).to(dtype) - 0.5
+        x = torch.rand(2, 384, generator=gen, device=device).to(dtype)
+        slots = torch.tensor([3, 1], device=device)
+        ours, theirs = conv.clone(), conv.clone()
+        expected = gated_delta.short_conv_step(x, ours, weight, slots)
+        got = causal_conv1d_step(x, theirs, weight, slots)
+        return torch.cat([got.float().flatten(), theirs.float().flatten()]), torch.cat(
+            [expected.float().flatten(), ours.float().flatten()])
+
+    return _self_check("causal-conv1d", run)

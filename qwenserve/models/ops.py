@@ -107,13 +107,14 @@ CPU_STATE_KERNEL_OPS = dataclasses.replace(TORCH_OPS, name="torch+cpu_gated_delt
                                            gated_delta_step=cpu_kernels.gated_delta_step)
 
 
-def cuda_ops() -> Ops:
-    """PyTorch's ops with the Gated DeltaNet recurrences of whichever kernel packages are installed."""
+def cuda_ops(device: torch.device, dtype: torch.dtype) -> Ops:
+    """PyTorch's ops with the Gated DeltaNet recurrences of whichever kernel packages are installed and pass their
+    start-up check on `device`."""
     ops = TORCH_OPS
-    if linear_attention_gpu.fla_available():
+    if linear_attention_gpu.fla_available() and linear_attention_gpu.fla_agrees(device):
         ops = dataclasses.replace(ops, name=f"{ops.name}+fla", gated_delta_step=linear_attention_gpu.fla_gated_delta_step,
                                   gated_delta_prefills=linear_attention_gpu.fla_gated_delta_prefills)
-    if linear_attention_gpu.causal_conv1d_available():
+    if linear_attention_gpu.causal_conv1d_available() and linear_attention_gpu.causal_conv1d_agrees(device, dtype):
         ops = dataclasses.replace(ops, name=f"{ops.name}+causal_conv1d",
                                   short_conv_step=linear_attention_gpu.causal_conv1d_step)
     return ops
@@ -126,5 +127,5 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> Ops:
     if device.type == "cpu" and cpu_kernels.available():
         return CPU_KERNEL_OPS if dtype == torch.float32 else CPU_STATE_KERNEL_OPS
     if device.type == "cuda":
-        return cuda_ops()
+        return cuda_ops(device, dtype)
     return TORCH_OPS

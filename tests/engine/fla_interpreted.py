@@ -2,7 +2,7 @@
 on CPU tensors, through models/linear_attention_gpu.py's glue, for tests/engine/test_linear_attention_gpu.py.
 
 `python fla_interpreted.py CHECKPOINT PROMPTS_JSON` prints, as JSON, the largest differences between the glue and the
-PyTorch forms, and an engine's greedy tokens with the glue in its ops table (one process: importing is most of it). The chunked kernel's autotuner and one of its loops do not run in the interpreter, so prefill chunks go
+PyTorch forms, the start-up check's verdict, and an engine's greedy tokens with the glue in its ops table (one process: importing is most of it). The chunked kernel's autotuner and one of its loops do not run in the interpreter, so prefill chunks go
 through the fused recurrent kernel, which takes the same arguments (the varlen layout, the initial and final
 states); the chunked kernel itself is tested on CUDA.
 """
@@ -67,5 +67,12 @@ def engine(checkpoint: str, prompts: list[list[int]]) -> dict[str, object]:
         llm.shutdown()
 
 
+def self_check() -> bool:
+    """The start-up check an engine on CUDA runs before it takes flash-linear-attention's kernels."""
+    return gpu._self_check("flash-linear-attention", gpu.delta_rule_check(
+        FLA_OPS.gated_delta_step, FLA_OPS.gated_delta_prefills, torch.device("cpu")))
+
+
 if __name__ == "__main__":
-    print(json.dumps({"ops": ops(), "engine": engine(sys.argv[1], json.loads(sys.argv[2]))}))
+    print(json.dumps({"ops": ops(), "self_check": self_check(),
+                      "engine": engine(sys.argv[1], json.loads(sys.argv[2]))}))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -58,6 +59,11 @@ def test_flash_linear_attention_through_our_glue_equals_the_pytorch_forms(interp
 
 
 @needs_fla_package
+def test_the_start_up_check_passes_flash_linear_attention(interpreted) -> None:
+    assert interpreted["self_check"] is True
+
+
+@needs_fla_package
 def test_an_engine_on_flash_linear_attention_matches_transformers(interpreted, reference) -> None:
     assert interpreted["engine"]["ops"].startswith("torch+fla")
     assert interpreted["engine"]["tokens"] == [reference("qwen3_next", p, 6)[0] for p in PROMPTS]
@@ -67,7 +73,7 @@ def test_without_cuda_or_the_packages_pytorch_runs() -> None:
     assert select_ops(torch.device("cpu"), torch.float32).gated_delta_prefills is gated_delta.chunk_gated_delta_prefills
     if not torch.cuda.is_available():
         assert not gpu.fla_available() and not gpu.causal_conv1d_available()
-        assert cuda_ops() is TORCH_OPS
+        assert cuda_ops(torch.device("cuda"), torch.bfloat16) is TORCH_OPS
 
 
 def test_the_switch_turns_the_packages_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,11 +82,33 @@ def test_the_switch_turns_the_packages_off(monkeypatch: pytest.MonkeyPatch) -> N
     gpu.causal_conv1d_available.cache_clear()
     try:
         assert not gpu.fla_available() and not gpu.causal_conv1d_available()
-        assert cuda_ops() is TORCH_OPS
+        assert cuda_ops(torch.device("cuda"), torch.bfloat16) is TORCH_OPS
     finally:
         monkeypatch.delenv(gpu.ENV_SWITCH)
         gpu.fla_available.cache_clear()
         gpu.causal_conv1d_available.cache_clear()
+
+
+def test_the_start_up_check_passes_what_agrees_and_refuses_what_raises_or_differs(caplog) -> None:
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger=gpu.__name__):
+        assert gpu._self_check("PyTorch", gpu.delta_rule_check(gated_delta.recurrent_gated_delta_step,
+                                                              gated_delta.chunk_gated_delta_prefills, cpu))
+        assert not caplog.records
+
+        def raising(*args: object) -> torch.Tensor:
+            raise RuntimeError("no kernel image is available for execution on the device")
+
+        assert not gpu._self_check("a raising kernel", gpu.delta_rule_check(gated_delta.recurrent_gated_delta_step,
+                                                                            raising, cpu))
+        assert "a raising kernel failed (RuntimeError: no kernel image" in caplog.text
+
+        def forgetful(q, k, v, g, beta, states, slots) -> torch.Tensor:  # right outputs, states never written
+            return gated_delta.recurrent_gated_delta_step(q, k, v, g, beta, states.clone(), slots)
+
+        assert not gpu._self_check("a forgetful kernel", gpu.delta_rule_check(
+            forgetful, gated_delta.chunk_gated_delta_prefills, cpu))
+        assert "a forgetful kernel differs from PyTorch's forms" in caplog.text
 
 
 # -- on a CUDA machine with the packages (scripts/gpu_check.sh) ------------------------------------------------------
