@@ -2,28 +2,55 @@
 on CPU tensors, through models/linear_attention_gpu.py's glue, for tests/engine/test_linear_attention_gpu.py.
 
 `python fla_interpreted.py CHECKPOINT PROMPTS_JSON` prints, as JSON, the largest differences between the glue and the
-PyTorch forms, the start-up check's verdict, and an engine's greedy tokens with the glue in its ops table (one process: importing is most of it). The chunked kernel's autotuner and one of its loops do not run in the interpreter, so prefill chunks go
-through the fused recurrent kernel, which takes the same arguments (the varlen layout, the initial and final
-states); the chunked kernel itself is tested on CUDA.
+PyTorch forms, the start-up check's verdict, and an engine's greedy tokens with the glue in its ops table (one
+process: importing is most of it).
+
+The interpreter lacks two things the chunked kernel needs, supplied here for this process only: the autotuner's
+timing (there is no device to time: every configuration is as good, the first is taken) and Triton scalars from a
+kernel's `for ... in range(...)` loop (the compiler's loop yields them, the interpreter's plain ints, which lack
+`.to`). The kernels' own code runs unchanged.
 """
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
-import functools
 import json
 import sys
+from collections.abc import Iterator
 
+import numpy as np
 import torch
-from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+import triton.language as tl
+from triton.runtime import autotuner
+from triton.runtime.interpreter import TensorHandle
 
 from qwenserve.models import gated_delta
 from qwenserve.models import linear_attention_gpu as gpu
 from qwenserve.models.ops import TORCH_OPS
 
-FLA_OPS = dataclasses.replace(
-    TORCH_OPS, name="torch+fla (interpreted)", gated_delta_step=gpu.fla_gated_delta_step,
-    gated_delta_prefills=functools.partial(gpu.fla_gated_delta_prefills, kernel=fused_recurrent_gated_delta_rule))
+#: The flash-linear-attention modules whose kernels loop with `range` over values they then call `.to` on.
+KERNEL_LOOP_MODULES = ("fla.ops.common.chunk_delta_h",)
+
+
+def _kernel_range(*bounds: object) -> Iterator[tl.tensor]:
+    """`range` as a compiled kernel's loop sees it: int32 scalars."""
+    values = [b.handle.data.item() if isinstance(b, tl.tensor) else b for b in bounds]
+    for i in builtins.range(*values):
+        yield tl.tensor(TensorHandle(np.array([i], dtype=np.int32), tl.int32), tl.int32)
+
+
+def _make_interpretable() -> None:
+    import importlib
+
+    autotuner.Autotuner._bench = lambda self, *args, config, **meta: [0.0, 0.0, 0.0]
+    for name in KERNEL_LOOP_MODULES:
+        importlib.import_module(name).range = _kernel_range  # the module's kernels only: its host code has no loops
+
+
+_make_interpretable()
+FLA_OPS = dataclasses.replace(TORCH_OPS, name="torch+fla (interpreted)", gated_delta_step=gpu.fla_gated_delta_step,
+                              gated_delta_prefills=gpu.fla_gated_delta_prefills)
 
 
 def _inputs(n: int, heads: int, dk: int, dv: int) -> tuple[torch.Tensor, ...]:
