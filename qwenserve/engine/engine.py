@@ -114,10 +114,10 @@ class LLMEngine:
                      model_cfg.num_layers, len(model_cfg.kv_layers),
                      f"; at most {num_state_slots} sequences run at once" if num_state_slots < config.max_num_seqs
                      else "")
-            if device.type == "cuda" and not linear_attention_gpu.fla_available():
-                log.warning("flash-linear-attention is not installed (or %s=0): the delta rule runs in PyTorch's ops "
-                            "on CUDA, slower; `pip install fla-core` (the gpu extra) adds its kernels",
-                            linear_attention_gpu.ENV_SWITCH)
+            if device.type == "cuda" and "+fla" not in model.ops.name:
+                log.warning("the delta rule runs in PyTorch's ops on CUDA, slower: flash-linear-attention is not "
+                            "installed (`pip install fla-core`, in the gpu extra), is off (%s=0), or failed its "
+                            "start-up check (logged above)", linear_attention_gpu.ENV_SWITCH)
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_batched_tokens=config.token_budget(),
