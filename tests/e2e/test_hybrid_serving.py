@@ -2,7 +2,8 @@
 `qwen-serve up` with the real vocabulary: its greedy tokens through the router equal transformers', served
 colocated (no prefill worker) and disaggregated (the handoff carrying the full-attention KV and the linear-attention
 state from the prefill worker to the decode worker), where a repeated prompt resumes from the prefill worker's
-prefix cache and its kept state."""
+prefix cache and its kept state, and where a decode pool too small for the batch preempts handed-off sequences,
+which recompute their state from their tokens."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _reference(folder: Path) -> list[list[int]]:
+def _reference(folder: Path, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -59,16 +60,17 @@ def _reference(folder: Path) -> list[list[int]]:
     with torch.inference_mode():
         for prompt in PROMPTS:
             ids = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                                 dtype=torch.long), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 dtype=torch.long), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  do_sample=False, pad_token_id=0)
             out.append(ids[0, len(prompt):].tolist())
     return out
 
 
-async def _one(stub: router_pb2_grpc.RouterStub, prompt: list[int]) -> tuple[list[int], int]:
+async def _one(stub: router_pb2_grpc.RouterStub, prompt: list[int],
+               new_tokens: int = NEW_TOKENS) -> tuple[list[int], int]:
     """The greedy tokens, and the prompt tokens served from the prefix cache."""
     request = router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=prompt))
-    request.sampling.max_tokens = NEW_TOKENS
+    request.sampling.max_tokens = new_tokens
     request.sampling.ignore_eos = True
     request.sampling.temperature = 0.0
     tokens: list[int] = []
@@ -80,11 +82,12 @@ async def _one(stub: router_pb2_grpc.RouterStub, prompt: list[int]) -> tuple[lis
     return tokens, cached
 
 
-async def _served(address: str, again: list[int] | None = None) -> tuple[list[list[int]], int]:
+async def _served(address: str, again: list[int] | None = None,
+                  new_tokens: int = NEW_TOKENS) -> tuple[list[list[int]], int]:
     """PROMPTS batched together; then, if given, `again` alone: (their tokens in order, `again`'s cached tokens)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-        served = [tokens for tokens, _ in await asyncio.gather(*(_one(stub, p) for p in PROMPTS))]
+        served = [tokens for tokens, _ in await asyncio.gather(*(_one(stub, p, new_tokens) for p in PROMPTS))]
         if again is None:
             return served, 0
         tokens, cached = await _one(stub, again)
@@ -119,6 +122,24 @@ def test_a_hybrid_model_disaggregated_hands_off_its_state_and_equals_transformer
                       linear_key_head_dim=16, linear_value_head_dim=8)
     assert failed == 0
     assert handed == sum(layout.nbytes(len(p)) for p in [*PROMPTS, PROMPTS[1]])
+
+
+def test_handed_off_hybrid_sequences_preempted_on_a_small_decode_pool_recompute_exactly(hybrid_model: Path,
+                                                                                         tmp_path: Path) -> None:
+    # 40 new tokens each: 60, 124 and 42 tokens at the end, 15 blocks of 16 together, 8 for the longest alone. The
+    # workers get 9 blocks (4 state slots of 6,400 bytes first, no snapshots), so decode must preempt one of the
+    # handed-off sequences; it comes back by recomputing its prompt and tokens, its state rebuilt from zero.
+    new_tokens = 40
+    state_bytes, block_bytes = 4 * 6400, 2 * 2 * 16 * 2 * 16 * 4
+    env = {"QWENSERVE_DTYPE": "float32", "QWENSERVE_MAX_NUM_SEQS": "4", "QWENSERVE_STATE_SNAPSHOT_TOKENS": "0",
+           "QWENSERVE_KV_CACHE_GB": f"{(state_bytes + 9 * block_bytes + 64) / 2**30:.10f}"}
+    with make_cluster(hybrid_model, tmp_path, prefill=1, decode=1, env=env) as cluster:
+        served, _ = asyncio.run(_served(f"{cluster.host}:{cluster.router_port}", new_tokens=new_tokens))
+        preempted = _metric(cluster.child("decode-0").metrics_port, "qwenserve_engine_preemptions_total")
+        failed = _metric(cluster.child("decode-0").metrics_port, "qwenserve_handoff_failures_total")
+    assert preempted > 0, "the decode pool was large enough for the whole batch: nothing was preempted"
+    assert failed == 0
+    assert served == _reference(hybrid_model, new_tokens)
 
 
 def _metric(port: int, name: str) -> float:
