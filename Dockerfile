@@ -2,7 +2,7 @@
 # The qwen-serve image: every stage (`qwen-serve serve <stage>`) and the operator (`qwen-serve operator`).
 #
 #   docker build -t qwen-serve:0.1.0 .                      # CPU (default target)
-#   docker build --target cuda -t qwen-serve:0.1.0-cuda .   # CUDA + flash-attn
+#   docker build --target cuda -t qwen-serve:0.1.0-cuda .   # CUDA + the gpu extra's kernel packages
 #
 # Both targets install torch first, from the index that matches the hardware, so that `pip install .`
 # finds torch satisfied and never pulls a second (CUDA) build into the CPU image.
@@ -14,7 +14,8 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
 ARG CUDA_RUNTIME_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 # --------------------------------------------------------------------------------------------- cuda
-# Build stage: the CUDA toolkit compiles flash-attn; only the virtual environment is kept.
+# Build stage: the CUDA toolkit compiles flash-attn and causal-conv1d (flash-linear-attention is Triton, compiled at
+# run time); only the virtual environment is kept.
 FROM ${CUDA_IMAGE} AS cuda-build
 ARG TORCH_VERSION
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
@@ -41,7 +42,8 @@ RUN cd / && python -m qwenserve.cpu_kernels build
 FROM ${CUDA_RUNTIME_IMAGE} AS cuda
 ENV DEBIAN_FRONTEND=noninteractive PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp \
     PATH=/opt/venv/bin:$PATH
-RUN apt-get update && apt-get install -y --no-install-recommends python3 libibverbs1 \
+# gcc and Python's headers: Triton (flash-linear-attention's kernels) compiles its launchers at run time.
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev libibverbs1 \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 qwen && useradd --system --uid 10001 --gid qwen --home-dir /tmp qwen \
     && mkdir -p /models && chown qwen:qwen /models
