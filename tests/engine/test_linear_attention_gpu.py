@@ -34,8 +34,9 @@ FLA_TARGET = REPO / ".venv" / "fla"
 PROMPTS = random_prompts(3, 5, 70, seed=5)  # the longest spans two 48-token prefill chunks
 
 needs_fla_package = pytest.mark.skipif(
-    not (FLA_TARGET / "fla").is_dir() and importlib.util.find_spec("fla") is None,
-    reason="flash-linear-attention (fla-core) is not installed: scripts/setup.sh puts it in .venv/fla")
+    (not (FLA_TARGET / "fla").is_dir() and importlib.util.find_spec("fla") is None)
+    or importlib.util.find_spec("triton") is None,
+    reason="flash-linear-attention (fla-core; scripts/setup.sh puts it in .venv/fla) or Triton is not installed")
 needs_cuda_fla = pytest.mark.skipif(not gpu.fla_available(), reason="needs CUDA and flash-linear-attention")
 needs_cuda_conv = pytest.mark.skipif(not gpu.causal_conv1d_available(), reason="needs CUDA and causal-conv1d")
 
