@@ -7,9 +7,8 @@ sizes and, where causal-conv1d imports, the decode convolution: milliseconds per
 largest difference in the outputs and the states. It needs nothing but torch and the kernel packages, so it runs on
 a bare GPU machine with fla-core carried beside the repository (scripts/gpu_check.sh).
 
-    PYTHONPATH=.venv/fla:. python -P bench/linear_attention_kernels_bench.py                    # CUDA, 0.8B shapes
-    TRITON_INTERPRET=1 PYTHONPATH=.venv/fla:. python -P bench/linear_attention_kernels_bench.py --device cpu --small
-        # the script itself, on a CPU through Triton's interpreter (slow; the chunked kernel cannot run there)
+    PYTHONPATH=.venv/fla:. python -P bench/linear_attention_kernels_bench.py           # 0.8B shapes
+    PYTHONPATH=.venv/fla:. python -P bench/linear_attention_kernels_bench.py --small   # a quick look
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import torch
 
 from qwenserve.models import gated_delta
 from qwenserve.models import linear_attention_gpu as gpu
+from qwenserve.models.gated_delta import PrefillChunks
 
 # Qwen3.5-0.8B's linear layers: 16 key heads and 16 value heads of 128, a 4-tap convolution.
 SHAPES = {"0.8b": dict(heads=16, dk=128, dv=128, conv_taps=4), "small": dict(heads=4, dk=16, dv=16, conv_taps=4)}
@@ -69,7 +69,7 @@ def _compare(name: str, ours: Callable[[torch.Tensor], torch.Tensor], theirs: Ca
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--small", action="store_true", help="a tiny shape (the interpreter's)")
+    parser.add_argument("--small", action="store_true", help="a tiny shape")
     parser.add_argument("--prefills", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--batches", default="1,8,32,128")
@@ -87,15 +87,12 @@ def main() -> None:
     states = 0.1 * torch.randn(slots, heads, dk, dv, device=device)
     rows = []
 
-    prefill_kernel = None
-    if device.type != "cuda":  # the interpreter runs only the fused recurrent kernel (tests/engine/fla_interpreted.py)
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as prefill_kernel
-    prefills = [(i * chunk, chunk, slots - 1 - i) for i in range(args.prefills)]
+    prefills = PrefillChunks([(i * chunk, chunk, slots - 1 - i) for i in range(args.prefills)])
     x = _rows(chunk * args.prefills, heads, dk, dv, device)
     rows.append(_compare(
         f"prefill {args.prefills}x{chunk} tokens",
         lambda s: gated_delta.chunk_gated_delta_prefills(*x, s, prefills),
-        lambda s: gpu.fla_gated_delta_prefills(*x, s, prefills, kernel=prefill_kernel), states, device, repeats))
+        lambda s: gpu.fla_gated_delta_prefills(*x, s, prefills), states, device, repeats))
     for batch in batches:
         x = _rows(batch, heads, dk, dv, device)
         index = torch.arange(batch, device=device)
@@ -116,7 +113,7 @@ def main() -> None:
     else:
         rows.append({"case": "decode convolution", "skipped": "causal-conv1d does not import here (or no CUDA)"})
 
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
               "torch": torch.__version__, "shape": shape, "rows": rows}
     for row in rows:
         if "skipped" in row:

@@ -114,7 +114,7 @@ class LLMEngine:
                      model_cfg.num_layers, len(model_cfg.kv_layers),
                      f"; at most {num_state_slots} sequences run at once" if num_state_slots < config.max_num_seqs
                      else "")
-            if device.type == "cuda" and "+fla" not in model.ops.name:
+            if device.type == "cuda" and model.ops.gated_delta_prefills is not linear_attention_gpu.fla_gated_delta_prefills:
                 log.warning("the delta rule runs in PyTorch's ops on CUDA, slower: flash-linear-attention is not "
                             "installed (`pip install fla-core`, in the gpu extra), is off (%s=0), or failed its "
                             "start-up check (logged above)", linear_attention_gpu.ENV_SWITCH)

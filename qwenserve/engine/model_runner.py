@@ -19,6 +19,7 @@ from qwenserve.engine.sequence import Sequence
 from qwenserve.engine.state_pool import LinearAttentionBatch, LinearStateCache
 from qwenserve.kv_layout import LinearState
 from qwenserve.models import QwenForCausalLM
+from qwenserve.models.gated_delta import PrefillChunks
 
 #: Prompt positions whose logits are computed at once for prompt logprobs (~80 MB of fp32 logits at a 152k vocabulary).
 PROMPT_LOGPROB_ROWS = 128
@@ -113,7 +114,7 @@ class ModelRunner:
         for item in items[num_decodes:]:
             prefills.append((row, item.num_tokens, item.seq.state_slot))
             row += item.num_tokens
-        return LinearAttentionBatch(self.linear_state, num_decodes, decode_slots, prefills)
+        return LinearAttentionBatch(self.linear_state, num_decodes, decode_slots, PrefillChunks(prefills))
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Append the logprobs of the prompt tokens these rows predict (the model's raw distribution), each with its

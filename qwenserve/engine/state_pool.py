@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from qwenserve.kv_layout import LinearState
+from qwenserve.models.gated_delta import PrefillChunks
 
 if TYPE_CHECKING:
     from qwenserve.models.config import ModelConfig
@@ -97,7 +98,7 @@ class LinearAttentionBatch:
     state: LinearStateCache
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes] int64
-    prefills: list[tuple[int, int, int]]
+    prefills: PrefillChunks
 
 
 def linear_state_layout(cfg: ModelConfig) -> dict[str, int]:

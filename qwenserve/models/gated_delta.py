@@ -7,6 +7,9 @@ These are the ops table's defaults and the contracts its replacements keep: a C 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
@@ -76,13 +79,47 @@ def recurrent_gated_delta_step(
     return (q.unsqueeze(-2) @ s).squeeze(-2)
 
 
+@dataclass(slots=True)
+class PrefillChunks:
+    """A step's prefill chunks as the linear-attention layers take them: (first row, rows, state slot) each, in
+    consecutive rows. Every linear layer of the step reads the same chunks, so the tensors a varlen kernel takes
+    (the slots, the cumulative lengths) are made once, on first use, not once per layer."""
+
+    spans: list[tuple[int, int, int]]
+    _on_device: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        return iter(self.spans)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    @property
+    def rows(self) -> slice:
+        """The rows of all the chunks."""
+        return slice(self.spans[0][0], self.spans[-1][0] + self.spans[-1][1])
+
+    def slots(self, device: torch.device) -> torch.Tensor:
+        """[chunks] int64: each chunk's state slot."""
+        if "slots" not in self._on_device:
+            self._on_device["slots"] = torch.tensor([s for _, _, s in self.spans], dtype=torch.long, device=device)
+        return self._on_device["slots"]
+
+    def cu_seqlens(self, device: torch.device) -> torch.Tensor:
+        """[chunks + 1] int64: where each chunk starts among the chunks' rows, then their total."""
+        if "cu_seqlens" not in self._on_device:
+            counts = [0, *(count for _, count, _ in self.spans)]
+            self._on_device["cu_seqlens"] = torch.tensor(counts, dtype=torch.long).cumsum(0).to(device)
+        return self._on_device["cu_seqlens"]
+
+
 def chunk_gated_delta_prefills(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
-    prefills: list[tuple[int, int, int]],
+    prefills: PrefillChunks,
 ) -> torch.Tensor:
-    """The chunked rule for each of a step's prefill chunks: `prefills` = (first row, rows, slot), consecutive rows of
-    q, k [n, H, dk], v [n, H, dv], g and beta [n, H]; each sequence starts from `states` [slots, H, dk, dv] at its
-    slot and leaves its state there. Returns the outputs of the chunks' rows, in order."""
+    """The chunked rule for each of a step's prefill chunks, over q, k [n, H, dk], v [n, H, dv], g and beta [n, H];
+    each sequence starts from `states` [slots, H, dk, dv] at its slot and leaves its state there. Returns the outputs
+    of the chunks' rows, in order."""
     outputs = []
     for start, count, slot in prefills:
         rows = slice(start, start + count)

@@ -23,9 +23,11 @@ import inspect
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
 
 import torch
+
+from qwenserve.models import gated_delta
+from qwenserve.models.gated_delta import PrefillChunks
 
 log = logging.getLogger(__name__)
 
@@ -86,22 +88,16 @@ def fla_gated_delta_step(
 
 def fla_gated_delta_prefills(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
-    prefills: list[tuple[int, int, int]], kernel: Callable[..., Any] | None = None,
+    prefills: PrefillChunks,
 ) -> torch.Tensor:
-    """gated_delta.chunk_gated_delta_prefills through flash-linear-attention: every prefill chunk of the step in one
-    varlen call (the chunks are consecutive rows, `prefills` = (first row, rows, slot)), each sequence from its
-    slot's state, the final states written back. `kernel` defaults to the chunked kernel; tests pass the fused
-    recurrent one, which takes the same arguments, where the chunked one cannot run."""
-    if kernel is None:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
-    first, last = prefills[0][0], prefills[-1][0] + prefills[-1][1]
-    counts = torch.tensor([count for _, count, _ in prefills], dtype=torch.long)
-    cu_seqlens = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(q.device)
-    slots = torch.tensor([slot for _, _, slot in prefills], dtype=torch.long, device=states.device)
-    rows = slice(first, last)
-    out, final = kernel(
+    """gated_delta.chunk_gated_delta_prefills through flash-linear-attention's chunked kernel: every prefill chunk of
+    the step in one varlen call, each sequence from its slot's state, the final states written back."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    rows, slots = prefills.rows, prefills.slots(states.device)
+    out, final = chunk_gated_delta_rule(
         q=q[None, rows], k=k[None, rows], v=v[None, rows], g=g[None, rows], beta=beta[None, rows], scale=1.0,
-        initial_state=states[slots], output_final_state=True, cu_seqlens=cu_seqlens)
+        initial_state=states[slots], output_final_state=True, cu_seqlens=prefills.cu_seqlens(q.device))
     states[slots] = final.to(states.dtype)
     return out[0]
 
@@ -138,10 +134,8 @@ def _delta_rule_case(device: torch.device, heads: int = 2, dk: int = 128, dv: in
     def rand(*shape: int) -> torch.Tensor:
         return torch.rand(*shape, generator=gen, device=device)
 
-    q = rand(80, heads, dk) - 0.5
-    k = rand(80, heads, dk) - 0.5
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True)) * dk**-0.5
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True))
+    q = gated_delta.l2_normalize(rand(80, heads, dk) - 0.5) * dk**-0.5
+    k = gated_delta.l2_normalize(rand(80, heads, dk) - 0.5)
     return q, k, rand(80, heads, dv) - 0.5, -0.5 * rand(80, heads), rand(80, heads), 0.1 * rand(4, heads, dk, dv)
 
 
@@ -149,7 +143,6 @@ def delta_rule_check(step: Callable[..., torch.Tensor], prefills: Callable[..., 
                      device: torch.device) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     """A check case for `_self_check`: two decode rows, then prefill chunks of 70 and 8 tokens (more than one of the
     kernels' 64-token chunks), through `step` and `prefills` and through PyTorch's forms; outputs and states."""
-    from qwenserve.models import gated_delta
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, g, beta, states = _delta_rule_case(device)
@@ -158,7 +151,7 @@ def delta_rule_check(step: Callable[..., torch.Tensor], prefills: Callable[..., 
                                                         gated_delta.chunk_gated_delta_prefills)):
             s = states.clone()
             decoded = step_fn(q[:2], k[:2], v[:2], g[:2], beta[:2], s, torch.tensor([3, 0], device=device))
-            prefilled = prefills_fn(q, k, v, g, beta, s, [(2, 70, 1), (72, 8, 2)])
+            prefilled = prefills_fn(q, k, v, g, beta, s, PrefillChunks([(2, 70, 1), (72, 8, 2)]))
             results.append(torch.cat([decoded.flatten(), prefilled.flatten(), s.flatten()]))
         return results[0], results[1]
 
@@ -175,7 +168,6 @@ def fla_agrees(device: torch.device) -> bool:
 @functools.cache
 def causal_conv1d_agrees(device: torch.device, dtype: torch.dtype) -> bool:
     """causal-conv1d's step gives PyTorch's numbers and kept inputs on `device` in `dtype` (checked once)."""
-    from qwenserve.models import gated_delta
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator(device=device).manual_seed(0)

@@ -110,10 +110,8 @@ class GatedDeltaNet(nn.Module):
         if nd:
             out[:nd] = self.ops.gated_delta_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], recurrent,
                                                  batch.decode_slots)
-        if batch.prefills:  # consecutive rows after the decodes
-            end = batch.prefills[-1][0] + batch.prefills[-1][1]
-            out[batch.prefills[0][0] : end] = self.ops.gated_delta_prefills(q, k, v, g, beta, recurrent,
-                                                                             batch.prefills)
+        if batch.prefills:
+            out[batch.prefills.rows] = self.ops.gated_delta_prefills(q, k, v, g, beta, recurrent, batch.prefills)
         gated = self.norm(out.to(x.dtype)).float() * F.silu(z.float())
         return self.ops.linear(gated.to(x.dtype).reshape(n, self.value_dim), self.out_proj)
 

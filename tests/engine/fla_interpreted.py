@@ -27,6 +27,7 @@ from triton.runtime.interpreter import TensorHandle
 
 from qwenserve.models import gated_delta
 from qwenserve.models import linear_attention_gpu as gpu
+from qwenserve.models.gated_delta import PrefillChunks
 from qwenserve.models.ops import TORCH_OPS
 
 #: The flash-linear-attention modules whose kernels loop with `range` over values they then call `.to` on.
@@ -69,7 +70,7 @@ def ops() -> dict[str, float | bool]:
     step_ref = gated_delta.recurrent_gated_delta_step(*step, ours, slots)
     step_out = gpu.fla_gated_delta_step(*step, theirs, slots)
     # Three chunks at slots 3, 1, 5 after two decode rows: one token, a few, more than one 64-token chunk.
-    prefills = [(2, 1, 3), (3, 5, 1), (8, 70, 5)]
+    prefills = PrefillChunks([(2, 1, 3), (3, 5, 1), (8, 70, 5)])
     rows = _inputs(78, heads, dk, dv)
     pre_ref = gated_delta.chunk_gated_delta_prefills(*rows, ours, prefills)
     pre_out = FLA_OPS.gated_delta_prefills(*rows, theirs, prefills)

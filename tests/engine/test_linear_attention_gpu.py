@@ -25,6 +25,7 @@ from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.models import gated_delta
 from qwenserve.models import linear_attention_gpu as gpu
+from qwenserve.models.gated_delta import PrefillChunks
 from qwenserve.models.ops import TORCH_OPS, cuda_ops, select_ops
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,7 +128,7 @@ def test_the_chunked_kernel_equals_the_pytorch_chunks_on_cuda() -> None:
     torch.manual_seed(0)
     states = 0.1 * torch.randn(6, 8, 128, 128, device="cuda")
     ours, theirs = states.clone(), states.clone()
-    prefills = [(0, 1, 3), (1, 63, 1), (64, 300, 5)]
+    prefills = PrefillChunks([(0, 1, 3), (1, 63, 1), (64, 300, 5)])
     rows = _cuda_inputs(364)
     expected = gated_delta.chunk_gated_delta_prefills(*rows, ours, prefills)
     got = gpu.fla_gated_delta_prefills(*rows, theirs, prefills)
