@@ -30,6 +30,10 @@ MAX_CHUNK_BYTES = 32 * MiB
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + MiB),
     ("grpc.max_send_message_length", MAX_CHUNK_BYTES + MiB),
+    # An exporter back from a restart is reachable again within a second: gRPC's own backoff grows towards two
+    # minutes while it is down, and every Fetch and Release on the channel fails at once until the next attempt.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
