@@ -89,7 +89,7 @@ def _precheck(stage: str, argv: list[str]) -> int | None:
     from qwenserve.preflight import StartupError, one_line
     from qwenserve.telemetry.logs import console
 
-    config_module = importlib.import_module(f"qwenserve_services.{stage}.config")
+    config_module = importlib.import_module(f"qwenserve.stages.{stage}")
     config = config_module.parse_config(argv)  # exits with one line on a bad flag
     try:
         config_module.check(config)

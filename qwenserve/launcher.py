@@ -97,10 +97,10 @@ def _relay(child: Child, source: IO[bytes], sink: IO[bytes]) -> None:
 
 def stage_configs() -> dict[str, type]:
     """Each stage's configuration class (their flags are the stages' flags)."""
-    from qwenserve_services.decode.config import DecodeServiceConfig
-    from qwenserve_services.prefill.config import PrefillServiceConfig
-    from qwenserve_services.router.config import RouterServiceConfig
-    from qwenserve_services.tokenizer.config import TokenizerServiceConfig
+    from qwenserve.stages.decode import DecodeServiceConfig
+    from qwenserve.stages.prefill import PrefillServiceConfig
+    from qwenserve.stages.router import RouterServiceConfig
+    from qwenserve.stages.tokenizer import TokenizerServiceConfig
 
     return {"tokenizer": TokenizerServiceConfig, "prefill": PrefillServiceConfig, "decode": DecodeServiceConfig,
             "router": RouterServiceConfig}
@@ -108,10 +108,10 @@ def stage_configs() -> dict[str, type]:
 
 def stage_parsers(prog: str | None = None) -> dict[str, StrictParser]:
     """Each stage's real, strict parser."""
-    from qwenserve_services.decode.config import build_parser as decode
-    from qwenserve_services.prefill.config import build_parser as prefill
-    from qwenserve_services.router.config import build_parser as router
-    from qwenserve_services.tokenizer.config import build_parser as tokenizer
+    from qwenserve.stages.decode import build_parser as decode
+    from qwenserve.stages.prefill import build_parser as prefill
+    from qwenserve.stages.router import build_parser as router
+    from qwenserve.stages.tokenizer import build_parser as tokenizer
 
     return {"tokenizer": tokenizer(prog), "prefill": prefill(prog), "decode": decode(prog), "router": router(prog)}
 

@@ -149,7 +149,7 @@ def _child_configs(cluster: LocalCluster) -> list[tuple[str, Any]]:
     configs = []
     for child in cluster.children:
         stage = child.argv[child.argv.index("serve") + 1]
-        module = importlib.import_module(f"qwenserve_services.{stage}.config")
+        module = importlib.import_module(f"qwenserve.stages.{stage}")
         with _environment(child.env):
             configs.append((child.name, module.parse_config(child.argv[child.argv.index("serve") + 2:],
                                                             prog="qwen-serve up")))
@@ -164,7 +164,7 @@ def _check_plan(cluster: LocalCluster, up: UpConfig) -> None:
     checked: set[str] = set()
     for child in cluster.children:
         stage = child.argv[child.argv.index("serve") + 1]
-        module = importlib.import_module(f"qwenserve_services.{stage}.config")
+        module = importlib.import_module(f"qwenserve.stages.{stage}")
         with _environment(child.env):  # the secrets it reads from its environment
             config = module.parse_config(child.argv[child.argv.index("serve") + 2:], prog="qwen-serve up")
             if stage not in checked:

@@ -1,4 +1,4 @@
-"""Start-up steps shared by the two engine stages (prefill and decode); their options are in `stage_config`."""
+"""Start-up steps shared by the two engine stages (prefill and decode); their options are in `qwenserve.stages`."""
 
 from __future__ import annotations
 

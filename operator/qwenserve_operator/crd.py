@@ -24,7 +24,7 @@ SINGULAR = "qwendeployment"
 SHORT_NAMES = ["qwd", "qwendep"]
 
 STAGES: tuple[str, ...] = ("tokenizer", "prefill", "decode", "router")
-# The stages' --kv-transfer choices (qwenserve_services.stage_config.KV_TRANSFER_MODES; a test keeps them equal).
+# The stages' --kv-transfer choices (qwenserve.stages.common.KV_TRANSFER_MODES; a test keeps them equal).
 KV_TRANSFER_MODES: tuple[str, ...] = ("shm", "network", "mooncake")
 # The engine stages' --preset choices (qwenserve.presets.PRESET_NAMES; a test keeps them equal).
 PRESET_NAMES: tuple[str, ...] = ("none", "latency", "throughput")

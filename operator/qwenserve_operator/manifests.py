@@ -224,7 +224,7 @@ def validate_spec(spec: Spec) -> list[str]:
 def _stage_arg_problems(spec: Spec) -> list[str]:
     """Extra stage arguments that the stage would refuse (it starts only with flags it defines), or that would
     override what the operator sets (the ports its Services and probes point at, the model it mounts)."""
-    from qwenserve_services.stage_config import undefined_flags
+    from qwenserve.stages.common import undefined_flags
 
     problems = []
     for stage in STAGES:

@@ -14,12 +14,13 @@ from qwenserve.engine.engine import LLMEngine
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.kv_transfer.importer import ImporterConfig
 from qwenserve.rpc_errors import abort
+from qwenserve.stages.common import argv_or_sys, start
+from qwenserve.stages.decode import DecodeServiceConfig, check, parse_config
 from qwenserve.telemetry.metrics import handoff_metrics
 from qwenserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from qwenserve.worker.decode_worker import DecodeWorker
 from qwenserve.worker.errors import grpc_status
 from qwenserve.worker.handoff_telemetry import TracedKVImporter
-from qwenserve_services.decode.config import DecodeServiceConfig, check, parse_config
 from qwenserve_services.stage_common import (
     ENGINE_STARTUP_ERRORS,
     engine_failure,
@@ -28,7 +29,6 @@ from qwenserve_services.stage_common import (
     publish_engine_metrics,
     warm_up_engine,
 )
-from qwenserve_services.stage_config import argv_or_sys, start
 
 SERVICES = [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
 

@@ -17,11 +17,12 @@ from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.kv_transfer.exporter import ExporterConfig, KVExporter, MiB
 from qwenserve.kv_transfer.grpc_transport import add_kv_transfer_service
 from qwenserve.rpc_errors import abort
+from qwenserve.stages.common import argv_or_sys, start
+from qwenserve.stages.prefill import PrefillServiceConfig, check, parse_config
 from qwenserve.telemetry.metrics import handoff_metrics
 from qwenserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
 from qwenserve.worker.errors import grpc_status
 from qwenserve.worker.prefill_worker import PrefillWorker
-from qwenserve_services.prefill.config import PrefillServiceConfig, check, parse_config
 from qwenserve_services.stage_common import (
     ENGINE_STARTUP_ERRORS,
     engine_failure,
@@ -30,7 +31,6 @@ from qwenserve_services.stage_common import (
     publish_engine_metrics,
     warm_up_engine,
 )
-from qwenserve_services.stage_config import argv_or_sys, start
 
 log = logging.getLogger(__name__)
 

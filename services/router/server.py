@@ -27,24 +27,25 @@ from prometheus_client import Gauge
 
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.router import grpc_generate
+from qwenserve.router.config import RouterConfig
 from qwenserve.router.discovery import metrics_address
 from qwenserve.router.errors import RouterError
 from qwenserve.router.front_door import close_gatekeeper, make_gatekeeper, start_http_front
 from qwenserve.router.gatekeeper import Gatekeeper, api_key_from_grpc_metadata
-from qwenserve.router.generation import Router, RouterConfig
+from qwenserve.router.generation import Router
 from qwenserve.router.generation_defaults import load_generation_defaults
 from qwenserve.router.models import ModelRoutes, ModelsConfigError, load_models_file
 from qwenserve.router.reasoning import THINK_END, THINK_START
 from qwenserve.router.request_ids import new_request_id
 from qwenserve.router.tls import TlsConfigError, grpc_server_credentials
+from qwenserve.stages.common import argv_or_sys, start
+from qwenserve.stages.router import RouterServiceConfig, check, parse_config
 from qwenserve.status import probe_stage
 from qwenserve.telemetry.logs import bind_request_id
 from qwenserve.telemetry.metrics import RouterMetrics, router_metrics
 from qwenserve.tenancy.tenants import TenancyConfigError
 from qwenserve.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from qwenserve.v1 import router_pb2, router_pb2_grpc
-from qwenserve_services.router.config import RouterServiceConfig, check, parse_config
-from qwenserve_services.stage_config import argv_or_sys, start
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +109,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             for stage, entries, metrics in (("prefill", router.config.prefill_addresses, c.prefill_metrics),
                                             ("decode", router.config.decode_addresses, c.decode_metrics)):
                 stages += [(stage, pod, metrics_address(pod, entries, metrics if one else []))
-                           for pod in router.pods(stage)]
+                           for pod in router.fleet.pods(stage)]
             probed = await asyncio.gather(*(
-                probe_stage(stage, address, router.channel(address), metrics) for stage, address, metrics in stages
+                probe_stage(stage, address, router.fleet.channel(address), metrics) for stage, address, metrics in stages
             ))
-            draining = router.draining_pods()
+            draining = router.fleet.draining_pods()
             for row in probed:
-                row.max_model_len = router.worker_limits.get(row.address, 0)
+                row.max_model_len = router.fleet.worker_limits.get(row.address, 0)
                 if row.address in draining:
                     row.state = "DRAINING"
             rows += probed

@@ -23,6 +23,8 @@ from opentelemetry.trace import StatusCode
 
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.rpc_errors import abort
+from qwenserve.stages.common import argv_or_sys, start
+from qwenserve.stages.tokenizer import TokenizerServiceConfig, check, parse_config
 from qwenserve.telemetry.metrics import tokenizer_metrics
 from qwenserve.telemetry.tracing import get_tracer
 from qwenserve.tokenizer import (
@@ -34,8 +36,6 @@ from qwenserve.tokenizer import (
 )
 from qwenserve.tokenizer.service import TokenizerService, invalid_input_detail, load_tokenizer
 from qwenserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from qwenserve_services.stage_config import argv_or_sys, start
-from qwenserve_services.tokenizer.config import TokenizerServiceConfig, check, parse_config
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 # Inputs up to this size are encoded on the event loop: a thread hop would cost more than the work.

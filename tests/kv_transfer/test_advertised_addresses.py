@@ -8,7 +8,7 @@ from qwenserve import addresses
 from qwenserve.addresses import endpoint_host, endpoint_of, is_wildcard_host
 from qwenserve.kv_transfer import ExporterConfig, KVExporter, KVTransport
 from qwenserve.preflight import StartupError
-from qwenserve_services.prefill import config as prefill_config
+from qwenserve.stages import prefill as prefill_config
 
 
 @pytest.mark.parametrize(("host", "wildcard"), [

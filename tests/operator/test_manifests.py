@@ -296,7 +296,7 @@ def test_a_valid_spec_has_no_problems(make_spec) -> None:
 
 def test_the_router_environment_uses_names_the_router_reads(make_spec, monkeypatch) -> None:
     from qwenserve.flags import env_name
-    from qwenserve_services.router.server import parse_config
+    from qwenserve.stages.router import parse_config
 
     spec = make_spec(rateLimits={"requestsPerMinute": 60, "tokensPerMinute": 0, "failOpen": False})
     env = router_config.router_environment("demo", "ns", spec)

@@ -75,7 +75,7 @@ def test_every_stage_parses_its_rendered_arguments_and_reads_every_variable_set(
         container = _container(children, stage)
         args = container["args"]
         assert args[:2] == ["serve", stage] and stage in CLI_STAGES
-        module = importlib.import_module(f"qwenserve_services.{stage}.config")
+        module = importlib.import_module(f"qwenserve.stages.{stage}")
         env = _environment(container, config_map)
         reads = getattr(module, CONFIG_CLASSES[stage]).variables()
         unread = sorted(name for name in env if name.startswith("QWENSERVE_") and name not in reads)
@@ -104,10 +104,10 @@ def test_every_stage_parses_its_rendered_arguments_and_reads_every_variable_set(
 
 
 def test_the_crd_offers_exactly_the_transports_the_stages_define() -> None:
+    from qwenserve.stages.common import KV_TRANSFER_MODES as STAGE_MODES
+    from qwenserve.stages.decode import build_parser as decode_parser
+    from qwenserve.stages.prefill import build_parser as prefill_parser
     from qwenserve_operator.crd import KV_TRANSFER_MODES, spec_schema
-    from qwenserve_services.decode.config import build_parser as decode_parser
-    from qwenserve_services.prefill.config import build_parser as prefill_parser
-    from qwenserve_services.stage_config import KV_TRANSFER_MODES as STAGE_MODES
 
     assert spec_schema()["properties"]["kvTransfer"]["properties"]["mode"]["enum"] == list(KV_TRANSFER_MODES)
     assert KV_TRANSFER_MODES == STAGE_MODES
@@ -118,10 +118,10 @@ def test_the_crd_offers_exactly_the_transports_the_stages_define() -> None:
 def test_a_presets_crd_field_reaches_prefill_decode_and_the_router_as_their_flag(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from qwenserve.presets import PRESET_NAMES as STAGE_PRESETS
+    from qwenserve.stages.decode import parse_config as decode_config
+    from qwenserve.stages.prefill import parse_config as prefill_config
     from qwenserve_operator.crd import PRESET_NAMES, spec_schema, with_defaults
     from qwenserve_operator.pod_template import stage_args
-    from qwenserve_services.decode.config import parse_config as decode_config
-    from qwenserve_services.prefill.config import parse_config as prefill_config
 
     assert PRESET_NAMES == STAGE_PRESETS and spec_schema()["properties"]["preset"]["enum"] == list(PRESET_NAMES)
     spec = with_defaults({"model": {"name": "m", "source": "image"}, "preset": "throughput"})
@@ -133,7 +133,7 @@ def test_a_presets_crd_field_reaches_prefill_decode_and_the_router_as_their_flag
     spec["stages"]["decode"]["args"] = ["--max-num-batched-tokens", "1024", "--preset", "latency"]
     decode = decode_config(stage_args("d", "ns", "decode", spec)[2:])
     assert (decode.preset, decode.engine.max_num_batched_tokens, decode.stream_interval_ms) == ("latency", 1024, 0.0)
-    from qwenserve_services.router.config import parse_config as router_config
+    from qwenserve.stages.router import parse_config as router_config
 
     monkeypatch.setenv("QWENSERVE_DECODE", "decode.ns.svc:50052")  # the router's ConfigMap gives its workers
     spec["preset"] = "latency"
@@ -143,7 +143,7 @@ def test_a_presets_crd_field_reaches_prefill_decode_and_the_router_as_their_flag
 
 def test_the_stages_refuse_a_flag_they_do_not_define(capsys: pytest.CaptureFixture[str]) -> None:
     """What let --shm-dir through for months: a stage that ignored what it did not know."""
-    from qwenserve_services.prefill.config import parse_config
+    from qwenserve.stages.prefill import parse_config
 
     with pytest.raises(SystemExit) as exit_info:
         parse_config(["--model", "/models/m", "--shm-dir", "/dev/shm"])

@@ -1,6 +1,6 @@
 """What every stage's configuration shares, and the way from argv to a running stage.
 
-A stage's options are one frozen dataclass (`services/<stage>/config.py`) deriving from `StageConfig`; its
+A stage's options are one frozen dataclass (`qwenserve/stages/<stage>.py`) deriving from `StageConfig`; its
 flags, their `QWENSERVE_<FLAG>` fallbacks and the strict parser come from that dataclass (`qwenserve.flags`).
 Parsing only reads the command line (the operator's contract test parses rendered manifests with it); the
 checks of the host (the model folder, free ports, key files) run at start, each failing in one line.
@@ -90,7 +90,7 @@ def undefined_flags(stage: str, argv: Sequence[str], taken: Sequence[str] = ()) 
     builds the rest of the command line): what the operator refuses in a spec's extra stage arguments."""
     import importlib
 
-    known = importlib.import_module(f"qwenserve_services.{stage}.config").build_parser()._option_string_actions
+    known = importlib.import_module(f"qwenserve.stages.{stage}").build_parser()._option_string_actions
     flags = [token.split("=", 1)[0] for token in argv if token.startswith("--")]
     return [flag for flag in flags if flag not in known or flag in taken]
 

@@ -15,14 +15,14 @@ from qwenserve.router.front_door import FrontConfig, load_front_keys
 from qwenserve.router.generation_defaults import GenerationConfigError, load_generation_defaults
 from qwenserve.router.models import ModelsConfigError, load_models_file
 from qwenserve.router.tls import TlsConfigError
-from qwenserve.tenancy.tenants import TenancyConfigError
-from qwenserve_services.stage_config import (
+from qwenserve.stages.common import (
     COMMON_ENVIRONMENT,
     StageConfig,
     check_common,
     resolve_model,
     stage_parser,
 )
+from qwenserve.tenancy.tenants import TenancyConfigError
 
 
 @dataclass(frozen=True)

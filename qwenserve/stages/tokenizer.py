@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qwenserve.flags import StrictParser, option
+from qwenserve.stages.common import StageConfig, check_common, stage_parser
 from qwenserve.tokenizer.hygiene import InputLimits
-from qwenserve_services.stage_config import StageConfig, check_common, stage_parser
 
 DEFAULT_PORT = 50051
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from qwenserve.addresses import advertise_host
 from qwenserve.flags import StrictParser, option
-from qwenserve_services.stage_config import (
+from qwenserve.stages.common import (
     KV_TRANSFER_MODES,
     EngineStageConfig,
     check_advertise_host,
