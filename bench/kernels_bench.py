@@ -67,8 +67,8 @@ def decode_step_seconds(rows: int, context: int, repeat: int) -> float:
 
 
 def _attention_inputs(rows: int, context: int, use_kernel: bool):
-    from qwenserve.engine.attention.base import AttentionBatch
     from qwenserve.engine.attention.torch_backend import TorchAttentionBackend
+    from qwenserve.models.forward_context import AttentionBatch
 
     blocks_each = -(-context // BLOCK)
     num_blocks = rows * blocks_each

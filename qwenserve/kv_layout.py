@@ -1,5 +1,6 @@
 """The description of a KV cache that exporter and importer must agree on, in one place for the engine and the
-transports: the dataclass, its wire form (`qwenserve.v1.KVLayout`), the one compatibility check and its error.
+transports: the dataclass, the one compatibility check and its error (its wire form, `qwenserve.v1.KVLayout`, is
+converted in qwenserve/protocol.py).
 
 A handoff is token-major, [num_layers, 2 (k, v), num_tokens, num_kv_heads, head_dim], so engines with different
 block sizes can share it. A hybrid model's handoff (Qwen3-Next, Qwen3.5) also carries the state its
@@ -10,12 +11,9 @@ cover both: the recurrent matrices (float32) first, then the convolution's kept 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
-
-from qwenserve.engine.errors import RequestError
-from qwenserve.v1 import common_pb2
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -31,12 +29,12 @@ COMPATIBILITY_FIELDS = (
 LINEAR_FIELDS = COMPATIBILITY_FIELDS[6:]
 
 
-class KVLayoutMismatch(RequestError):
+class KVLayoutMismatch(ValueError):
     """KV computed elsewhere does not fit here (another model, dtype or shape), so it must not be used.
 
-    A RequestError, because the engine refuses the request that brings it (INVALID_ARGUMENT at a worker's edge);
-    the decode worker refuses a handoff that carries it before the engine sees it (FAILED_PRECONDITION: the
-    router prefills again)."""
+    The decode worker refuses a handoff that carries it before the engine sees it (FAILED_PRECONDITION: the router
+    prefills again); the engine refuses a request that brings it as a request error of its own
+    (engine/kv_handoff.py's ImportedKVMismatch, INVALID_ARGUMENT at a worker's edge)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +157,3 @@ class KVLayout:
                 f"{what} does not fit here (prefill and decode must serve the same model with the same dtype and "
                 "KV layout): " + "; ".join(diffs)
             )
-
-    def to_proto(self) -> common_pb2.KVLayout:
-        return common_pb2.KVLayout(**{f.name: getattr(self, f.name) for f in fields(self)})
-
-    @classmethod
-    def from_proto(cls, message: common_pb2.KVLayout) -> KVLayout:
-        """The layout a handle carries; ValueError when it describes no usable layout."""
-        return cls(**{f.name: getattr(message, f.name) for f in fields(cls)})

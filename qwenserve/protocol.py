@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from qwenserve.engine.structured import (
     StructuredOutputError,
     compiled_grammar,
 )
+from qwenserve.kv_layout import KVLayout
 from qwenserve.v1 import common_pb2
 
 FINISH_REASONS: dict[str, int] = {
@@ -106,3 +108,13 @@ def prompt_logprobs_to_proto(entries: Sequence[TokenLogprob] | None) -> list[com
     """The prompt's logprobs (each entry names its own token) as wire messages."""
     entries = entries or []
     return logprobs_to_proto([e.token_id for e in entries], entries)
+
+
+def kv_layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
+    """The layout a handle carries on the wire."""
+    return common_pb2.KVLayout(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)})
+
+
+def kv_layout_from_proto(message: common_pb2.KVLayout) -> KVLayout:
+    """The layout a handle carries; ValueError when it describes no usable layout."""
+    return KVLayout(**{f.name: getattr(message, f.name) for f in dataclasses.fields(KVLayout)})

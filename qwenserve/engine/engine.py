@@ -43,12 +43,13 @@ from qwenserve.engine.sampler import Sampler
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.engine.scheduler import Scheduler, SchedulerLimits
 from qwenserve.engine.sequence import Sequence, SequenceStatus
-from qwenserve.engine.state_pool import LinearStateCache, StatePool, linear_state_layout
+from qwenserve.engine.state_pool import StatePool, linear_state_layout
 from qwenserve.engine.state_snapshots import StateSnapshots
 from qwenserve.engine.step import EngineStep, StepObserver
 from qwenserve.engine.weights import load_checkpoint
 from qwenserve.kv_layout import KVLayout
 from qwenserve.models import ModelConfig, linear_attention_gpu, model_class
+from qwenserve.models.linear_state import LinearStateCache
 
 log = logging.getLogger("qwenserve.engine")
 

@@ -14,7 +14,13 @@ from typing import Protocol
 
 import torch
 
+from qwenserve.engine.errors import RequestError
 from qwenserve.kv_layout import KVLayout, KVLayoutMismatch, LinearState
+
+
+class ImportedKVMismatch(RequestError, KVLayoutMismatch):
+    """The engine refuses a request whose imported KV does not fit it: the client's error at a worker's edge
+    (INVALID_ARGUMENT), and a KVLayoutMismatch for code that handles every such mismatch alike."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,25 +38,31 @@ class KVImport:
         return int(self.kv.shape[2])
 
     def check_fits(self, engine_layout: KVLayout, request_tokens: int) -> None:
-        """Raise KVLayoutMismatch unless this KV can seed a request of `request_tokens` tokens on an engine
+        """Raise ImportedKVMismatch unless this KV can seed a request of `request_tokens` tokens on an engine
         whose KV is `engine_layout`: same model and layout, a tensor of that shape and dtype, no extra tokens."""
-        engine_layout.check_accepts(self.layout, "imported KV")
+        try:
+            engine_layout.check_accepts(self.layout, "imported KV")
+        except KVLayoutMismatch as e:
+            raise ImportedKVMismatch(str(e)) from None
         kv = self.kv
         expected = engine_layout.token_shape(kv.shape[2] if kv.dim() == 5 else -1)
         if kv.dim() != 5 or tuple(kv.shape) != expected:
-            raise KVLayoutMismatch(
+            raise ImportedKVMismatch(
                 f"imported KV has shape {list(kv.shape)}; expected [num_layers, 2, num_tokens, num_kv_heads, "
                 f"head_dim] = {list(expected)}"
             )
         if kv.dtype != engine_layout.torch_dtype():
-            raise KVLayoutMismatch(f"imported KV has dtype {kv.dtype}; this engine serves {engine_layout.dtype}")
+            raise ImportedKVMismatch(f"imported KV has dtype {kv.dtype}; this engine serves {engine_layout.dtype}")
         if kv.shape[2] > request_tokens:
-            raise KVLayoutMismatch(f"imported KV covers {kv.shape[2]} tokens but the request has only {request_tokens}")
-        engine_layout.check_state(self.state)
+            raise ImportedKVMismatch(f"imported KV covers {kv.shape[2]} tokens but the request has only {request_tokens}")
+        try:
+            engine_layout.check_state(self.state)
+        except KVLayoutMismatch as e:
+            raise ImportedKVMismatch(str(e)) from None
         if self.state is not None and kv.shape[2] >= request_tokens:
             # KV can be recomputed over, a recurrent state cannot be rewound: the engine computes the last token.
-            raise KVLayoutMismatch(f"imported KV and state cover all {request_tokens} tokens of the request; a hybrid "
-                                   "model's import must leave at least the last token to compute")
+            raise ImportedKVMismatch(f"imported KV and state cover all {request_tokens} tokens of the request; a hybrid "
+                                     "model's import must leave at least the last token to compute")
 
 
 class KVExportTarget(Protocol):

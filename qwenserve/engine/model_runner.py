@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 
 from qwenserve import cpu_kernels
-from qwenserve.engine.attention.base import AttentionBackend, AttentionBatch, ForwardContext
 from qwenserve.engine.kv_handoff import KVExportTarget
 from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.scheduler import ScheduledSequence
 from qwenserve.engine.sequence import Sequence
-from qwenserve.engine.state_pool import LinearAttentionBatch, LinearStateCache
 from qwenserve.kv_layout import LinearState
 from qwenserve.models import QwenForCausalLM
+from qwenserve.models.forward_context import AttentionBackend, AttentionBatch, ForwardContext
 from qwenserve.models.gated_delta import PrefillChunks
+from qwenserve.models.linear_state import LinearAttentionBatch, LinearStateCache
 
 #: Prompt positions whose logits are computed at once for prompt logprobs (~80 MB of fp32 logits at a 152k vocabulary).
 PROMPT_LOGPROB_ROWS = 128

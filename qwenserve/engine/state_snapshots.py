@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from qwenserve.engine.state_pool import LinearStateCache
 from qwenserve.kv_layout import LinearState
+from qwenserve.models.linear_state import LinearStateCache
 
 
 class StateSnapshots:

@@ -41,6 +41,7 @@ from qwenserve.kv_transfer.handle import (
 from qwenserve.kv_transfer.mooncake_transport import MooncakeEndpoint
 from qwenserve.kv_transfer.pool import BufferPool, Extent, MemoryRegion, PrivateRegion
 from qwenserve.kv_transfer.shm import DEFAULT_PREFIX, ShmSegment, reap_orphaned_segments
+from qwenserve.protocol import kv_layout_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +291,7 @@ class KVExporter:
         handle = KVHandle(
             handoff_id=entry.handoff_id,
             transport=self.config.transport,
-            layout=entry.layout.to_proto(),
+            layout=kv_layout_to_proto(entry.layout),
             num_tokens=entry.num_tokens,
             length=entry.nbytes,
             checksum=checksum,

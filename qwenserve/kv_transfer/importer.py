@@ -59,6 +59,7 @@ from qwenserve.kv_transfer.handle import (
 )
 from qwenserve.kv_transfer.mooncake_transport import MooncakeEndpoint
 from qwenserve.kv_transfer.shm import SHM_DIR, map_segment
+from qwenserve.protocol import kv_layout_from_proto
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -216,7 +217,7 @@ class KVImporter:
     @staticmethod
     def _check_layout(handle: KVHandle, expected: KVLayout) -> KVLayout:
         try:
-            actual = KVLayout.from_proto(handle.layout)
+            actual = kv_layout_from_proto(handle.layout)
         except ValueError as e:
             raise KVLayoutMismatch(f"{describe(handle)} carries an invalid layout: {e}") from e
         expected.check_accepts(actual, describe(handle))

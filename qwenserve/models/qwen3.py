@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qwenserve.engine.attention.base import ForwardContext
 from qwenserve.models.config import ModelConfig
+from qwenserve.models.forward_context import ForwardContext
 from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 from qwenserve.models.ops import Ops, select_ops
 

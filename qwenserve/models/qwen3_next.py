@@ -19,22 +19,19 @@ Both are loaded into one matrix here, in the checkpoint's own row order, and tak
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwenserve.engine.attention.base import ForwardContext
 from qwenserve.models.config import ModelConfig
+from qwenserve.models.forward_context import ForwardContext
 from qwenserve.models.gated_delta import l2_normalize
 from qwenserve.models.layers import RMSNorm, SwiGLUMLP
+from qwenserve.models.linear_state import LinearAttentionBatch
 from qwenserve.models.ops import Ops
 from qwenserve.models.qwen3 import QwenAttention, QwenForCausalLM
 from qwenserve.models.qwen3_moe import SparseMoeBlock
 
-if TYPE_CHECKING:
-    from qwenserve.engine.state_pool import LinearAttentionBatch
 
 class GatedDeltaNet(nn.Module):
     """A linear-attention layer: projections, a depthwise causal convolution (kernel K, its last K-1 inputs kept

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve import cpu_kernels
-from qwenserve.engine.attention.base import AttentionBatch
 from qwenserve.engine.attention.torch_backend import TorchAttentionBackend
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.models.forward_context import AttentionBatch
 from qwenserve.models.gated_delta import recurrent_gated_delta_step
 from qwenserve.models.ops import CPU_KERNEL_OPS, CPU_STATE_KERNEL_OPS, TORCH_OPS, select_ops
 

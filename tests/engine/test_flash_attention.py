@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from qwenserve.engine.attention import select_backend
-from qwenserve.engine.attention.base import AttentionBatch
 from qwenserve.engine.attention.flash_backend import (
     FLASH_BLOCK_MULTIPLE,
     FlashAttentionBackend,
     flash_attn_available,
 )
 from qwenserve.engine.attention.torch_backend import TorchAttentionBackend
+from qwenserve.models.forward_context import AttentionBatch
 
 needs_flash = pytest.mark.skipif(not flash_attn_available(),
                                  reason="FlashAttentionBackend runs only where CUDA and the flash_attn package are")

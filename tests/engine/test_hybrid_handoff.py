@@ -15,6 +15,7 @@ from qwenserve.engine.kv_handoff import KVImport
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.kv_layout import KVLayout, KVLayoutMismatch, LinearState
 from qwenserve.kv_transfer import ExporterConfig, KVExporter, KVTransport, compute_checksum
+from qwenserve.protocol import kv_layout_from_proto, kv_layout_to_proto
 
 HYBRIDS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 TOKENS = 10
@@ -44,7 +45,7 @@ def hand_off(prefill, exporter: KVExporter, name: str, prompt: list[int]) -> tup
     outs = prefill.generate_sync_outputs([prompt], GREEDY, kv_export=sink)[0]
     assert outs[-1].finish_reason == "export"
     handle = slots[0].publish(lease_s=30)
-    layout = KVLayout.from_proto(handle.layout)
+    layout = kv_layout_from_proto(handle.layout)
     with exporter.pinned(name) as payload:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     exporter.release(name)
@@ -141,7 +142,7 @@ def test_a_dense_model_refuses_state_and_a_hybrid_export_needs_a_target(make_eng
 def test_layout_round_trips_its_linear_fields_through_the_wire(make_engine):
     layout = make_engine("qwen3_next").kv_layout()
     assert layout.has_linear_state
-    assert KVLayout.from_proto(layout.to_proto()) == layout
+    assert kv_layout_from_proto(kv_layout_to_proto(layout)) == layout
     with pytest.raises(ValueError, match="linear_value_heads must be >= 1"):
         KVLayout("float32", 8, 1, 2, 16, "f", linear_layers=3, linear_conv_dim=4, linear_conv_width=3,
                  linear_value_heads=0, linear_key_head_dim=8, linear_value_head_dim=8)

@@ -166,9 +166,9 @@ def test_a_prefix_whose_snapshots_were_evicted_is_recomputed_exactly(make_engine
 
 
 def test_state_snapshots_are_reused_least_recently_used_first():
-    from qwenserve.engine.state_pool import LinearStateCache
     from qwenserve.engine.state_snapshots import StateSnapshots
     from qwenserve.kv_layout import LinearState
+    from qwenserve.models.linear_state import LinearStateCache
 
     storage = LinearStateCache(torch.zeros(1, 2, 3, 1), torch.zeros(1, 2, 1, 2, 2))
 

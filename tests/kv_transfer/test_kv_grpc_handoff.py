@@ -18,6 +18,7 @@ from qwenserve.kv_transfer import (
     KVLayoutMismatch,
     KVTransport,
 )
+from qwenserve.protocol import kv_layout_to_proto
 
 MiB = 1 << 20
 
@@ -84,7 +85,7 @@ async def test_release_to_an_unreachable_exporter_gives_up_without_raising(layou
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
-    handle = KVHandle(handoff_id="h", control_endpoint=f"127.0.0.1:{dead_port}", layout=layout.to_proto())
+    handle = KVHandle(handoff_id="h", control_endpoint=f"127.0.0.1:{dead_port}", layout=kv_layout_to_proto(layout))
     importer = KVImporter(ImporterConfig(release_attempts=2, release_timeout_s=0.3))
     try:
         assert await importer.release(handle, "imported") is False
@@ -129,7 +130,7 @@ async def test_channels_to_exporters_are_bounded_and_the_oldest_is_closed(layout
     importer = KVImporter(ImporterConfig(max_channels=2, release_attempts=1, release_timeout_s=0.2))
     try:
         for port in (1, 2, 3):
-            handle = KVHandle(handoff_id="h", control_endpoint=f"127.0.0.1:{port}", layout=layout.to_proto())
+            handle = KVHandle(handoff_id="h", control_endpoint=f"127.0.0.1:{port}", layout=kv_layout_to_proto(layout))
             assert await importer.release(handle) is False
         assert list(importer._channels) == ["127.0.0.1:2", "127.0.0.1:3"]
     finally:

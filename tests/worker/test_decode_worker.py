@@ -20,6 +20,7 @@ from qwenserve.kv_transfer import (
     KVTransport,
     add_kv_transfer_service,
 )
+from qwenserve.protocol import kv_layout_to_proto
 from qwenserve.v1 import decode_pb2
 from qwenserve.worker.decode_worker import DecodeWorker
 from qwenserve.worker.errors import BadRequest, HandoffRefused
@@ -132,7 +133,7 @@ def _prefilled(engine: LLMEngine, location: str, transport: int) -> decode_pb2.D
     start.first_token_id = 7
     handle = start.kv_handle
     handle.handoff_id, handle.transport, handle.location, handle.offset = "h", transport, location, 4096
-    handle.layout.CopyFrom(engine.kv_layout().to_proto())
+    handle.layout.CopyFrom(kv_layout_to_proto(engine.kv_layout()))
     handle.num_tokens = 4
     handle.length = engine.kv_layout().nbytes(4)
     handle.checksum = "kvsum64x256k:00"

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from qwenserve.engine.attention.base import AttentionBackend, AttentionBatch, ForwardContext
 from qwenserve.engine.attention.flash_backend import (
     FLASH_BLOCK_MULTIPLE,
     FlashAttentionBackend,
     flash_attn_available,
 )
 from qwenserve.engine.attention.torch_backend import TorchAttentionBackend
+from qwenserve.models.forward_context import AttentionBackend, AttentionBatch, ForwardContext
 
 __all__ = [
     "AttentionBackend",

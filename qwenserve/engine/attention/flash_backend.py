@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qwenserve.engine.attention.base import AttentionBatch
+from qwenserve.models.forward_context import AttentionBatch
 
 FLASH_BLOCK_MULTIPLE = 256
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve import cpu_kernels
-from qwenserve.engine.attention.base import AttentionBatch
+from qwenserve.models.forward_context import AttentionBatch
 
 
 @dataclass(slots=True)

@@ -1,4 +1,9 @@
-"""What every attention backend is given per step, and the interface it implements."""
+"""What a forward pass is given per step: the attention batch every attention backend is handed, the interface
+a backend implements, and the ForwardContext the model threads through its layers.
+
+These are the models' types: a model's layers call `ctx.attention(...)` and read `ctx.linear`, and the engine
+(its model runner and attention backends) fills them in. They live here so that models/ imports nothing from the
+engine."""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from qwenserve.models.linear_state import LinearAttentionBatch
 
 
 @dataclass(slots=True)
@@ -45,12 +52,12 @@ class AttentionBackend(Protocol):
 @dataclass(slots=True)
 class ForwardContext:
     """Per-step state the model threads through its layers: the cache and how to attend over it, and for a hybrid
-    model the linear-attention layers' per-sequence states (`linear`: a state_pool.LinearAttentionBatch)."""
+    model the linear-attention layers' per-sequence states."""
 
     backend: AttentionBackend
     meta: Any
     kv_cache: torch.Tensor  # [num_kv_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    linear: Any = None
+    linear: LinearAttentionBatch | None = None
 
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of layer `layer_idx` (see AttentionBackend.forward)."""
