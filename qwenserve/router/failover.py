@@ -9,22 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from opentelemetry import trace
 
 from qwenserve.router.fleet import WorkerFleet, remaining, stage_error
+from qwenserve.router.prepared_request import PreparedRequest
+from qwenserve.router.stream_watch import StreamOutOfTime, StreamStalled, StreamWatch
 from qwenserve.router.workers import NoWorkerAvailable
 from qwenserve.rpc_errors import detail_of
 from qwenserve.telemetry.tracing import Attr, get_tracer
 from qwenserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-
-if TYPE_CHECKING:
-    from qwenserve.router.generation import PreparedRequest
 
 log = logging.getLogger(__name__)
 tracer = get_tracer("qwenserve.router")
@@ -180,10 +178,10 @@ async def decode(
                         yield list(msg.token_ids), list(msg.logprobs), msg.finish_reason, error
                         return
                     yield list(msg.token_ids), list(msg.logprobs), 0, None
-        except _Stalled:
+        except StreamStalled:
             fault, failed = f"no message for {fleet.config.stall_timeout_s:g}s", True
             fleet.decode_pool.mark_dead(worker)
-        except _OutOfTime:
+        except StreamOutOfTime:
             yield [], [], common_pb2.FINISH_REASON_ABORT, fleet.cutoff_detail(prep)
             return
         except grpc.aio.AioRpcError as e:
@@ -258,64 +256,6 @@ def start_decode(
         with trace.use_span(span, end_on_exit=False):
             return stub.Decode(request, timeout=timeout)
     return stub.Decode(request, timeout=timeout)
-
-
-class _Stalled(Exception):
-    """A decode stream sent nothing for stall_timeout_s."""
-
-
-class _OutOfTime(Exception):
-    """The request's deadline (or the router's drain deadline) came while waiting on a worker."""
-
-
-class StreamWatch:
-    """Reads a decode stream; cancels the call when it sends nothing for `stall_s` or the router's drain
-    deadline comes, and then makes `read()` raise _Stalled or _OutOfTime.
-
-    One timer per stream, moved on only when it fires: noting a message is an assignment (an asyncio
-    timeout around every read cost more than relaying the message). The request's own deadline is the
-    call's gRPC deadline.
-    """
-
-    def __init__(self, call: grpc.aio.UnaryStreamCall, stall_s: float,
-                 drain_deadline: Callable[[], float | None]) -> None:
-        self._call = call
-        self._stall_s = stall_s
-        self._drain_deadline = drain_deadline
-        self._last = time.monotonic()
-        self._fired: type[Exception] | None = None
-        self._timer = asyncio.get_running_loop().call_later(stall_s, self.check)
-
-    async def read(self) -> decode_pb2.DecodeResponse:
-        """The next message, or grpc.aio.EOF."""
-        try:
-            msg = await self._call.read()
-        except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
-            # Our own cancel surfaces as CancelledError (or CANCELLED); a cancel of the task itself passes on.
-            task = asyncio.current_task()
-            ours = not isinstance(e, grpc.aio.AioRpcError) or e.code() == grpc.StatusCode.CANCELLED
-            if self._fired is None or not ours or (task is not None and task.cancelling()):
-                raise
-            raise self._fired() from None
-        self._last = time.monotonic()
-        return msg
-
-    def check(self) -> None:
-        """Cancel the call if it is overdue, else look again when it would be (also when a drain starts)."""
-        self._timer.cancel()
-        due, why = self._last + self._stall_s, _Stalled
-        drain = self._drain_deadline()
-        if drain is not None and drain < due:
-            due, why = drain, _OutOfTime
-        left = due - time.monotonic()
-        if left > 0:
-            self._timer = asyncio.get_running_loop().call_later(left, self.check)
-            return
-        self._fired = why
-        self._call.cancel()
-
-    def close(self) -> None:
-        self._timer.cancel()
 
 
 def refusal(error: grpc.aio.AioRpcError) -> common_pb2.ErrorDetail:

@@ -3,7 +3,7 @@ context limits the engines report, requests held while a stage has no worker, an
 
 Each prefill and decode address that is a DNS name (a headless Service) stands for its pods: the fleet
 keeps a worker and a channel per pod (discovery.py), closing a removed pod's channel once its calls end.
-`Router` (generation.py) is a fleet that also runs requests; failover.py makes the calls.
+`Router` (generation.py) holds a fleet and runs requests on it; failover.py makes the calls.
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 
+from qwenserve.router.config import RouterConfig
 from qwenserve.router.discovery import Change, PodDiscovery, Resolver
+from qwenserve.router.prepared_request import PreparedRequest
 from qwenserve.router.stream_slots import StreamSlots
+from qwenserve.router.stream_watch import StreamWatch
 from qwenserve.router.workers import WorkerPool
 from qwenserve.telemetry.metrics import RouterMetrics
 from qwenserve.telemetry.tracing import client_interceptors
@@ -27,13 +29,7 @@ from qwenserve.v1 import (
     kv_transfer_pb2,
     kv_transfer_pb2_grpc,
     prefill_pb2_grpc,
-    tokenizer_pb2,
-    tokenizer_pb2_grpc,
 )
-
-if TYPE_CHECKING:
-    from qwenserve.router.failover import StreamWatch
-    from qwenserve.router.generation import PreparedRequest, RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +52,6 @@ class WorkerFleet:
         self.prefill_pool = WorkerPool(self.discovery.pods["prefill"], on_drained=self._close_channel)
         self.decode_pool = WorkerPool(self.discovery.pods["decode"], on_drained=self._close_channel)
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self.vocab_size = 0
         self.metrics = metrics
         # A stage given no workers (prefill=0: decode prefills) is not a stage that is down.
         for stage, pool, given in (("prefill", self.prefill_pool, config.prefill_addresses),
@@ -192,13 +187,10 @@ class WorkerFleet:
         task.add_done_callback(self._background.discard)
 
     async def start(self) -> None:
-        """Find the workers' pods (and keep finding them), learn the vocabulary size from the tokenizer service
-        (waits for it to come up) and the context limit from the engine workers (_learn_max_model_len)."""
+        """Find the workers' pods (and keep finding them) and learn the context limit from the engine workers
+        (_learn_max_model_len)."""
         await self.discovery.refresh()
         self.discovery.start()
-        stub = tokenizer_pb2_grpc.TokenizerStub(self.channel(self.config.tokenizer_address))
-        info = await stub.GetInfo(tokenizer_pb2.GetInfoRequest(), wait_for_ready=True, timeout=60)
-        self.vocab_size = info.vocab_size
         await self._learn_max_model_len()
         self._started = True
 

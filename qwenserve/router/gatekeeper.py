@@ -48,7 +48,7 @@ from qwenserve.tenancy.usage import UsageMeter, UsageMeterUnavailable, UsageReco
 from qwenserve.v1 import common_pb2, router_pb2
 
 if TYPE_CHECKING:
-    from qwenserve.router.generation import PreparedRequest
+    from qwenserve.router.prepared_request import PreparedRequest
     from qwenserve.telemetry.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)

@@ -22,22 +22,23 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client import CollectorRegistry
 
-from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from qwenserve.engine.sampling_params import InvalidSamplingParams
 from qwenserve.engine.structured import ReasoningFirst
 from qwenserve.protocol import sampling_from_proto
-from qwenserve.router.chat_output import ChatOutput, ChatShape, chat_shape_of, tool_choice_of
+from qwenserve.router.chat_output import ChatOutput, chat_shape_of, tool_choice_of
+from qwenserve.router.config import RouterConfig
 from qwenserve.router.discovery import Resolver, system_resolver
 from qwenserve.router.errors import ContextLengthExceeded, InvalidRequest, ServiceUnavailable, UnknownModel
 from qwenserve.router.failover import Progress, RequestFailed, Step, decode, prefill
 from qwenserve.router.fleet import WorkerFleet, remaining, shutting_down, stage_error
 from qwenserve.router.generation_defaults import with_defaults
+from qwenserve.router.prepared_request import PreparedRequest
 from qwenserve.router.reasoning import thinking_closed_in_prompt
-from qwenserve.router.request_ids import REQUEST_ID_RULE, internal_id, new_request_id, valid_request_id
+from qwenserve.router.request_ids import REQUEST_ID_RULE, new_request_id, valid_request_id
 from qwenserve.router.stop_strings import Detokenizer, StopStringMatcher, TextRelay
 from qwenserve.router.workers import NoWorkerAvailable
 from qwenserve.telemetry.metrics import RouterMetrics, router_metrics
@@ -53,85 +54,8 @@ MAX_STOP_STRINGS = 16
 MAX_DEADLINE_S = 86_400.0
 
 
-@dataclass(slots=True)
-class RouterConfig:
-    """Where the workers are and how the router treats requests."""
-
-    tokenizer_address: str
-    # Worker entries: a pod's ip:port, or a name:port (dns:///name:port) standing for every address it resolves to.
-    prefill_addresses: list[str]
-    decode_addresses: list[str]
-    model_name: str = "qwen"
-    # The longest request accepted, prompt + output tokens. start() lowers it to the smallest max_model_len the
-    # engine workers report (GetInfo), as does a worker that reports later: what a worker would have to refuse
-    # is refused here, before any work.
-    max_model_len: int = 4096
-    # Prompts shorter than this are prefilled on the decode worker itself (no handoff).
-    local_prefill_threshold: int = 0
-    prefill_attempts: int = 3
-    # How long a worker's connection may take to become ready before another worker is tried.
-    connect_timeout_s: float = 5.0
-    # Default deadline of a tokenizer call (the client's deadline wins when it is sooner).
-    rpc_timeout_s: float = 30.0
-    # Default deadline of a prefill call, plus an allowance per prompt token: a long prompt on a CPU may
-    # legitimately take minutes (10 tokens/s is far below any engine's prefill rate).
-    prefill_timeout_s: float = 300.0
-    prefill_timeout_per_token_s: float = 0.1
-    # A decode stream that sends nothing for this long is failed over; a worker busy on the request's long
-    # prompt sends empty heartbeats meanwhile (decode_worker.HEARTBEAT_S).
-    stall_timeout_s: float = 30.0
-    # Keepalive pings on every channel: a worker that does not answer one within the timeout is cut off.
-    keepalive_s: float = 10.0
-    keepalive_timeout_s: float = 10.0
-    # How long start() waits for the other workers' limits once a decode worker has reported its own.
-    worker_info_wait_s: float = 30.0
-    # How often worker names are resolved again: a new pod gets traffic, a removed one drains, this soon.
-    resolve_interval_s: float = 5.0
-    # A request for a stage with no worker at all (scaled to zero) is held this long for one to appear (the
-    # operator starts one when it sees the held count); 0: answered at once (no_decode_worker).
-    cold_start_wait_s: float = 0.0
-    # At most this many requests in flight per decode worker, counted from before prefill: more wait here
-    # (first come, first served, at most max_queue_wait_s), so no stream stalls for a decode slot after its
-    # first token (stream_slots.py). 0: no bound.
-    max_streams_per_decode_worker: int = 0
-    max_queue_wait_s: float = 60.0
-    priority_aging_s: float = 5.0  # a waiting request's tier improves by one level per this many seconds
-    # Chat answers: "qwen3" splits <think> blocks into reasoning ("none" leaves them in the text); "hermes"
-    # parses <tool_call> blocks into tool calls when the request offers tools ("none" refuses tools).
-    reasoning_parser: str = "qwen3"
-    tool_call_parser: str = "hermes"
-    # The vocabulary's <think> and </think> ids; None: the model has no thinking tokens (nothing is split).
-    think_token_ids: tuple[int, int] | None = None
-    # Sampling settings a request leaves out, from the model's generation_config.json (generation_defaults.py).
-    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class PreparedRequest:
-    """A validated request: exact prompt ids and engine sampling settings."""
-
-    request_id: str  # the client's: echoed in every answer
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    wire_sampling: common_pb2.SamplingParams
-    stop: list[str]
-    skip_special_tokens: bool
-    cache_salt: str
-    deadline: float | None  # time.monotonic() deadline
-    echo_prompt: bool = False
-    arrived: float = field(default_factory=time.monotonic)  # when prepare() began, for the queue-time metric
-    internal_id: str = ""  # what the stages know it by (unique even when client ids repeat); made if empty
-    chat: ChatShape | None = None  # a chat answer: how its text is split (None: text as generated)
-    content_filter: ContentFilter | None = None  # the tenant's words that must never be sent (the fronts set it)
-    priority: int = 0  # the tenant's tier: lower is admitted first by the engines (the gatekeeper sets it)
-
-    def __post_init__(self) -> None:
-        if not self.internal_id:
-            self.internal_id = internal_id(self.request_id)
-
-
-class Router(WorkerFleet):
-    """Runs requests across tokenizer, prefill and decode workers.
+class Router:
+    """Runs requests across tokenizer, prefill and decode workers (its `fleet`).
 
     Retries and failovers are counted in `metrics` (a private registry's group when none is given).
     """
@@ -144,9 +68,27 @@ class Router(WorkerFleet):
         resolver: Resolver = system_resolver,
         token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
-        super().__init__(config, metrics if metrics is not None else router_metrics(CollectorRegistry()), resolver)
+        self.config = config
+        self.metrics = metrics if metrics is not None else router_metrics(CollectorRegistry())
+        self.fleet = WorkerFleet(config, self.metrics, resolver)
+        self.vocab_size = 0  # from the tokenizer service, at start(); until then every request is refused
         self._detokenizer_factory = detokenizer_factory
         self.token_bytes = token_bytes  # a token's exact bytes (the model's vocabulary), for logprobs
+
+    async def start(self) -> None:
+        """Learn the vocabulary size from the tokenizer service (waits for it to come up), then start the fleet:
+        find the workers' pods and learn the context limit the engines report."""
+        stub = tokenizer_pb2_grpc.TokenizerStub(self.fleet.channel(self.config.tokenizer_address))
+        info = await stub.GetInfo(tokenizer_pb2.GetInfoRequest(), wait_for_ready=True, timeout=60)
+        self.vocab_size = info.vocab_size
+        await self.fleet.start()
+
+    def drain(self, grace_s: float) -> None:
+        """The router is shutting down: streams still running in (about) `grace_s` end with ABORT."""
+        self.fleet.drain(grace_s)
+
+    async def close(self) -> None:
+        await self.fleet.close()
 
     def check_model(self, model: str) -> None:
         """Raises UnknownModel unless `model` is empty (the default) or the model this router serves."""
@@ -273,7 +215,7 @@ class Router(WorkerFleet):
                 del chat.tools_json[:]
             chat.assistant_prefix = prefix + req.chat.assistant_prefix
             treq = tokenizer_pb2.TokenizeRequest(chat=chat)
-        stub = tokenizer_pb2_grpc.TokenizerStub(self.channel(self.config.tokenizer_address))
+        stub = tokenizer_pb2_grpc.TokenizerStub(self.fleet.channel(self.config.tokenizer_address))
         with tracer.start_as_current_span("tokenize", attributes={"qwenserve.input": which}) as span:
             try:
                 resp = await stub.Tokenize(treq, timeout=remaining(deadline, self.config.rpc_timeout_s))
@@ -311,7 +253,7 @@ class Router(WorkerFleet):
                     text, hit = screen.push(text, final=bool(finish) or stopped)
                     if hit:  # counted as qwenserve_router_requests_total{finish_reason="content_filter"}
                         finish, error = common_pb2.FINISH_REASON_CONTENT_FILTER, None
-                if finish == common_pb2.FINISH_REASON_ERROR and self.draining:
+                if finish == common_pb2.FINISH_REASON_ERROR and self.fleet.draining:
                     # Workers go away while the deployment shuts down: for the client that is an abort.
                     finish, error = common_pb2.FINISH_REASON_ABORT, shutting_down()
                 msg = router_pb2.GenerateResponse(
@@ -353,9 +295,9 @@ class Router(WorkerFleet):
 
     async def _tokens(self, prep: PreparedRequest, progress: Progress) -> AsyncIterator[Step]:
         """Yields (token ids, logprobs, finish reason or 0, error detail) until a finish reason."""
-        if not await self.stream_slots.acquire(self.queue_wait(prep), prep.priority):
-            if self.expired(prep):
-                yield [], [], common_pb2.FINISH_REASON_ABORT, self.cutoff_detail(prep)
+        if not await self.fleet.stream_slots.acquire(self.fleet.queue_wait(prep), prep.priority):
+            if self.fleet.expired(prep):
+                yield [], [], common_pb2.FINISH_REASON_ABORT, self.fleet.cutoff_detail(prep)
                 return
             yield [], [], common_pb2.FINISH_REASON_ERROR, stage_error(
                 "resource_exhausted", f"every decode worker has {self.config.max_streams_per_decode_worker} "
@@ -366,24 +308,24 @@ class Router(WorkerFleet):
                 async for step in steps:
                     yield step
         finally:
-            self.stream_slots.release()
+            self.fleet.stream_slots.release()
 
     async def _generate(self, prep: PreparedRequest, progress: Progress) -> AsyncIterator[Step]:
         """Prefill (on a prefill worker, else the decode worker's own), then decode, with failover."""
-        use_prefill = bool(self.prefill_pool.workers) and len(prep.prompt_ids) >= self.config.local_prefill_threshold
+        use_prefill = bool(self.fleet.prefill_pool.workers) and len(prep.prompt_ids) >= self.config.local_prefill_threshold
         self.metrics.queue_time.observe(time.monotonic() - prep.arrived)
         resp: prefill_pb2.PrefillResponse | None = None
         if use_prefill:
             try:
                 with tracer.start_as_current_span("prefill", attributes={Attr.PROMPT_TOKENS: len(prep.prompt_ids)}):
-                    resp = await prefill(self, prep)
+                    resp = await prefill(self.fleet, prep)
             except NoWorkerAvailable as e:
                 log.warning("%s: %s; the decode worker prefills the prompt itself", prep.request_id, e)
             except RequestFailed as e:
                 yield [], [], e.finish_reason, e.detail
                 return
         if resp is None:
-            async with contextlib.aclosing(decode(self, prep, progress, None)) as stream:
+            async with contextlib.aclosing(decode(self.fleet, prep, progress, None)) as stream:
                 async for item in stream:
                     yield item
             return
@@ -404,12 +346,12 @@ class Router(WorkerFleet):
             start.first_logprob.CopyFrom(resp.first_logprob)
         try:
             yield [resp.first_token_id], logprobs, 0, None
-            async with contextlib.aclosing(decode(self, prep, progress, start)) as stream:
+            async with contextlib.aclosing(decode(self.fleet, prep, progress, start)) as stream:
                 async for item in stream:
                     yield item
         finally:
             if not progress.handoff_sent:
                 # The request ended (a stop string in the first token, a client that left) or no decode
                 # worker could be reached before any took the handoff: free it now, not at lease expiry.
-                self.release_handoff(start.kv_handle, prep.request_id)
+                self.fleet.release_handoff(start.kv_handle, prep.request_id)
 

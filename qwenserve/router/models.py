@@ -155,7 +155,7 @@ class ModelRoutes:
             if allowed_set is None or entry.canary in allowed_set:
                 name = entry.canary
                 entry = self.entries.get(name)
-        if not self.routers[name].can_serve():
+        if not self.routers[name].fleet.can_serve():
             fallback = self._fallback(name, allowed_set)
             if fallback is not None:
                 self._note_fallback(name, fallback)
@@ -191,7 +191,7 @@ class ModelRoutes:
         """`name`'s fallback if it can serve and the tenant may use it."""
         entry = self.entries.get(name)
         fallback = entry.fallback if entry is not None else None
-        if fallback is None or not self.routers[fallback].can_serve():
+        if fallback is None or not self.routers[fallback].fleet.can_serve():
             return None
         return fallback if allowed is None or fallback in allowed else None
 

@@ -16,9 +16,9 @@ from typing import Any
 from aiohttp import web
 
 from qwenserve.protocol import FINISH_REASON_NAMES
-from qwenserve.router.generation import PreparedRequest
 from qwenserve.router.openai_errors import CLIENT_FAULT_CODES, RETRYABLE_CODES, error_type
 from qwenserve.router.openai_request import ParsedRequest
+from qwenserve.router.prepared_request import PreparedRequest
 from qwenserve.telemetry.metrics import StreamTimer
 from qwenserve.v1 import common_pb2, router_pb2
 

@@ -54,7 +54,7 @@ from qwenserve.router.errors import (
     UnknownModel,
 )
 from qwenserve.router.gatekeeper import Gatekeeper, Ticket, api_key_from_headers
-from qwenserve.router.generation import PreparedRequest, Router
+from qwenserve.router.generation import Router
 from qwenserve.router.grpc_generate import outcome_for
 from qwenserve.router.models import ModelRoutes
 from qwenserve.router.openai_answer import Answer, Generations, TokenBytes, ends_badly, relay, send_chunk
@@ -66,6 +66,7 @@ from qwenserve.router.openai_request import (
     parse_detokenize,
     parse_tokenize,
 )
+from qwenserve.router.prepared_request import PreparedRequest
 from qwenserve.router.request_ids import valid_request_id
 from qwenserve.telemetry.metrics import StreamTimer, metrics_page
 from qwenserve.telemetry.tracing import Attr, get_tracer, server_span

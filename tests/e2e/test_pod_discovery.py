@@ -24,7 +24,8 @@ import pytest
 
 from qwenserve.launcher import free_port, wait_serving
 from qwenserve.router.discovery import Resolver, system_resolver
-from qwenserve.router.generation import Router, RouterConfig
+from qwenserve.router.config import RouterConfig
+from qwenserve.router.generation import Router
 from qwenserve.status import parse_gauges
 from qwenserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -158,8 +159,8 @@ async def test_the_router_spreads_over_pods_follows_scale_up_and_drains_a_remove
     pod = {ip: f"{ip}:{port}" for ip in ("127.0.0.1", "127.0.0.2", "127.0.0.3")}
     table = Table(["127.0.0.1", "127.0.0.2"])
     async with running_router(tiny_model, workers, [f"{NAME}:{port}"], resolver=table) as router:
-        assert router.pods("decode") == [pod["127.0.0.1"], pod["127.0.0.2"]]
-        assert set(router.worker_limits) == {workers.prefill.address, pod["127.0.0.1"], pod["127.0.0.2"]}
+        assert router.fleet.pods("decode") == [pod["127.0.0.1"], pod["127.0.0.2"]]
+        assert set(router.fleet.worker_limits) == {workers.prefill.address, pod["127.0.0.1"], pod["127.0.0.2"]}
 
         # Both pods serve: requests at once go to the least loaded pod, not all to the first.
         before = {ip: stage.served() for ip, stage in workers.decode.items()}
@@ -170,7 +171,7 @@ async def test_the_router_spreads_over_pods_follows_scale_up_and_drains_a_remove
         # A pod that appears in DNS gets requests within seconds.
         third = start_stage("decode", "127.0.0.3", port)
         table.ips = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
-        took = await wait_until(lambda: pod["127.0.0.3"] in router.decode_pool.workers, "the new pod joins")
+        took = await wait_until(lambda: pod["127.0.0.3"] in router.fleet.decode_pool.workers, "the new pod joins")
         assert took < 3
         before_third = third.served()
         done = await asyncio.gather(*(generate(router, f"request {i} of the second round", 24) for i in range(9)))
@@ -179,12 +180,12 @@ async def test_the_router_spreads_over_pods_follows_scale_up_and_drains_a_remove
 
         # A pod that leaves DNS gets no new requests at once; its streams finish, then its channel closes.
         long = [asyncio.ensure_future(generate(router, f"long stream {i}", 300)) for i in range(3)]
-        gone = router.decode_pool.workers[pod["127.0.0.2"]]
+        gone = router.fleet.decode_pool.workers[pod["127.0.0.2"]]
         await wait_until(lambda: gone.outstanding > 0, "a long stream runs on 127.0.0.2", timeout_s=30)
         table.ips = ["127.0.0.1", "127.0.0.3"]
-        await wait_until(lambda: pod["127.0.0.2"] in router.draining_pods(), "127.0.0.2 drains")
+        await wait_until(lambda: pod["127.0.0.2"] in router.fleet.draining_pods(), "127.0.0.2 drains")
         held = gone.outstanding
-        assert held > 0 and pod["127.0.0.2"] not in router.decode_pool.workers
+        assert held > 0 and pod["127.0.0.2"] not in router.fleet.decode_pool.workers
         loads: list[int] = []
 
         async def watch_load() -> None:
@@ -201,8 +202,8 @@ async def test_the_router_spreads_over_pods_follows_scale_up_and_drains_a_remove
         assert [(e.finish_reason, e.usage.completion_tokens) for e in ended] == [
             (common_pb2.FINISH_REASON_LENGTH, 300)] * 3
         assert router.metrics.failovers.labels("decode")._value.get() == 0  # the drained streams were not moved
-        await wait_until(lambda: pod["127.0.0.2"] not in router.draining_pods(), "127.0.0.2 has drained", 5)
-        assert pod["127.0.0.2"] not in router.pods("decode")
+        await wait_until(lambda: pod["127.0.0.2"] not in router.fleet.draining_pods(), "127.0.0.2 has drained", 5)
+        assert pod["127.0.0.2"] not in router.fleet.pods("decode")
         assert pod["127.0.0.2"] not in router._channels, "the drained pod's channel stayed open"
 
 
@@ -211,7 +212,7 @@ async def test_localhost_resolves_through_getaddrinfo_and_status_lists_every_pod
 ) -> None:
     port, decode = workers.port, workers.decode["127.0.0.1"]
     async with running_router(tiny_model, workers, [f"localhost:{port}"]) as router:
-        assert router.pods("decode") == [f"127.0.0.1:{port}"]
+        assert router.fleet.pods("decode") == [f"127.0.0.1:{port}"]
         done = await generate(router, "through the system resolver", 8)
         assert done.finish_reason == common_pb2.FINISH_REASON_LENGTH and done.usage.completion_tokens == 8
 

@@ -13,7 +13,7 @@ from qwenserve.ratelimit import InProcessRateLimiter
 from qwenserve.router.errors import AuthenticationFailed, InvalidRequest, RateLimited
 from qwenserve.router.front_door import FrontConfig, add_front_flags, close_gatekeeper, make_gatekeeper
 from qwenserve.router.gatekeeper import Gatekeeper, api_key_from_grpc_metadata, api_key_from_headers
-from qwenserve.router.generation import PreparedRequest
+from qwenserve.router.prepared_request import PreparedRequest
 from qwenserve.tenancy import InProcessUsageMeter, KeyStore, Tenant, TenantLimits, key_digest
 from qwenserve.v1 import common_pb2, router_pb2
 

@@ -21,7 +21,8 @@ from qwenserve.launcher import free_port
 from qwenserve.ratelimit import InProcessRateLimiter
 from qwenserve.router.front_door import FrontConfig, add_front_flags, start_http_front
 from qwenserve.router.gatekeeper import Gatekeeper
-from qwenserve.router.generation import Router, RouterConfig
+from qwenserve.router.config import RouterConfig
+from qwenserve.router.generation import Router
 from qwenserve.router.openai_http import build_app
 from qwenserve.tenancy import KeyStore, Tenant, key_digest
 from qwenserve.tokenizer.detokenizer import IncrementalDetokenizer

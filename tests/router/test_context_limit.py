@@ -10,7 +10,8 @@ import grpc
 import pytest
 
 from qwenserve.router.errors import ContextLengthExceeded
-from qwenserve.router.generation import Router, RouterConfig
+from qwenserve.router.config import RouterConfig
+from qwenserve.router.generation import Router
 from qwenserve.v1 import (
     common_pb2,
     decode_pb2_grpc,
@@ -87,7 +88,7 @@ async def test_the_limit_is_the_smallest_any_worker_reports(serve) -> None:
     router = await started_router(tokenizer, prefills, decodes)
     try:
         assert router.config.max_model_len == 384
-        assert router.worker_limits == {decodes[0]: 512, decodes[1]: 384, prefills[0]: 448}
+        assert router.fleet.worker_limits == {decodes[0]: 512, decodes[1]: 384, prefills[0]: 448}
     finally:
         await router.close()
 
@@ -107,13 +108,13 @@ async def test_a_worker_that_reports_after_the_start_lowers_the_limit_then(serve
     late = f"127.0.0.1:{free_port()}"
     router = await started_router(tokenizer, [late], [await serve(decode(512))], worker_info_wait_s=0.2)
     try:
-        assert router.config.max_model_len == 512 and late not in router.worker_limits
+        assert router.config.max_model_len == 512 and late not in router.fleet.worker_limits
         await serve(prefill(300), port=int(late.rsplit(":", 1)[1]))
         for _ in range(200):
             if router.config.max_model_len == 300:
                 break
             await asyncio.sleep(0.1)
-        assert router.config.max_model_len == 300 and router.worker_limits[late] == 300
+        assert router.config.max_model_len == 300 and router.fleet.worker_limits[late] == 300
     finally:
         await router.close()
 
