@@ -32,9 +32,11 @@ COPY proto/ proto/
 COPY qwenserve/ qwenserve/
 COPY services/ services/
 COPY operator/ operator/
+COPY devcluster/ devcluster/
 # Extras: mooncake for `kvTransfer.mode: mooncake` (Mooncake Transfer Engine; libibverbs1 even over TCP), hf for
-# `model.source: hf` (the fetch-model init container).
-RUN pip install ".[gpu,mooncake,hf]" --no-build-isolation
+# `model.source: hf` (the fetch-model init container), operator for `qwen-serve operator`. Not devcluster or
+# bench: the image runs stages and the operator (`qwen-serve dev-cluster` here says which extra it lacks).
+RUN pip install ".[gpu,mooncake,hf,operator]" --no-build-isolation
 # The CPU kernels (the KV handoff's checksum and copies run on the host here too), one object per instruction-set
 # level, inside the installed package; from / so that the installed package, not /src, is the one built into.
 RUN cd / && python -m qwenserve.cpu_kernels build
@@ -75,8 +77,10 @@ COPY proto/ proto/
 COPY qwenserve/ qwenserve/
 COPY services/ services/
 COPY operator/ operator/
-# Extras: mooncake (kvTransfer.mode: mooncake), hf (model.source: hf, the fetch-model init container).
-RUN pip install ".[mooncake,hf]" && rm -rf /src
+COPY devcluster/ devcluster/
+# Extras: mooncake (kvTransfer.mode: mooncake), hf (model.source: hf, the fetch-model init container), operator
+# (`qwen-serve operator`); not devcluster or bench, which the image does not run.
+RUN pip install ".[mooncake,hf,operator]" && rm -rf /src
 RUN cd / && python -m qwenserve.cpu_kernels build
 # A fixed non-root UID: the operator's pod securityContext (runAsUser 10001) matches it.
 RUN groupadd --system --gid 10001 qwen && useradd --system --uid 10001 --gid qwen --home-dir /tmp qwen \

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import sys
 from collections.abc import Iterable
 
@@ -21,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tokens": ("qwenserve.tokenizer.cli:main", "count or show the tokens of a file"),
     "model": ("qwenserve.default_model:main", "write the built-in default checkpoint"),
     "operator": ("qwenserve_operator.main:main", "run the Kubernetes operator (kopf)"),
-    "dev-cluster": ("qwenserve.devcluster.cli:main", "the operator's pods as a cluster on this machine (root)"),
+    "dev-cluster": ("qwenserve_devcluster.cli:main", "the operator's pods as a cluster on this machine (root)"),
     "bench": ("qwenserve.loadgen:main", "load generator and SLO report"),
     "usage": ("qwenserve.tenancy.cli:main", "per-tenant usage (requests and tokens)"),
 }
@@ -33,6 +34,35 @@ STAGES: dict[str, str] = {
     "decode": "qwenserve_services.decode.server:main",
     "router": "qwenserve_services.router.server:main",
 }
+
+
+#: The modules each optional extra of pyproject.toml brings (tests/test_extras.py keeps the two equal).
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "operator": ("kopf", "kubernetes"),
+    "devcluster": ("kopf", "kubernetes", "kmock", "dnslib"),
+}
+
+# subcommand -> the extra it needs beyond a server install.
+COMMAND_EXTRAS: dict[str, str] = {"operator": "operator", "dev-cluster": "devcluster"}
+
+
+def missing_extra(command: str) -> str | None:
+    """The one line saying which extra `command` lacks here, or None when its modules import (or it needs none)."""
+    extra = COMMAND_EXTRAS.get(command)
+    if extra is None:
+        return None
+    missing = [name for name in EXTRAS[extra] if not _importable(name)]
+    if not missing:
+        return None
+    return (f"qwen-serve {command} needs the '{extra}' extra ({', '.join(missing)} not installed): "
+            f"pip install 'qwen-serve[{extra}]'")
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a module blocked in sys.modules, or a broken parent package
+        return False
 
 
 def _call(target: str, argv: list[str]) -> int:
@@ -77,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"qwen-serve: unknown command {command!r}{_did_you_mean(command, [*COMMANDS, 'serve'])}; "
               "`qwen-serve --help` lists them", file=sys.stderr)
+        return 2
+    if (message := missing_extra(command)) is not None:
+        print(message, file=sys.stderr)
         return 2
     return _call(COMMANDS[command][0], rest)
 

@@ -9,8 +9,9 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PREFIXES = {"qwenserve": "qwenserve", "services": "qwenserve_services",
-            "operator/qwenserve_operator": "qwenserve_operator"}
+PREFIXES = {"qwenserve": "qwenserve", "services/qwenserve_services": "qwenserve_services",
+            "operator/qwenserve_operator": "qwenserve_operator",
+            "devcluster/qwenserve_devcluster": "qwenserve_devcluster"}
 
 
 def _package_folders() -> set[str]:

@@ -175,7 +175,9 @@ def write_report(config: BenchConfig, outcomes: list[RunOutcome], open_loop: boo
             for o in outcomes]
     write_json(config.out_dir / "report.json", {"runs": runs})
     sweep = [(o.load, o.summary) for o in outcomes] if open_loop else []
-    write_plots(config.out_dir, [(o.label, o.result.records) for o in outcomes], sweep)
+    if not write_plots(config.out_dir, [(o.label, o.result.records) for o in outcomes], sweep):
+        print("qwen-serve bench: no plots: they need the 'bench' extra (matplotlib): pip install 'qwen-serve[bench]'",
+              file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -97,6 +97,13 @@ def test_images_can_hand_off_over_mooncake(build: str, final: str) -> None:
     assert any("libibverbs1" in rest for word, rest in _stages()[final] if word == "RUN")
 
 
+@pytest.mark.parametrize("build", ["cpu", "cuda-build"])
+def test_images_install_the_operator_extra_for_the_operator_they_run(build: str) -> None:
+    installs = " ".join(rest for word, rest in _stages()[build] if word == "RUN")
+    extras = re.search(r'pip install "\.\[([^\]]*)\]"', installs)
+    assert extras and "operator" in extras.group(1).split(",")
+
+
 def _baked_models(stage: str) -> list[str]:
     """The folders a build stage writes the built-in model into (`qwen-serve model init --dir DIR`)."""
     runs = " ".join(rest for word, rest in _stages()[stage] if word == "RUN")

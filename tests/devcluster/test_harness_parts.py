@@ -9,9 +9,9 @@ import subprocess
 import pytest
 from dnslib import QTYPE, RCODE, DNSRecord
 
-from qwenserve.devcluster.container import expand, translate
-from qwenserve.devcluster.dns import ClusterDNS, resolv_conf
-from qwenserve.devcluster.network import leftovers, remove_leftovers
+from qwenserve_devcluster.container import expand, translate
+from qwenserve_devcluster.dns import ClusterDNS, resolv_conf
+from qwenserve_devcluster.network import leftovers, remove_leftovers
 
 
 def test_paths_under_a_mounted_or_image_folder_are_rewritten_to_their_host_folder():

@@ -15,7 +15,7 @@ import kmock
 import kopf
 import pytest
 
-from qwenserve.devcluster.api import ApiServer  # the emulator dev-cluster runs, too
+from qwenserve_devcluster.api import ApiServer  # the emulator dev-cluster runs, too
 from qwenserve_operator.crd import with_defaults
 from qwenserve_operator.handlers import make_registry
 from qwenserve_operator.reconciler import OperatorConfig

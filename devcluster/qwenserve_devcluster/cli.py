@@ -100,7 +100,7 @@ def load_deployment(path: str, namespace: str | None) -> dict[str, Any]:
 def host_paths(body: dict[str, Any], model: str | None, state_dir: Path) -> Any:
     """What stands in for the image's model folder or the model's PVC on this machine."""
     from qwenserve.cache import cache_root
-    from qwenserve.devcluster.container import HostPaths
+    from qwenserve_devcluster.container import HostPaths
     from qwenserve_operator.crd import with_defaults
     from qwenserve_operator.naming import model_dir
 
@@ -134,10 +134,10 @@ async def up(args: argparse.Namespace) -> int:
     """Run the cluster until SIGINT/SIGTERM; 0 after a clean stop, 1 if it never became ready."""
     import kmock
 
-    from qwenserve.devcluster.api import QD, ApiClient, ApiServer, OperatorThread, declare_resources
-    from qwenserve.devcluster.dns import ClusterDNS
-    from qwenserve.devcluster.network import PodNetwork, remove_leftovers
-    from qwenserve.devcluster.pods import PodRunner
+    from qwenserve_devcluster.api import QD, ApiClient, ApiServer, OperatorThread, declare_resources
+    from qwenserve_devcluster.dns import ClusterDNS
+    from qwenserve_devcluster.network import PodNetwork, remove_leftovers
+    from qwenserve_devcluster.pods import PodRunner
 
     if os.geteuid() != 0:
         raise DevClusterError("needs root (network namespaces, a bridge, a tmpfs per pod)")
@@ -211,7 +211,7 @@ async def up(args: argparse.Namespace) -> int:
 async def _wait_ready(api: Any, runner: Any, name: str, namespace: str, timeout: float, stop: asyncio.Event,
                       runner_task: asyncio.Task[None]) -> tuple[str, str] | None:
     """(router HTTP URL, router gRPC address) once the operator reports the deployment Ready."""
-    from qwenserve.devcluster.api import QD
+    from qwenserve_devcluster.api import QD
 
     deadline = time.monotonic() + timeout
     while not stop.is_set():
@@ -234,7 +234,7 @@ async def _wait_ready(api: Any, runner: Any, name: str, namespace: str, timeout:
 
 async def scale(state_dir: Path, stage: str, replicas: int) -> int:
     """Patch the running cluster's QwenDeployment: spec.stages.STAGE.replicas = N."""
-    from qwenserve.devcluster.api import QD, ApiClient
+    from qwenserve_devcluster.api import QD, ApiClient
 
     try:
         state = json.loads((state_dir / "state.json").read_text())

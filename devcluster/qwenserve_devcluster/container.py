@@ -17,21 +17,15 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from qwenserve.devcluster.api import ApiClient
-
-if TYPE_CHECKING:
-    from qwenserve.devcluster.pods import Pod
+from qwenserve_devcluster.api import ApiClient
+from qwenserve_devcluster.pod import Pod, PodConfigError
 
 CONFIGMAPS, SECRETS = "v1/configmaps", "v1/secrets"
 NODE_NAME = "dev-cluster-node"
 ENTRYPOINT = ["qwen-serve"]  # the image's entrypoint: run as this repository's CLI with this Python
 SHM = "/dev/shm"
-
-
-class PodConfigError(RuntimeError):
-    """A pod cannot start as specified (a missing ConfigMap key, an unsupported probe or volume)."""
 
 
 @dataclass

@@ -28,58 +28,20 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from qwenserve.devcluster.api import ApiClient, ApiError
-from qwenserve.devcluster.container import NODE_NAME, ContainerSetup, HostPaths, PodConfigError
-from qwenserve.devcluster.dns import ClusterDNS, resolv_conf
-from qwenserve.devcluster.network import NetworkError, PodInterface, PodNetwork
-from qwenserve.devcluster.probes import run_probe
+from qwenserve_devcluster.api import ApiClient, ApiError
+from qwenserve_devcluster.container import NODE_NAME, ContainerSetup, HostPaths
+from qwenserve_devcluster.dns import ClusterDNS, resolv_conf
+from qwenserve_devcluster.network import NetworkError, PodNetwork
+from qwenserve_devcluster.pod import Pod, PodConfigError
+from qwenserve_devcluster.probes import run_probe
 
 DEPLOYMENTS, SERVICES, PODS = "apps/v1/deployments", "v1/services", "v1/pods"
 PROBE_TICK = 1.0  # seconds between probes at most
 RESTART_BACKOFF_MAX = 10.0
-
-
-@dataclass
-class Pod:
-    """One replica: its identity, network, process and probe state."""
-
-    name: str
-    namespace: str
-    deployment: str
-    template_hash: str
-    template: dict[str, Any]
-    iface: PodInterface
-    dir: Path
-    created: float = field(default_factory=time.monotonic)
-    process: asyncio.subprocess.Process | None = None
-    ready: bool = False
-    started: bool = False
-    restarts: int = 0
-    terminating: bool = False
-    task: asyncio.Task[None] | None = None
-
-    @property
-    def labels(self) -> dict[str, str]:
-        return dict(self.template.get("metadata", {}).get("labels", {}))
-
-    @property
-    def container(self) -> dict[str, Any]:
-        return self.template["spec"]["containers"][0]
-
-    def port(self, name_or_number: int | str) -> int:
-        """A container port by number or by name."""
-        if isinstance(name_or_number, int) or str(name_or_number).isdigit():
-            return int(name_or_number)
-        for port in self.container.get("ports", []):
-            if port.get("name") == name_or_number:
-                return int(port["containerPort"])
-        raise PodConfigError(f"pod {self.name}: no container port named {name_or_number!r}")
 
 
 def template_hash(template: dict[str, Any]) -> str:

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from qwenserve.devcluster.container import PodConfigError
-
-if TYPE_CHECKING:
-    from qwenserve.devcluster.pods import Pod
+from qwenserve_devcluster.pod import Pod, PodConfigError
 
 
 async def run_probe(pod: Pod, spec: dict[str, Any]) -> bool:
