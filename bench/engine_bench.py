@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from qwenserve import cpu_kernels
+from qwenserve.cpu_kernels import loader
+from qwenserve.cpu_kernels.packed_weight import PackedWeight
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
@@ -77,10 +78,10 @@ def measure_matmul_gflops(hidden: int, inter: int, batch: int = 64, packed_kerne
     x = torch.randn(batch, hidden)
     w = torch.randn(2 * inter, hidden)
     if packed_kernel:
-        packed = cpu_kernels.PackedWeight.pack(w)
+        packed, kernels = PackedWeight.pack(w), loader.load()
 
         def product() -> None:
-            cpu_kernels.linear_packed(x, packed)
+            kernels.linear_packed(x, packed)
     else:
 
         def product() -> None:
@@ -213,7 +214,7 @@ def main() -> None:
     memcpy = measure_memcpy_gbps()
     matmul = measure_matmul_gflops(spec["hidden_size"], spec["intermediate_size"])
     kernel_matmul = (measure_matmul_gflops(spec["hidden_size"], spec["intermediate_size"], packed_kernel=True)
-                     if cpu_kernels.available() else None)
+                     if loader.load() is not None else None)
     config = EngineConfig(num_threads=args.threads, kv_cache_memory_gb=args.kv_gb,
                           max_num_batched_tokens=args.token_budget, max_num_seqs=128)
     engine = LLMEngine.from_pretrained(folder, config)

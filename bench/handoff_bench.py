@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import torch
 
-from qwenserve import cpu_kernels
+from qwenserve.cpu_kernels import loader
 from qwenserve.kv_transfer import (
     ExporterConfig,
     ImporterConfig,
@@ -229,7 +229,7 @@ async def bench(args: argparse.Namespace) -> None:
 
     columns = ["memcpy", "copy_", "memcpy x2", "shm", "shm paged", "shm no csum", "shm -> out",
                *[f"{n} fetch" for n in network]]
-    print(f"checksum {DEFAULT_ALGORITHM}; C kernels {'loaded' if cpu_kernels.available() else 'unavailable'}")
+    print(f"checksum {DEFAULT_ALGORITHM}; C kernels {'loaded' if loader.load() is not None else 'unavailable'}")
     print(f"{'size':>8} | " + " | ".join(f"{c:>22}" for c in columns) + " | shm vs copy_ | shm vs memcpy x2")
     for nbytes in all_sizes:
         views = [t[: nbytes // 2].view(LAYOUT.token_shape(nbytes // PER_TOKEN)) for t in (src_all, dst_all, out_all)]

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from qwenserve import cpu_kernels
+from qwenserve.cpu_kernels import loader
+from qwenserve.cpu_kernels.packed_weight import PackedWeight
 
 # Qwen3-0.6B: hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936.
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 1024, 28, 16, 8, 128, 3072, 151936
@@ -78,7 +79,7 @@ def _attention_inputs(rows: int, context: int, use_kernel: bool):
     tables = [order[i * blocks_each : (i + 1) * blocks_each] for i in range(rows)]
     batch = AttentionBatch(query_lens=[1] * rows, context_lens=[context] * rows, block_tables=tables,
                            slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=rows)
-    return TorchAttentionBackend(BLOCK, cpu_kernel_for_fp32=use_kernel), k_cache, v_cache, batch
+    return TorchAttentionBackend(BLOCK, loader.load() if use_kernel else None), k_cache, v_cache, batch
 
 
 def bench_paged_decode(rows: int, context: int, repeat: int, step_s: float | None) -> None:
@@ -96,14 +97,14 @@ def bench_linear(rows: int, repeat: int, step_s: float | None) -> None:
     torch_total = packed_total = 0.0
     for shape in PROJECTIONS.values():
         x, w = torch.randn(rows, shape[1]), torch.randn(*shape)
-        packed = cpu_kernels.PackedWeight.pack(w)
+        packed = PackedWeight.pack(w)
         torch_total += median_s(lambda x=x, w=w: F.linear(x, w), repeat)
-        packed_total += median_s(lambda x=x, p=packed: cpu_kernels.linear_packed(x, p), repeat)
+        packed_total += median_s(lambda x=x, p=packed: loader.load().linear_packed(x, p), repeat)
     row(f"linear_packed (4 projections) rows={rows}", torch_total, packed_total, LAYERS, step_s)
     x, head = torch.randn(rows, HIDDEN), torch.randn(VOCAB, HIDDEN)
-    packed = cpu_kernels.PackedWeight.pack(head)
+    packed = PackedWeight.pack(head)
     row(f"linear_packed lm_head rows={rows}", median_s(lambda: F.linear(x, head), repeat),
-        median_s(lambda: cpu_kernels.linear_packed(x, packed), repeat), 1, step_s)
+        median_s(lambda: loader.load().linear_packed(x, packed), repeat), 1, step_s)
 
 
 def bench_returned_ops(rows: int, repeat: int, step_s: float | None) -> None:
@@ -140,7 +141,7 @@ def bench_token_bitmask(rows: int, repeat: int, step_s: float | None) -> None:
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
     row(f"token_bitmask rows={rows}", median_s(torch_mask, repeat),
-        median_s(lambda: cpu_kernels.apply_token_bitmask(logits, index, bitmask), repeat), 1, step_s)
+        median_s(lambda: loader.load().apply_token_bitmask(logits, index, bitmask), repeat), 1, step_s)
 
 
 def bench_scatter(tokens: int, repeat: int) -> None:
@@ -150,7 +151,7 @@ def bench_scatter(tokens: int, repeat: int) -> None:
     src = torch.randn(planes, tokens, KV_HEADS * HEAD_DIM)
     rows = torch.randperm(slots)[:tokens]
     row(f"kv scatter tokens={tokens}", median_s(lambda: dst.index_copy_(1, rows, src), repeat),
-        median_s(lambda: cpu_kernels.scatter_rows(dst, src, rows), repeat), 0, None)
+        median_s(lambda: loader.load().scatter_rows(dst, src, rows), repeat), 0, None)
 
 
 def bench_gated_delta(rows: int, repeat: int) -> None:
@@ -165,7 +166,7 @@ def bench_gated_delta(rows: int, repeat: int) -> None:
     slots = torch.randperm(states.shape[0])[:rows]
     row(f"gated delta step rows={rows}",
         median_s(lambda: recurrent_gated_delta_step(q, k, v, g, beta, states, slots), repeat),
-        median_s(lambda: cpu_kernels.gated_delta_step(q, k, v, g, beta, states, slots), repeat), 0, None)
+        median_s(lambda: loader.load().gated_delta_step(q, k, v, g, beta, states, slots), repeat), 0, None)
 
 
 def main() -> None:
@@ -174,10 +175,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if cpu_kernels.load() is None:
+    kernels = loader.load()
+    if kernels is None:
         raise SystemExit("the CPU kernels are not available here: nothing to compare")
     print(f"threads {args.threads}, torch {torch.__version__}, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, kernels {cpu_kernels.loaded_variant()}")
+          f"{torch.backends.cpu.get_cpu_capability()}, kernels {kernels.variant}")
     for rows in (1, 8, 64):
         step_s = decode_step_seconds(rows, 1024, args.repeat)
         print(f"-- decode batch {rows} (context 1024): one PyTorch-only step {step_s * 1e3:.1f} ms")

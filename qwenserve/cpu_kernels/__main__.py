@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from qwenserve import cpu_kernels
+from qwenserve.cpu_kernels import builder, loader
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,22 +16,22 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="build every variant for this architecture")
     build.add_argument("--dir", type=Path, default=None,
-                       help=f"where to write them (default: ${cpu_kernels.ENV_DIR} or {cpu_kernels.kernel_dir()})")
+                       help=f"where to write them (default: ${builder.ENV_DIR} or {builder.kernel_dir()})")
     commands.add_parser("status", help="which variant this CPU loads, or why none")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     if args.command == "build":
-        variants = cpu_kernels.machine_variants()
-        built = cpu_kernels.build_variants(args.dir)
+        variants = builder.machine_variants()
+        built = builder.build_variants(args.dir)
         for path in built:
             print(f"built {path}")
         if len(built) < len(variants):
             print(f"built {len(built)} of {len(variants)} variants (see the warnings above)", file=sys.stderr)
             return 1
         return 0
-    variant = cpu_kernels.loaded_variant()
-    print(f"CPU kernels: {variant}" if variant else "CPU kernels: unavailable")
-    return 0 if variant else 1
+    kernels = loader.load()
+    print(f"CPU kernels: {kernels.variant}" if kernels else "CPU kernels: unavailable")
+    return 0 if kernels else 1
 
 
 if __name__ == "__main__":

@@ -75,6 +75,12 @@ class EngineConfig:
     admission_watermark: float = 0.01
     attention_backend: str = option("auto", choices=("auto", "torch", "flash_attn"),
                                     help="attention kernels (auto: flash-attn's where CUDA and flash-attn are)")
+    # Which kernels run is decided once per engine from these (engine/kernels.py); off, the same tokens, slower.
+    cpu_kernel: bool = option(True, help="run qwenserve's C kernels for what runs on the CPU, where they load "
+                                         "(off: PyTorch's ops)")
+    linear_attention_kernels: bool = option(
+        True, help="hybrid models on CUDA: flash-linear-attention's and causal-conv1d's kernels where installed "
+                   "and they pass their start-up check (off: PyTorch's forms)")
     num_threads: int | None = option(None, flag="--threads", help="torch threads on CPU (default: all cores)")
     seed: int = option(0, help="the sampling seed of requests that give none")
 

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 
 from qwenserve.engine.admission_policy import WatermarkSettings
-from qwenserve.engine.attention import default_block_size, select_backend
 from qwenserve.engine.block_pool import BlockPool
 from qwenserve.engine.config import EngineConfig, KVCapacity, derived_max_model_len, resolve_max_model_len
 from qwenserve.engine.errors import DuplicateRequestError, EngineDeadError, EngineShutdownError
 from qwenserve.engine.grammar import GrammarBackend
 from qwenserve.engine.host_memory import keep_freed_memory
 from qwenserve.engine.intake import RequestIntake
+from qwenserve.engine.kernels import select_kernels
 from qwenserve.engine.kv_handoff import KVExportSink, KVImport
 from qwenserve.engine.mailbox import LoopMailbox
 from qwenserve.engine.model_runner import ModelRunner
@@ -69,7 +69,9 @@ class LLMEngine:
         if device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
             keep_freed_memory()
-        block_size = config.block_size or default_block_size(device, dtype)
+        # Chosen once for this engine, from its config, and handed down (engine/kernels.py).
+        self.kernels = kernels = select_kernels(config, device, dtype)
+        block_size = kernels.block_size
         bytes_per_block = (
             len(model_cfg.kv_layers) * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim
             * torch.empty((), dtype=dtype).element_size()
@@ -93,13 +95,14 @@ class LLMEngine:
             model_cfg.max_position_embeddings, KVCapacity(num_blocks, block_size, bytes_per_block)
         )
         self.eos_token_ids: list[int] = list(model_cfg.eos_token_ids)
-        self.grammar = GrammarBackend(Path(checkpoint) / "tokenizer.json", model_cfg.vocab_size, self.eos_token_ids)
+        self.grammar = GrammarBackend(Path(checkpoint) / "tokenizer.json", model_cfg.vocab_size, self.eos_token_ids,
+                                      kernels.cpu)
         with torch.device(device):
-            model = model_class(model_cfg)(model_cfg, dtype, self.max_model_len)
+            model = model_class(model_cfg)(model_cfg, dtype, self.max_model_len, kernels.ops)
         fingerprint = load_checkpoint(model, checkpoint)
         model.eval()
-        backend = select_backend(config.attention_backend, device, dtype, block_size)
-        self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, num_state_slots)
+        backend = kernels.attention
+        self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, num_state_slots, kernels.cpu)
         prefix_caching = config.enable_prefix_caching
         snapshots = None
         if model_cfg.is_hybrid and prefix_caching:
@@ -117,8 +120,8 @@ class LLMEngine:
                      else "")
             if device.type == "cuda" and model.ops.gated_delta_prefills is not linear_attention_gpu.fla_gated_delta_prefills:
                 log.warning("the delta rule runs in PyTorch's ops on CUDA, slower: flash-linear-attention is not "
-                            "installed (`pip install fla-core`, in the gpu extra), is off (%s=0), or failed its "
-                            "start-up check (logged above)", linear_attention_gpu.ENV_SWITCH)
+                            "installed (`pip install fla-core`, in the gpu extra), is off (--no-linear-attention-kernels, "
+                            "QWENSERVE_LINEAR_ATTENTION_KERNELS=0), or failed its start-up check (logged above)")
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_batched_tokens=config.token_budget(),
@@ -167,8 +170,8 @@ class LLMEngine:
         )
         self._mailbox_lock = threading.Lock()
         log.info(
-            "engine: %s on %s/%s, attention=%s, block_size=%d, kv_blocks=%d (%.2f GiB), max_model_len=%d, %s",
-            model_cfg.model_type, device, self._layout.dtype, backend.name, block_size, num_blocks,
+            "engine: %s on %s/%s, %s, block_size=%d, kv_blocks=%d (%.2f GiB), max_model_len=%d, %s",
+            model_cfg.model_type, device, self._layout.dtype, kernels.name, block_size, num_blocks,
             num_blocks * bytes_per_block / 2**30, self.max_model_len, config,
         )
         self._thread = threading.Thread(target=self._loop, name="qwenserve-engine", daemon=True)
@@ -294,6 +297,7 @@ class LLMEngine:
             preemptions=s.num_preemptions,
             finished=self._finished,
             prefill_only_steps=s.num_prefill_only_steps,
+            cpu_kernels=self.kernels.cpu is not None,
         )
 
     @property

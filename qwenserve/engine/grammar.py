@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from qwenserve import cpu_kernels
+from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.engine.structured import (
     ReasoningFirst,
     StructuredOutput,
@@ -23,9 +23,12 @@ _BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
 
 
 class GrammarBackend:
-    """One model's grammar machinery: its vocabulary as xgrammar sees it, and compiled constraints."""
+    """One model's grammar machinery: its vocabulary as xgrammar sees it, and compiled constraints. `cpu_kernels`
+    (the engine's choice) apply the masks to fp32 logits; without them PyTorch's ops do."""
 
-    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int],
+                 cpu_kernels: CpuKernels | None = None) -> None:
+        self._cpu_kernels = cpu_kernels
         self._tokenizer_json = tokenizer_json
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
@@ -77,8 +80,8 @@ class GrammarBackend:
             matcher.fill_next_token_bitmask(bitmask, j)
         index = torch.tensor(rows, dtype=torch.int64)
         if logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.stride(1) == 1 and \
-                cpu_kernels.available():
-            cpu_kernels.apply_token_bitmask(logits, index, bitmask)
+                self._cpu_kernels is not None:
+            self._cpu_kernels.apply_token_bitmask(logits, index, bitmask)
             return
         allowed = _BITS[bitmask.view(torch.uint8).long()].view(len(rows), -1)[:, : logits.shape[1]]
         logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from qwenserve import cpu_kernels
+from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.engine.kv_handoff import KVExportTarget
 from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.scheduler import ScheduledSequence
@@ -37,6 +37,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         num_state_slots: int = 0,
+        cpu_kernels: CpuKernels | None = None,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -44,8 +45,8 @@ class ModelRunner:
         self._logits = torch.empty(0)
         self.block_size = block_size
         self.device = device
-        # An import scatters its rows with the C kernel where it loads (chosen once: it is the same every time).
-        self._scatter_kernel = device.type == "cpu" and cpu_kernels.available()
+        # An import into a CPU cache scatters its rows with the C kernel, when the engine chose the kernels.
+        self._scatter_kernels = cpu_kernels if device.type == "cpu" else None
         self.kv_cache = torch.zeros(
             len(cfg.kv_layers), 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
         )
@@ -156,11 +157,11 @@ class ModelRunner:
         """Scatter the first `num_tokens` tokens of token-major `kv` [L, 2, T, H, D] into the sequence's blocks."""
         src = kv[:, :, :num_tokens].to(self.device, self.kv_cache.dtype, non_blocking=True)
         flat, slots = self._flat_cache(), self._token_slots(seq, num_tokens)
-        if self._scatter_kernel:
+        if self._scatter_kernels is not None:
             # Runs on the engine's thread, between decode steps: every millisecond here stalls the batch.
             layers, kv_planes, _, heads, dim = flat.shape
-            cpu_kernels.scatter_rows(flat.view(layers * kv_planes, -1, heads * dim),
-                                     src.reshape(layers * kv_planes, num_tokens, heads * dim), slots)
+            self._scatter_kernels.scatter_rows(flat.view(layers * kv_planes, -1, heads * dim),
+                                               src.reshape(layers * kv_planes, num_tokens, heads * dim), slots)
             return
         flat.index_copy_(2, slots, src)
 

@@ -58,6 +58,7 @@ class EngineStats:
     preemptions: int
     finished: int = 0
     prefill_only_steps: int = 0  # short_first steps that left decodes out to drain a burst
+    cpu_kernels: bool = False  # whether this engine runs the C kernels (engine/kernels.py chose them)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -13,8 +13,9 @@ with every stripe, and the ordered fold, make moved stripes and chunks count. It
 32x32->64 multiply and two adds per 64 bytes) runs far faster than memory, so with the C kernel
 (cpu_kernels/kv_checksum.c) hashing costs the read of the bytes, and a copy that hashes what it moves
 (`fused_copy`) costs the copy: large copies stream past the cache, which skips reading each destination line
-before it is overwritten. Chunks let every core take a share. Where the kernel cannot be built, NumPy computes
-the same digests (slower; tested equal).
+before it is overwritten. Chunks let every core take a share. The kernels are a value the caller hands in
+(`kernels`: a cpu_kernels CpuKernels, the exporter's and importer's); without them NumPy computes the same digests
+(slower; tested equal).
 
 The one standard fallback, "crc32" (zlib's), is computed and verified on request. "none" skips hashing, for
 benchmarks only: importers refuse it unless told otherwise.
@@ -30,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from qwenserve import cpu_kernels
+from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.kv_transfer.errors import KVChecksumMismatch
 
 NO_CHECKSUM = "none"
@@ -129,16 +130,15 @@ def _run(job: Callable[[int, int], np.ndarray], nbytes: int) -> np.ndarray:
 
 
 def _kvsum_chunks(dst: np.ndarray, src: np.ndarray | None, digests: np.ndarray, first: int, end: int,
-                  stream: bool) -> None:
+                  stream: bool, kernels: CpuKernels | None) -> None:
     """Chunks [first, end) of `dst` hashed into digests[first:end]; with `src`, copied from there as they are."""
     nbytes = dst.nbytes
     start, stop = first * CHUNK_BYTES, min(nbytes, end * CHUNK_BYTES)
-    lib = cpu_kernels.load()
-    if lib is not None:  # one call; its OpenMP threads split the chunks, with the GIL released
+    if kernels is not None:  # one call; its OpenMP threads split the chunks, with the GIL released
         threads = _threads() if stop - start >= _PARALLEL_MIN_BYTES else 1
-        lib.kv_checksum_chunks((dst if src is None else src).ctypes.data + start,
-                               None if src is None else dst.ctypes.data + start, stop - start, CHUNK_BYTES,
-                               digests.ctypes.data + 8 * first, stream, threads)
+        kernels.lib.kv_checksum_chunks((dst if src is None else src).ctypes.data + start,
+                                       None if src is None else dst.ctypes.data + start, stop - start, CHUNK_BYTES,
+                                       digests.ctypes.data + 8 * first, stream, threads)
         return
 
     def job(lo: int, hi: int) -> np.ndarray:
@@ -153,22 +153,21 @@ def _kvsum_chunks(dst: np.ndarray, src: np.ndarray | None, digests: np.ndarray, 
     digests[first:end] = _run(lambda lo, hi: job(first + lo, first + hi), stop - start)
 
 
-def _kvsum_fold(digests: np.ndarray, nbytes: int) -> str:
-    lib = cpu_kernels.load()
-    if lib is not None:
-        return f"{KVSUM}:{lib.kv_checksum_combine(digests.ctypes.data, digests.size, nbytes):016x}"
+def _kvsum_fold(digests: np.ndarray, nbytes: int, kernels: CpuKernels | None) -> str:
+    if kernels is not None:
+        return f"{KVSUM}:{kernels.lib.kv_checksum_combine(digests.ctypes.data, digests.size, nbytes):016x}"
     return f"{KVSUM}:{_fold(nbytes, digests):016x}"
 
 
-def _kvsum(dst: np.ndarray, src: np.ndarray | None = None) -> str:
+def _kvsum(dst: np.ndarray, src: np.ndarray | None, kernels: CpuKernels | None) -> str:
     """The kvsum of `dst`; with `src`, each chunk is copied from there into `dst` as it is hashed."""
     digests = np.empty(-(-dst.nbytes // CHUNK_BYTES), dtype=np.uint64)
-    _kvsum_chunks(dst, src, digests, 0, digests.size, dst.nbytes >= _STREAM_MIN_BYTES)
-    return _kvsum_fold(digests, dst.nbytes)
+    _kvsum_chunks(dst, src, digests, 0, digests.size, dst.nbytes >= _STREAM_MIN_BYTES, kernels)
+    return _kvsum_fold(digests, dst.nbytes, kernels)
 
 
 def kvsum_steps(dst: torch.Tensor | memoryview, src: torch.Tensor | memoryview | None = None,
-                step_bytes: int = STEP_BYTES) -> Generator[None, None, str]:
+                step_bytes: int = STEP_BYTES, *, kernels: CpuKernels | None = None) -> Generator[None, None, str]:
     """The kvsum of `dst` (with `src`: copied from there first, as `fused_copy` does), `step_bytes` at a time.
 
     A generator that yields between steps and returns the checksum: an event loop can hash a large handoff
@@ -183,16 +182,17 @@ def kvsum_steps(dst: torch.Tensor | memoryview, src: torch.Tensor | memoryview |
         if first:
             yield
         _kvsum_chunks(out, source, digests, first, min(digests.size, first + per_step),
-                      out.nbytes >= _STREAM_MIN_BYTES)
-    return _kvsum_fold(digests, out.nbytes)
+                      out.nbytes >= _STREAM_MIN_BYTES, kernels)
+    return _kvsum_fold(digests, out.nbytes, kernels)
 
 
-def hashes_at_memory_speed(algorithm: str) -> bool:
-    """Whether `algorithm` is computed here at memory speed (by the C kernel), or not at all."""
-    return algorithm == NO_CHECKSUM or (algorithm == KVSUM and cpu_kernels.available())
+def hashes_at_memory_speed(algorithm: str, kernels: CpuKernels | None) -> bool:
+    """Whether `algorithm` is computed at memory speed (by the C kernel, with `kernels`), or not at all."""
+    return algorithm == NO_CHECKSUM or (algorithm == KVSUM and kernels is not None)
 
 
-def fused_copy(dst: torch.Tensor, src: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
+def fused_copy(dst: torch.Tensor, src: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM, *,
+               kernels: CpuKernels | None = None) -> str:
     """Copy src into dst (same number of bytes, both contiguous on the CPU) and return dst's checksum.
 
     With kvsum each chunk is hashed as it is copied, in parallel across cores, so the bytes are read from
@@ -200,12 +200,13 @@ def fused_copy(dst: torch.Tensor, src: torch.Tensor, algorithm: str = DEFAULT_AL
     if dst.nbytes != src.nbytes:
         raise ValueError(f"fused_copy: {src.nbytes} bytes into {dst.nbytes}")
     if algorithm == KVSUM:
-        return _kvsum(_as_array(dst), _as_array(src))
+        return _kvsum(_as_array(dst), _as_array(src), kernels)
     dst.copy_(src)
     return compute_checksum(dst, algorithm)
 
 
-def gather_copy(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
+def gather_copy(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM, *,
+                kernels: CpuKernels | None = None) -> str:
     """dst[p, t] = src[p, rows[t]] for dst [P, T, ...] and src [P, S, ...] (both contiguous on the CPU, one
     dtype); returns dst's checksum.
 
@@ -222,33 +223,35 @@ def gather_copy(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, algori
         low, high = torch.aminmax(rows)
         if int(low) < 0 or int(high) >= src.shape[1]:
             raise ValueError(f"gather_copy: a row index is outside [0, {src.shape[1]})")
-    lib = cpu_kernels.load()
-    if algorithm != KVSUM or lib is None or not (dst.is_contiguous() and src.is_contiguous()):
+    if algorithm != KVSUM or kernels is None or not (dst.is_contiguous() and src.is_contiguous()):
         torch.index_select(src, 1, rows, out=dst)
-        return compute_checksum(dst, algorithm)
+        return compute_checksum(dst, algorithm, kernels=kernels)
     out = _as_array(dst)
     digests = np.empty(-(-out.nbytes // CHUNK_BYTES), dtype=np.uint64)
     row_bytes = dst[0, 0].nbytes if dst.shape[1] else 0
     if out.nbytes:
-        lib.kv_gather_checksum(src.data_ptr(), dst.shape[0], src[0].nbytes, rows.data_ptr(), dst.shape[1], row_bytes,
-                               out.ctypes.data, CHUNK_BYTES, digests.ctypes.data, out.nbytes >= _STREAM_MIN_BYTES,
-                               _threads() if out.nbytes >= _PARALLEL_MIN_BYTES else 1)
-    return _kvsum_fold(digests, out.nbytes)
+        kernels.lib.kv_gather_checksum(src.data_ptr(), dst.shape[0], src[0].nbytes, rows.data_ptr(), dst.shape[1],
+                                       row_bytes, out.ctypes.data, CHUNK_BYTES, digests.ctypes.data,
+                                       out.nbytes >= _STREAM_MIN_BYTES,
+                                       _threads() if out.nbytes >= _PARALLEL_MIN_BYTES else 1)
+    return _kvsum_fold(digests, out.nbytes, kernels)
 
 
-def compute_checksum(data: torch.Tensor | memoryview, algorithm: str = DEFAULT_ALGORITHM) -> str:
+def compute_checksum(data: torch.Tensor | memoryview, algorithm: str = DEFAULT_ALGORITHM, *,
+                     kernels: CpuKernels | None = None) -> str:
     """Checksum of the raw bytes of a contiguous CPU tensor or buffer, as "<algorithm>:<hex>"."""
     if algorithm == NO_CHECKSUM:
         return f"{NO_CHECKSUM}:"
     buf = _as_array(data)
     if algorithm == KVSUM:
-        return _kvsum(buf)
+        return _kvsum(buf, None, kernels)
     if algorithm == "crc32":
         return f"crc32:{zlib.crc32(buf):08x}"
     raise ValueError(f"unknown checksum algorithm {algorithm!r}; use {KVSUM}, crc32 or none")
 
 
-def verify_checksum(data: torch.Tensor | memoryview, expected: str, *, allow_none: bool = False) -> None:
+def verify_checksum(data: torch.Tensor | memoryview, expected: str, *, allow_none: bool = False,
+                    kernels: CpuKernels | None = None) -> None:
     """Raise KVChecksumMismatch unless the bytes hash to `expected`."""
     algorithm, _, _ = expected.partition(":")
     if algorithm == NO_CHECKSUM:
@@ -259,7 +262,7 @@ def verify_checksum(data: torch.Tensor | memoryview, expected: str, *, allow_non
             "on the importer only for benchmarks)"
         )
     try:
-        actual = compute_checksum(data, algorithm)
+        actual = compute_checksum(data, algorithm, kernels=kernels)
     except ValueError as e:
         raise KVChecksumMismatch(f"cannot verify KV handoff checksum {expected!r}: {e}") from e
     check_checksum(actual, expected)

@@ -18,10 +18,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from qwenserve.addresses import endpoint_host, is_wildcard_host
+from qwenserve.cpu_kernels import loader
+from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.kv_layout import KVLayout, LinearState
 from qwenserve.kv_transfer.checksum import (
     DEFAULT_ALGORITHM,
@@ -137,7 +140,7 @@ class ExportSlot:
                 f"{self.tensor.dtype} {tuple(self.tensor.shape)}"
             )
         self._entry.checksum = None
-        checksum = fused_copy(self.tensor, src.contiguous(), self._copy_algorithm())
+        checksum = fused_copy(self.tensor, src.contiguous(), self._copy_algorithm(), kernels=self._exporter.kernels)
         self._keep_checksum(checksum)
 
     def gather(self, planes: torch.Tensor, rows: torch.Tensor) -> None:
@@ -156,7 +159,7 @@ class ExportSlot:
         self._entry.checksum = None
         layers, kv = shape[:2]
         checksum = gather_copy(self.tensor.view(layers * kv, *shape[2:]), planes.view(layers * kv, *planes.shape[2:]),
-                               rows, self._copy_algorithm())
+                               rows, self._copy_algorithm(), kernels=self._exporter.kernels)
         self._keep_checksum(checksum)
 
     def write_state(self, state: LinearState) -> None:
@@ -188,8 +191,12 @@ class ExportSlot:
 class KVExporter:
     """Owns a prefill process's handoff memory and leases; thread-safe."""
 
-    def __init__(self, config: ExporterConfig | None = None) -> None:
+    def __init__(self, config: ExporterConfig | None = None,
+                 kernels: CpuKernels | None | Literal["process"] = "process") -> None:
+        """`kernels`: the C kernels that copy and hash the handoff bytes (None: NumPy's forms, the same digests;
+        "process": the process's, cpu_kernels/loader.py)."""
         self.config = config or ExporterConfig()
+        self.kernels = loader.load() if kernels == "process" else kernels
         transport = self.config.transport
         if transport == KVTransport.KV_TRANSPORT_SHM and not self.config.use_shm:
             raise ValueError("shared-memory handoffs need use_shm=True")
@@ -285,7 +292,7 @@ class KVExporter:
             if entry.freed or entry.published:
                 state = "already published" if entry.published and not entry.freed else "freed"
                 raise KVHandoffGone(f"cannot publish handoff {entry.handoff_id}: it is {state}")
-        checksum = entry.checksum or compute_checksum(entry.data, self.config.checksum)
+        checksum = entry.checksum or compute_checksum(entry.data, self.config.checksum, kernels=self.kernels)
         header = entry.extent.region.bytes[entry.extent.offset : entry.extent.offset + MARKER_BYTES]
         header.copy_(torch.frombuffer(bytearray(handoff_marker(entry.handoff_id, entry.nbytes)), dtype=torch.uint8))
         handle = KVHandle(

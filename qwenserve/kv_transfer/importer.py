@@ -19,12 +19,14 @@ from collections import OrderedDict
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import grpc
 import torch
 
 from qwenserve.addresses import endpoint_host, is_wildcard_host
+from qwenserve.cpu_kernels import loader
+from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.kv_layout import KVLayout, KVLayoutMismatch, LinearState
 from qwenserve.kv_transfer.checksum import (
     KVSUM,
@@ -98,8 +100,12 @@ class ImporterConfig:
 class KVImporter:
     """Fetches handoffs over whichever transport their handle names; one per decode process."""
 
-    def __init__(self, config: ImporterConfig | None = None) -> None:
+    def __init__(self, config: ImporterConfig | None = None,
+                 kernels: CpuKernels | None | Literal["process"] = "process") -> None:
+        """`kernels`: the C kernels that hash and copy what arrives (None: NumPy's forms, the same digests;
+        "process": the process's, cpu_kernels/loader.py)."""
         self.config = config or ImporterConfig()
+        self.kernels = loader.load() if kernels == "process" else kernels
         self._segments: OrderedDict[str, torch.Tensor] = OrderedDict()
         # Algorithms without the C kernel hash far slower than memory: off the event loop, on threads of our own.
         self._hashers = ThreadPoolExecutor(2, thread_name_prefix="kv-verify")
@@ -231,11 +237,12 @@ class KVImporter:
     async def _verify(self, handle: KVHandle, data: torch.Tensor) -> None:
         algorithm = handle.checksum.partition(":")[0]
         if self._stepwise(algorithm):
-            check_checksum(await self._run_steps(kvsum_steps(data, step_bytes=self.config.hash_step_bytes)),
+            check_checksum(await self._run_steps(kvsum_steps(data, step_bytes=self.config.hash_step_bytes,
+                                                             kernels=self.kernels)),
                            handle.checksum)
             return
         verify = functools.partial(verify_checksum, data, handle.checksum,
-                                   allow_none=not self.config.require_checksum)
+                                   allow_none=not self.config.require_checksum, kernels=self.kernels)
         if algorithm == NO_CHECKSUM:
             verify()  # nothing to hash
         else:
@@ -245,15 +252,15 @@ class KVImporter:
         """Copy `data` into `target`, hashing each chunk as it lands (the shared bytes are read once)."""
         algorithm = handle.checksum.partition(":")[0]
         if self._stepwise(algorithm):
-            actual = await self._run_steps(kvsum_steps(target, data, self.config.hash_step_bytes))
+            actual = await self._run_steps(kvsum_steps(target, data, self.config.hash_step_bytes,
+                                                       kernels=self.kernels))
         else:
             actual = await asyncio.get_running_loop().run_in_executor(
-                self._hashers, fused_copy, target, data, algorithm)
+                self._hashers, functools.partial(fused_copy, target, data, algorithm, kernels=self.kernels))
         check_checksum(actual, handle.checksum)
 
-    @staticmethod
-    def _stepwise(algorithm: str) -> bool:
-        return algorithm == KVSUM and hashes_at_memory_speed(algorithm)
+    def _stepwise(self, algorithm: str) -> bool:
+        return algorithm == KVSUM and hashes_at_memory_speed(algorithm, self.kernels)
 
     @staticmethod
     async def _run_steps(steps: Generator[None, None, T]) -> T:

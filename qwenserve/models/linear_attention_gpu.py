@@ -8,11 +8,12 @@
   launches per chunk, small beside the delta rule.
 
 The functions keep models/gated_delta.py's contracts (q, k normalised and q scaled; values and states in fp32; the
-states [slots, H, dk, dv] updated in place at the given slots), so ops.select_ops can put them in the ops table
+states [slots, H, dk, dv] updated in place at the given slots), so engine/kernels.py can put them in the ops table
 without the layer noticing. They are written against the packages' public calls with keyword arguments only: the
 positional order of flash-linear-attention's gates changed between releases. Before a package is chosen, a small
 case runs through it and through PyTorch's forms on the device (`fla_agrees`, `causal_conv1d_agrees`): a release
-that fails or computes something else is logged and left out, as a CPU kernel that will not load is.
+that fails or computes something else is logged and left out, as a CPU kernel that will not load is. Whether
+they are used at all is the engine's config (`--no-linear-attention-kernels` turns them off).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import functools
 import importlib.util
 import inspect
 import logging
-import os
 from collections.abc import Callable
 
 import torch
@@ -31,20 +31,14 @@ from qwenserve.models.gated_delta import PrefillChunks
 
 log = logging.getLogger(__name__)
 
-#: Set to 0 to run PyTorch's forms on CUDA even where the packages are installed (to compare, or to rule them out).
-ENV_SWITCH = "QWENSERVE_LINEAR_ATTENTION_KERNELS"
 #: How far a package's start-up case may be from PyTorch's forms (its products may run in TF32 on the GPU).
 CHECK_TOLERANCE = 2e-2
-
-
-def _switched_off() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").lower() in ("0", "false", "no", "off")
 
 
 @functools.cache
 def fla_available() -> bool:
     """True where CUDA runs and flash-linear-attention's gated delta rule imports."""
-    if _switched_off() or not torch.cuda.is_available() or importlib.util.find_spec("fla") is None:
+    if not torch.cuda.is_available() or importlib.util.find_spec("fla") is None:
         return False
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
@@ -57,7 +51,7 @@ def fla_available() -> bool:
 @functools.cache
 def causal_conv1d_available() -> bool:
     """True where CUDA runs and causal-conv1d imports."""
-    if _switched_off() or not torch.cuda.is_available() or importlib.util.find_spec("causal_conv1d") is None:
+    if not torch.cuda.is_available() or importlib.util.find_spec("causal_conv1d") is None:
         return False
     try:
         from causal_conv1d import causal_conv1d_update

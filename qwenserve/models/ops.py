@@ -1,4 +1,4 @@
-"""The ops a model's layers call, chosen once when the model is built for its device and dtype.
+"""The ops a model's layers call, chosen once per engine (engine/kernels.py) and given to the model when it is built.
 
 Model files call `ops.linear(x, w)`, `ops.embedding(table, ids)` and a Gated DeltaNet layer's recurrences
 (`ops.gated_delta_step`, `ops.gated_delta_prefills`, `ops.short_conv_step`) and never ask which kernels run.
@@ -8,11 +8,13 @@ PyTorch's ops everywhere, except:
   after the checkpoint is loaded, and `linear` runs the packed product;
 - on CUDA, the recurrences run in flash-linear-attention's and causal-conv1d's kernels where those packages are
   installed (models/linear_attention_gpu.py); each is optional.
+A model built without ops runs PyTorch's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwenserve import cpu_kernels, progress
-from qwenserve.cpu_kernels import PackedWeight
-from qwenserve.models import linear_attention_gpu
+from qwenserve import progress
+from qwenserve.cpu_kernels.library import CpuKernels
+from qwenserve.cpu_kernels.packed_weight import PackedWeight, packable
 from qwenserve.models.gated_delta import (
     chunk_gated_delta_prefills,
     recurrent_gated_delta_step,
@@ -69,14 +71,14 @@ def _nothing_to_prepare(model: nn.Module) -> int:
 TORCH_OPS = Ops("torch", _torch_linear, _torch_embedding, _nothing_to_prepare)
 
 
-def _packed_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
+def _packed_linear(kernels: CpuKernels, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The packed product on PackedWeights; weights that could not be packed (rows not a multiple of 16) stay
     tensors and go to F.linear. `out` is a buffer for a 2-D product (the logits: fresh memory of that size
     would be faulted in page by page at every step)."""
     if not isinstance(weight, PackedWeight):
         return F.linear(x, weight, bias)
-    y = cpu_kernels.linear_packed(x.reshape(-1, x.shape[-1]).contiguous(), weight, out if x.dim() == 2 else None)
+    y = kernels.linear_packed(x.reshape(-1, x.shape[-1]).contiguous(), weight, out if x.dim() == 2 else None)
     y = y.view(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y.add_(bias)
 
@@ -90,7 +92,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     """Replace the model's packable linear weights by PackedWeights (after the checkpoint is loaded:
     checkpoint_targets describes the unpacked layout); returns how many were packed."""
     found = [(module, name) for module in model.modules() for name in PACKED_WEIGHTS
-             if (param := module._parameters.get(name)) is not None and cpu_kernels.packable(param.data)]
+             if (param := module._parameters.get(name)) is not None and packable(param.data)]
     with progress.step("packing weights for the CPU kernels", total=len(found), unit="matrices",
                        total_bytes=sum(module._parameters[name].nbytes for module, name in found)) as step:
         for module, name in found:
@@ -100,32 +102,11 @@ def pack_linear_weights(model: nn.Module) -> int:
     return len(found)
 
 
-CPU_KERNEL_OPS = Ops("cpu_kernels", _packed_linear, _packed_embedding, pack_linear_weights,
-                     cpu_kernels.gated_delta_step)
-# bf16 / fp16 on a CPU: PyTorch's products (the packed kernel is fp32), the C kernel's recurrent update.
-CPU_STATE_KERNEL_OPS = dataclasses.replace(TORCH_OPS, name="torch+cpu_gated_delta",
-                                           gated_delta_step=cpu_kernels.gated_delta_step)
-
-
-def cuda_ops(device: torch.device, dtype: torch.dtype) -> Ops:
-    """PyTorch's ops with the Gated DeltaNet recurrences of whichever kernel packages are installed and pass their
-    start-up check on `device`."""
-    ops = TORCH_OPS
-    if linear_attention_gpu.fla_available() and linear_attention_gpu.fla_agrees(device):
-        ops = dataclasses.replace(ops, name=f"{ops.name}+fla", gated_delta_step=linear_attention_gpu.fla_gated_delta_step,
-                                  gated_delta_prefills=linear_attention_gpu.fla_gated_delta_prefills)
-    if linear_attention_gpu.causal_conv1d_available() and linear_attention_gpu.causal_conv1d_agrees(device, dtype):
-        ops = dataclasses.replace(ops, name=f"{ops.name}+causal_conv1d",
-                                  short_conv_step=linear_attention_gpu.causal_conv1d_step)
-    return ops
-
-
-def select_ops(device: torch.device, dtype: torch.dtype) -> Ops:
-    """The C kernels' ops on a CPU where they load (the packed product runs several times PyTorch's BLAS at decode
-    sizes, the recurrent update ~50x PyTorch's ops: bench/kernels_bench.py), the kernel packages' recurrences on
-    CUDA where installed, PyTorch's everywhere else."""
-    if device.type == "cpu" and cpu_kernels.available():
-        return CPU_KERNEL_OPS if dtype == torch.float32 else CPU_STATE_KERNEL_OPS
-    if device.type == "cuda":
-        return cuda_ops(device, dtype)
-    return TORCH_OPS
+def cpu_kernel_ops(kernels: CpuKernels, dtype: torch.dtype) -> Ops:
+    """The C kernels' ops for a model in `dtype` on the CPU: for fp32 the packed product (the weights packed once
+    after loading) and the recurrent update; for bf16 / fp16 PyTorch's products (the packed kernel is fp32) and the
+    C kernel's recurrent update (a hybrid model's state is fp32 in every dtype)."""
+    if dtype == torch.float32:
+        return Ops("cpu_kernels", functools.partial(_packed_linear, kernels), _packed_embedding, pack_linear_weights,
+                   kernels.gated_delta_step)
+    return dataclasses.replace(TORCH_OPS, name="torch+cpu_gated_delta", gated_delta_step=kernels.gated_delta_step)

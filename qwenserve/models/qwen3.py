@@ -13,7 +13,7 @@ from torch import nn
 from qwenserve.models.config import ModelConfig
 from qwenserve.models.forward_context import ForwardContext
 from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
-from qwenserve.models.ops import Ops, select_ops
+from qwenserve.models.ops import TORCH_OPS, Ops
 
 
 class QwenAttention(nn.Module):
@@ -117,13 +117,13 @@ class QwenDecoderLayer(nn.Module):
 class QwenForCausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head; `forward` returns hidden states and
     `compute_logits` projects only the rows that are sampled (the LM head is the largest matrix). `ops` (see
-    models/ops.py) are what every layer computes with; by default chosen here, once, for the device the model
-    is built on (torch's default device) and the dtype."""
+    models/ops.py) are what every layer computes with, chosen by the engine (engine/kernels.py); PyTorch's by
+    default."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, ops: Ops | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.ops = ops or select_ops(torch.get_default_device(), dtype)
+        self.ops = ops or TORCH_OPS
         # [vocab, hidden], as checkpoints store it; tied checkpoints keep this single copy for embeddings too.
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.embed_tokens = (

@@ -71,10 +71,6 @@ class EngineStageConfig(StageConfig):
                               "steps and (decode) stream interval together; flags given beside it win")
     engine: EngineConfig = nested(EngineConfig, kv_cache_memory_gb=1.0)
 
-    # 0: PyTorch's own ops instead of the CPU kernels, or of the CUDA kernel packages for linear attention.
-    ENVIRONMENT: ClassVar[frozenset[str]] = COMMON_ENVIRONMENT | {"QWENSERVE_CPU_KERNEL",
-                                                                  "QWENSERVE_LINEAR_ATTENTION_KERNELS"}
-
 
 def stage_parser(stage: str, config_class: type, description: str, prog: str | None = None,
                  argv: Sequence[str] = ()) -> StrictParser:

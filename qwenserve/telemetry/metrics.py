@@ -215,13 +215,8 @@ class EngineStats(Protocol):
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
     preemptions: int
+    cpu_kernels: bool
 
-
-
-def _cpu_kernels_available() -> float:
-    from qwenserve import cpu_kernels  # imported here: it brings torch, which only engines need
-
-    return float(cpu_kernels.available())
 
 
 class EngineMetrics:
@@ -274,9 +269,9 @@ class EngineMetrics:
             registry=r)
         self.cpu_kernels_available = Gauge(
             "qwenserve_cpu_kernels_available",
-            "1 where this process runs the C kernels for fp32 on CPU, 0 where PyTorch's slower ops stand in.",
+            "1 where this process's engine runs the C kernels (for what runs on the CPU), 0 where PyTorch's slower "
+            "ops stand in (switched off, or none load here).",
             registry=r)
-        self.cpu_kernels_available.set_function(_cpu_kernels_available)
         self._last_counts: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -301,6 +296,7 @@ class EngineMetrics:
             ("kv_blocks_free", (self.kv_blocks_free,)),
             ("kv_blocks_total", (self.kv_blocks_total,)),
             ("prefix_cache_hit_rate", (self.prefix_cache_hit_ratio,)),
+            ("cpu_kernels", (self.cpu_kernels_available,)),  # the engine's choice (engine/kernels.py)
         ):
             value = getattr(stats, attr, None)
             if value is not None:

@@ -80,12 +80,12 @@ def ops() -> dict[str, float | bool]:
 
 
 def engine(checkpoint: str, prompts: list[list[int]]) -> dict[str, object]:
+    from qwenserve.engine import kernels
     from qwenserve.engine.config import EngineConfig
     from qwenserve.engine.engine import LLMEngine
     from qwenserve.engine.sampling_params import SamplingParams
-    from qwenserve.models import qwen3
 
-    qwen3.select_ops = lambda device, dtype: FLA_OPS  # what a CUDA device with the package would choose
+    kernels.model_ops = lambda config, device, dtype, cpu: FLA_OPS  # what a CUDA device with the package chooses
     llm = LLMEngine.from_pretrained(checkpoint, EngineConfig(num_kv_blocks=64, block_size=8, num_threads=2,
                                                              max_num_batched_tokens=48))
     try:

@@ -11,7 +11,6 @@ import torch
 from engine_checkpoints import random_prompts
 from safetensors.torch import load_file, save_file
 
-from qwenserve import cpu_kernels
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
@@ -39,16 +38,15 @@ def assert_state_slots_released(engine) -> None:
 def test_batched_requests_of_different_lengths_match_transformers_across_prefill_chunks(
         name, budget, make_engine, reference):
     engine = make_engine(name, max_num_batched_tokens=budget)
-    if cpu_kernels.available():  # the decode rows' recurrent update runs in the C kernel
-        assert engine.runner.model.ops.gated_delta_step is cpu_kernels.gated_delta_step
+    if engine.kernels.cpu is not None:  # the decode rows' recurrent update runs in the C kernel
+        assert engine.runner.model.ops.gated_delta_step == engine.kernels.cpu.gated_delta_step
     assert engine.generate_sync(PROMPTS, GREEDY) == expected_tokens(reference, name, PROMPTS)
     assert_state_slots_released(engine)
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
-def test_the_portable_recurrent_update_gives_the_same_tokens(name, make_engine, reference, monkeypatch):
-    monkeypatch.setattr("qwenserve.models.qwen3.select_ops", lambda device, dtype: TORCH_OPS)
-    engine = make_engine(name)
+def test_the_portable_recurrent_update_gives_the_same_tokens(name, make_engine, reference):
+    engine = make_engine(name, cpu_kernel=False)
     assert engine.runner.model.ops is TORCH_OPS
     assert engine.generate_sync(PROMPTS, GREEDY) == expected_tokens(reference, name, PROMPTS)
 

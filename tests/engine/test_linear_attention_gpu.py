@@ -22,11 +22,12 @@ from engine_checkpoints import random_prompts
 
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
+from qwenserve.engine.kernels import cuda_ops, model_ops, select_kernels
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.models import gated_delta
 from qwenserve.models import linear_attention_gpu as gpu
 from qwenserve.models.gated_delta import PrefillChunks
-from qwenserve.models.ops import TORCH_OPS, cuda_ops, select_ops
+from qwenserve.models.ops import TORCH_OPS
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).with_name("fla_interpreted.py")
@@ -72,23 +73,23 @@ def test_an_engine_on_flash_linear_attention_matches_transformers(interpreted, r
 
 
 def test_without_cuda_or_the_packages_pytorch_runs() -> None:
-    assert select_ops(torch.device("cpu"), torch.float32).gated_delta_prefills is gated_delta.chunk_gated_delta_prefills
+    chosen = select_kernels(EngineConfig(), torch.device("cpu"), torch.float32)
+    assert chosen.ops.gated_delta_prefills is gated_delta.chunk_gated_delta_prefills
     if not torch.cuda.is_available():
         assert not gpu.fla_available() and not gpu.causal_conv1d_available()
         assert cuda_ops(torch.device("cuda"), torch.bfloat16) is TORCH_OPS
 
 
 def test_the_switch_turns_the_packages_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(gpu.ENV_SWITCH, "0")
-    gpu.fla_available.cache_clear()
-    gpu.causal_conv1d_available.cache_clear()
-    try:
-        assert not gpu.fla_available() and not gpu.causal_conv1d_available()
-        assert cuda_ops(torch.device("cuda"), torch.bfloat16) is TORCH_OPS
-    finally:
-        monkeypatch.delenv(gpu.ENV_SWITCH)
-        gpu.fla_available.cache_clear()
-        gpu.causal_conv1d_available.cache_clear()
+    """With both packages installed and agreeing (stood in for here), --no-linear-attention-kernels
+    (QWENSERVE_LINEAR_ATTENTION_KERNELS=0) leaves PyTorch's forms on CUDA."""
+    for name in ("fla_available", "causal_conv1d_available"):
+        monkeypatch.setattr(gpu, name, lambda: True)
+    for name in ("fla_agrees", "causal_conv1d_agrees"):
+        monkeypatch.setattr(gpu, name, lambda *device_and_dtype: True)
+    cuda = torch.device("cuda")
+    assert model_ops(EngineConfig(), cuda, torch.bfloat16, None).name == "torch+fla+causal_conv1d"
+    assert model_ops(EngineConfig(linear_attention_kernels=False), cuda, torch.bfloat16, None) is TORCH_OPS
 
 
 def test_the_start_up_check_passes_what_agrees_and_refuses_what_raises_or_differs(caplog) -> None:
@@ -161,17 +162,17 @@ def test_the_convolution_kernel_equals_the_pytorch_step_on_cuda(dtype: torch.dty
 
 @pytest.mark.skipif(not (gpu.fla_available() or gpu.causal_conv1d_available()),
                     reason="needs CUDA and flash-linear-attention or causal-conv1d")
-def test_an_engine_on_the_kernel_packages_gives_pytorchs_tokens_on_cuda(checkpoint, monkeypatch) -> None:
-    def generate() -> tuple[str, list[list[int]]]:
+def test_an_engine_on_the_kernel_packages_gives_pytorchs_tokens_on_cuda(checkpoint) -> None:
+    def generate(linear_attention_kernels: bool) -> tuple[str, list[list[int]]]:
         engine = LLMEngine.from_pretrained(checkpoint("qwen3_next"), EngineConfig(
-            device="cuda", dtype="float32", num_kv_blocks=64, block_size=16, max_num_batched_tokens=48))
+            device="cuda", dtype="float32", num_kv_blocks=64, block_size=16, max_num_batched_tokens=48,
+            linear_attention_kernels=linear_attention_kernels))
         try:
             tokens = engine.generate_sync(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
             return engine.runner.model.ops.name, tokens
         finally:
             engine.shutdown()
 
-    with_packages, tokens = generate()
-    monkeypatch.setattr("qwenserve.models.qwen3.select_ops", lambda device, dtype: TORCH_OPS)
+    with_packages, tokens = generate(linear_attention_kernels=True)
     assert with_packages != TORCH_OPS.name
-    assert tokens == generate()[1]
+    assert generate(linear_attention_kernels=False) == (TORCH_OPS.name, tokens)

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from qwenserve import cpu_kernels
+from qwenserve.cpu_kernels import builder, loader
 from qwenserve.kv_transfer import KVChecksumMismatch, compute_checksum, verify_checksum
 from qwenserve.kv_transfer import checksum as kvsum
 from qwenserve.kv_transfer.checksum import CHUNK_BYTES, KVSUM, fused_copy, gather_copy, kvsum_steps
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels cannot be built here")
+needs_kernels = pytest.mark.skipif(loader.load() is None, reason="the C kernels cannot be built here")
 SIZES = [0, 1, 63, 64, 65, 4095, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 69, 5 * CHUNK_BYTES + 17]
 
 
@@ -39,17 +39,16 @@ def test_the_checksum_of_known_bytes_never_changes():
 
 @pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "numpy"])
 @pytest.mark.parametrize("nbytes", SIZES)
-def test_checksum_and_fused_copy_equal_the_definition(nbytes: int, kernels: bool, monkeypatch: pytest.MonkeyPatch):
-    if not kernels:
-        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+def test_checksum_and_fused_copy_equal_the_definition(nbytes: int, kernels: bool):
+    lib = loader.load() if kernels else None
     src = random_bytes(nbytes, nbytes)
     expected = reference(src.numpy())
-    assert compute_checksum(src, KVSUM) == expected
+    assert compute_checksum(src, KVSUM, kernels=lib) == expected
     # A destination off the 64-byte grid takes the ordinary stores; an aligned one past the streaming size,
     # the non-temporal ones.
     for offset in (0, 1):
         dst = torch.zeros(nbytes + 64, dtype=torch.uint8)[offset : offset + nbytes]
-        assert fused_copy(dst, src, KVSUM) == expected
+        assert fused_copy(dst, src, KVSUM, kernels=lib) == expected
         assert torch.equal(dst, src)
 
 
@@ -59,7 +58,8 @@ def test_streamed_copies_across_threads_equal_the_definition(monkeypatch: pytest
     monkeypatch.setattr(kvsum, "_STREAM_MIN_BYTES", CHUNK_BYTES)
     src = random_bytes(9 * CHUNK_BYTES + 3, 9)
     dst = torch.zeros_like(src)
-    assert fused_copy(dst, src, KVSUM) == reference(src.numpy()) == compute_checksum(dst, KVSUM)
+    lib = loader.load()
+    assert fused_copy(dst, src, KVSUM, kernels=lib) == reference(src.numpy()) == compute_checksum(dst, KVSUM, kernels=lib)
     assert torch.equal(dst, src)
 
 
@@ -77,8 +77,7 @@ def finish(steps) -> tuple[str, int]:
 @pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "numpy"])
 @pytest.mark.parametrize("step", [CHUNK_BYTES, 3 * CHUNK_BYTES, 100, 64 * CHUNK_BYTES])
 def test_hashing_in_steps_gives_the_checksum_of_one_pass(step: int, kernels: bool, monkeypatch: pytest.MonkeyPatch):
-    if not kernels:
-        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    lib = loader.load() if kernels else None
     monkeypatch.setattr(kvsum, "_PARALLEL_MIN_BYTES", 2 * CHUNK_BYTES)  # several threads within a step
     monkeypatch.setattr(kvsum, "_STREAM_MIN_BYTES", 4 * CHUNK_BYTES)
     for nbytes in (0, 17, CHUNK_BYTES, 10 * CHUNK_BYTES + 5):
@@ -86,9 +85,9 @@ def test_hashing_in_steps_gives_the_checksum_of_one_pass(step: int, kernels: boo
         chunks = -(-nbytes // CHUNK_BYTES)
         per_step = max(1, step // CHUNK_BYTES)
         expected_yields = max(0, -(-chunks // per_step) - 1)
-        assert finish(kvsum_steps(src, step_bytes=step)) == (reference(src.numpy()), expected_yields)
+        assert finish(kvsum_steps(src, step_bytes=step, kernels=lib)) == (reference(src.numpy()), expected_yields)
         dst = torch.zeros_like(src)
-        assert finish(kvsum_steps(dst, src, step))[0] == reference(src.numpy())
+        assert finish(kvsum_steps(dst, src, step, kernels=lib))[0] == reference(src.numpy())
         assert torch.equal(dst, src)
     with pytest.raises(ValueError, match="bytes into"):
         finish(kvsum_steps(torch.zeros(5, dtype=torch.uint8), torch.zeros(6, dtype=torch.uint8)))
@@ -103,8 +102,7 @@ def test_hashing_in_steps_gives_the_checksum_of_one_pass(step: int, kernels: boo
 ])
 def test_a_gather_hashes_what_it_writes(planes, slots, rows, row_shape, dtype, kernels,
                                         monkeypatch: pytest.MonkeyPatch):
-    if not kernels:
-        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    lib = loader.load() if kernels else None
     generator = torch.Generator().manual_seed(rows)
     src = torch.randn(planes, slots, *row_shape, generator=generator).to(dtype)
     index = torch.randperm(slots, generator=generator)[:rows]
@@ -116,7 +114,7 @@ def test_a_gather_hashes_what_it_writes(planes, slots, rows, row_shape, dtype, k
         for offset in (0, 2):  # a destination off the 64-byte grid is gathered, then hashed
             dst = torch.zeros(expected.numel() + 64, dtype=dtype)[offset : offset + expected.numel()]
             dst = dst.view(expected.shape)
-            assert gather_copy(dst, src, index) == reference(expected.contiguous().view(-1).view(torch.uint8).numpy())
+            assert gather_copy(dst, src, index, kernels=lib) == reference(expected.contiguous().view(-1).view(torch.uint8).numpy())
             assert torch.equal(dst, expected)
 
 
@@ -139,7 +137,7 @@ def test_a_gather_refuses_what_does_not_fit():
 def test_every_build_of_the_kernel_gives_the_same_digests(march: str, tmp_path: Path):
     flags = ["-O3", "-std=gnu11", "-fPIC", "-shared"] + ([] if march == "generic" else [f"-march={march}"])
     target = tmp_path / f"{march}.so"
-    cpu_kernels.build(shutil.which("cc") or shutil.which("gcc") or "cc", flags, target)
+    builder.build(shutil.which("cc") or shutil.which("gcc") or "cc", flags, target)
     lib = ctypes.CDLL(str(target))
     lib.kv_checksum_chunks.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
     src = random_bytes(3 * CHUNK_BYTES + 77, 3).numpy()

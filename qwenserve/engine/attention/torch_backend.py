@@ -1,7 +1,7 @@
 """Portable attention over the paged KV cache with plain PyTorch ops (CPU and CUDA).
 
 Decode rows (one query token) in fp32 on CPU go to the C kernel of qwenserve.cpu_kernels, which reads each
-sequence's blocks where they lie (chosen once, when the backend is built). Elsewhere, or without the kernels,
+sequence's blocks where they lie, when the backend is given the kernels (engine/kernels.py chooses, once). Elsewhere, or without the kernels,
 they are attended as one padded batch: their blocks are gathered with a single index into
 [batch, max_context, kv_heads, head_dim] and masked by length. Prefill chunks are attended one sequence at a time, which costs nothing extra because each chunk is
 already a large matrix product.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qwenserve import cpu_kernels
+from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.models.forward_context import AttentionBatch
 
 
@@ -33,10 +33,10 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, block_size: int, cpu_kernel_for_fp32: bool = True) -> None:
-        """`cpu_kernel_for_fp32`: send fp32 CPU decode rows to the C kernel where it loads."""
+    def __init__(self, block_size: int, cpu_kernels: CpuKernels | None = None) -> None:
+        """`cpu_kernels`: send fp32 CPU decode rows to their paged-decode kernel (None: gather and SDPA)."""
         self.block_size = block_size
-        self.cpu_kernel = cpu_kernel_for_fp32 and cpu_kernels.available()
+        self.cpu_kernels = cpu_kernels
         # Reused buffers for gathered keys and values. A fresh multi-megabyte tensor per layer is
         # mmap'ed by the allocator and page-faulted on first touch, which costs more than the copy itself on CPU.
         self._workspace: list[torch.Tensor | None] = [None, None]
@@ -61,7 +61,7 @@ class TorchAttentionBackend:
             padded = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables[:nd]]
             table = torch.tensor(padded, dtype=torch.long, device=device)
             lens = torch.tensor(batch.context_lens[:nd], dtype=torch.long, device=device)
-            if self.cpu_kernel and device.type == "cpu":
+            if self.cpu_kernels is not None and device.type == "cpu":
                 kernel_lens = lens
             else:
                 keys = torch.arange(max_blocks * self.block_size, device=device)
@@ -99,8 +99,8 @@ class TorchAttentionBackend:
         gqa = num_heads != kv_heads
         nd = meta.num_decodes
         if nd and meta.decode_context_lens is not None and q.dtype == torch.float32:
-            cpu_kernels.paged_decode_attention(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_table,
-                                              meta.decode_context_lens, out[:nd], head_dim**-0.5)
+            self.cpu_kernels.paged_decode_attention(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_table,
+                                                    meta.decode_context_lens, out[:nd], head_dim**-0.5)
         elif nd:
             table = meta.decode_block_table
             if meta.decode_mask is None:  # fp16/bf16 on CPU: no kernel for it, so build the mask here

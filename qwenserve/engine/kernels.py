@@ -1,0 +1,85 @@
+"""The one place that chooses an engine's kernels, from its config and its device, once per engine.
+
+`select_kernels` returns a `KernelSet`, handed down from there: its `ops` to the model's layers, its attention
+backend to the model runner, its C kernels (`cpu`) to the runner (a KV import's scatter) and the grammar (the
+logits' token masks). Nothing below asks again which kernels run.
+
+- The C kernels (qwenserve.cpu_kernels) unless `cpu_kernel` is off: a CPU model's products on packed weights
+  (fp32), its decode attention (fp32) and its linear-attention layers' recurrent update; on any device, the
+  grammar's masks of the logits, which are on the CPU.
+- On CUDA, flash-attn's paged attention where it imports and the dtype and block size suit it, and a hybrid model's
+  recurrences in flash-linear-attention's and causal-conv1d's kernels unless `linear_attention_kernels` is off
+  (models/linear_attention_gpu.py: each only where installed and agreeing with PyTorch's forms on the device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from qwenserve.cpu_kernels import loader
+from qwenserve.cpu_kernels.library import CpuKernels
+from qwenserve.engine.attention import default_block_size, select_backend
+from qwenserve.engine.config import EngineConfig
+from qwenserve.models import linear_attention_gpu
+from qwenserve.models.forward_context import AttentionBackend
+from qwenserve.models.ops import TORCH_OPS, Ops, cpu_kernel_ops
+
+log = logging.getLogger("qwenserve.engine")
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """What one engine computes with. `cpu`: the C kernels, or None (off, or none load here); `ops`: what the
+    model's layers call; `attention`: the attention backend over the paged KV cache, for `block_size`-token
+    blocks."""
+
+    cpu: CpuKernels | None
+    ops: Ops
+    attention: AttentionBackend
+    block_size: int
+
+    @property
+    def name(self) -> str:
+        """e.g. 'ops=cpu_kernels attention=torch', for the start-up line."""
+        return f"ops={self.ops.name} attention={self.attention.name}"
+
+
+def select_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> KernelSet:
+    """The kernels of an engine with `config` on `device` in `dtype`."""
+    cpu = None
+    if config.cpu_kernel:
+        cpu = loader.load()
+    else:
+        log.warning("CPU kernels off (--no-cpu-kernel, QWENSERVE_CPU_KERNEL=0): PyTorch's ops run instead, slower")
+    block_size = config.block_size or default_block_size(device, dtype)
+    attention = select_backend(config.attention_backend, device, dtype, block_size,
+                               cpu if device.type == "cpu" else None)
+    return KernelSet(cpu, model_ops(config, device, dtype, cpu), attention, block_size)
+
+
+def model_ops(config: EngineConfig, device: torch.device, dtype: torch.dtype, cpu: CpuKernels | None) -> Ops:
+    """The model's ops: the C kernels' on a CPU where they load (the packed product runs several times PyTorch's
+    BLAS at decode sizes, the recurrent update ~50x PyTorch's ops: bench/kernels_bench.py), the kernel packages'
+    recurrences on CUDA where installed and switched on, PyTorch's everywhere else."""
+    if device.type == "cpu" and cpu is not None:
+        return cpu_kernel_ops(cpu, dtype)
+    if device.type == "cuda" and config.linear_attention_kernels:
+        return cuda_ops(device, dtype)
+    return TORCH_OPS
+
+
+def cuda_ops(device: torch.device, dtype: torch.dtype) -> Ops:
+    """PyTorch's ops with the Gated DeltaNet recurrences of whichever kernel packages are installed and pass their
+    start-up check on `device`."""
+    gpu = linear_attention_gpu
+    ops = TORCH_OPS
+    if gpu.fla_available() and gpu.fla_agrees(device):
+        ops = dataclasses.replace(ops, name=f"{ops.name}+fla", gated_delta_step=gpu.fla_gated_delta_step,
+                                  gated_delta_prefills=gpu.fla_gated_delta_prefills)
+    if gpu.causal_conv1d_available() and gpu.causal_conv1d_agrees(device, dtype):
+        ops = dataclasses.replace(ops, name=f"{ops.name}+causal_conv1d", short_conv_step=gpu.causal_conv1d_step)
+    return ops
