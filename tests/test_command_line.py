@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from qwenserve.default_model import TINY_CONFIG, write_checkpoint
-from qwenserve.launcher import free_port
+from tests.support.ports import free_port
 
 ENV = {**os.environ, "QWENSERVE_KV_CACHE_GB": "0.05", "QWENSERVE_THREADS": "1", "QWENSERVE_KV_POOL_MIB": "16",
        "QWENSERVE_PROGRESS": "off"}
@@ -54,12 +53,6 @@ def assert_one_line(done: subprocess.CompletedProcess[str], *fragments: str, cod
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("models") / "cli-tiny", {**TINY_CONFIG,
-                            "max_position_embeddings": 1024}, seed=3)
 
 
 @pytest.fixture

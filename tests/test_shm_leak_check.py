@@ -1,4 +1,4 @@
-"""The leak checks' rule (tests/conftest.py): a segment this session's processes leave behind is reported,
+"""The leak checks' rule (tests/support/processes.py): a segment this session's processes leave behind is reported,
 one that any other process on the machine made is not."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import uuid
 
 from qwenserve.kv_transfer.shm import SHM_DIR
-from tests.conftest import SessionProcesses
+from tests.support.processes import SessionProcesses
 
 # Makes one segment, says its name, and once told to (stdin closed) exits without the cleanup a normal
 # exit runs: the leak a killed or careless stage would leave.

@@ -7,10 +7,10 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
-from tests.chaos.conftest import PREFILL_TIMEOUT_S, STALL_TIMEOUT_S, TOKENIZER_DEADLINE_S
+from tests.chaos.deployment import PREFILL_TIMEOUT_S, STALL_TIMEOUT_S, TOKENIZER_DEADLINE_S
 from tests.chaos.load import MAX_TOKENS, Load, Record
-from tests.fuzz.answers import DISCONNECTED
-from tests.fuzz.deployment import Deployment
+from tests.support.answers import DISCONNECTED
+from tests.support.deployment import Deployment
 
 # gRPC codes that blame the client: a valid request must never get one, faults or not.
 CLIENT_ERRORS = {"INVALID_ARGUMENT", "OUT_OF_RANGE", "FAILED_PRECONDITION", "NOT_FOUND", "UNAUTHENTICATED",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from tests.fuzz.deployment import Deployment
-from tests.redis_server import RedisServer
+from tests.support.deployment import Deployment
+from tests.support.redis_server import RedisServer
 
 
 async def kill_and_restart(deployment: Deployment, name: str, down_s: float) -> None:

@@ -20,8 +20,8 @@ import aiohttp
 import grpc
 
 from qwenserve.v1 import router_pb2, router_pb2_grpc
-from tests.fuzz.answers import DISCONNECTED, Answer, grpc_generate, http_post
-from tests.fuzz.deployment import Deployment
+from tests.support.answers import DISCONNECTED, Answer, grpc_generate, http_post
+from tests.support.deployment import Deployment
 
 # A client gives up on a request after this (the request is then recorded as hung).
 GIVE_UP_S = 60.0

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 
 from tests.chaos.accounting import BOUND_S, SETTLE_S, report, unaccounted, under_load
-from tests.chaos.conftest import ChaosDeployment, wait_for_baseline, wait_until_quiet, wait_until_serving
-from tests.fuzz.answers import DISCONNECTED
+from tests.chaos.deployment import ChaosDeployment, wait_for_baseline, wait_until_quiet, wait_until_serving
+from tests.support.answers import DISCONNECTED
 
 LOAD_S = 15.0
 

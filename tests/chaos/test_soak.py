@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from tests.chaos.accounting import BOUND_S, DOWN_S, SETTLE_S, STOP_S, unaccounted
-from tests.chaos.conftest import (
+from tests.chaos.deployment import (
     LEASE_S,
     ChaosDeployment,
     open_fds,

@@ -23,7 +23,7 @@ from tests.chaos.accounting import (
     under_load,
     waited_for_the_stage,
 )
-from tests.chaos.conftest import (
+from tests.chaos.deployment import (
     LEASE_S,
     ChaosDeployment,
     Snapshot,

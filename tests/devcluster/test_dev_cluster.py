@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -24,25 +22,21 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.devcluster.test_scaled_cluster import _wait_for_lock
+from tests.support.devcluster import (
+    METRICS_PORT,
+    REPO,
+    DevCluster,
+    netns_unavailable,
+    pod_ready,
+    wait_for_lock,
+)
+from tests.support.metrics import scrape, total
 
-REPO = Path(__file__).resolve().parents[2]
 PREFIX = "qs-"
 SUBNET_PREFIX = "10.213.0."
 
-
-def _netns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and a bridge)"
-    probe = subprocess.run(["ip", "netns", "add", "qsprobe-permission"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"`ip netns add` is not permitted here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "qsprobe-permission"], capture_output=True)
-    return None
-
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
-if (reason := _netns_unavailable()) is not None:
+if (reason := netns_unavailable()) is not None:
     pytestmark.append(pytest.mark.skip(reason=reason))
 
 
@@ -55,68 +49,6 @@ def _ours() -> dict[str, list[str]]:
     etc = [p.name for p in Path("/etc/netns").iterdir()] if Path("/etc/netns").is_dir() else []
     return {kind: [n for n in names if n.startswith(PREFIX)]
             for kind, names in (("netns", netns), ("links", links), ("etc", etc))}
-
-
-class DevCluster:
-    """`qwen-serve dev-cluster up` as a subprocess, its stdout lines in a queue."""
-
-    def __init__(self, spec_file: Path, state_dir: Path) -> None:
-        self.state_dir = state_dir
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str] = queue.Queue()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "qwenserve.cli", "dev-cluster", "--state-dir", str(state_dir), "up",
-             "-f", str(spec_file), "--ready-timeout", "240"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._queue.put(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, timeout: float, since_start: bool = False) -> re.Match[str]:
-        """The first line matching `pattern`, among new lines (or all, `since_start`); fails on timeout."""
-        if since_start and (match := next(filter(None, (re.search(pattern, x) for x in self.lines)), None)):
-            return match
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self._queue.get(timeout=0.5)
-            except queue.Empty:
-                if self.process.poll() is not None:
-                    break
-                continue
-            self.lines.append(line)
-            if match := re.search(pattern, line):
-                return match
-        raise AssertionError(f"no line matching {pattern!r}; output:\n" + "\n".join(self.lines[-60:]))
-
-    def api(self, path: str) -> Any:
-        state = json.loads((self.state_dir / "state.json").read_text())
-        with urllib.request.urlopen(state["api"] + path, timeout=10) as response:
-            return json.load(response)
-
-    def pods(self, stage: str) -> list[dict[str, Any]]:
-        items = self.api("/api/v1/namespaces/default/pods")["items"]
-        return [p for p in items if p["metadata"]["labels"].get("qwenserve.io/stage") == stage]
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            code = self.process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
-        while not self._queue.empty():
-            self.lines.append(self._queue.get())
-        return code
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    conditions = pod.get("status", {}).get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
 def _served_model() -> str:
@@ -134,33 +66,24 @@ def _complete(http: str, prompt: str) -> dict[str, Any]:
         return json.load(response)
 
 
-def _metric(ip: str, name: str) -> float:
-    with urllib.request.urlopen(f"http://{ip}:9090/metrics", timeout=10) as response:
-        text = response.read().decode()
-    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name)]
-    return sum(values)
-
-
 @pytest.fixture
-def spec_file(tmp_path: Path) -> Path:
+def spec() -> dict[str, Any]:
     """The CPU example with 1 pod per stage and a small KV cache (CPU and memory are scarce in CI)."""
     body = yaml.safe_load((REPO / "examples" / "qwendeployment-cpu.yaml").read_text())
     for stage in ("tokenizer", "prefill", "decode", "router"):
         body["spec"]["stages"][stage]["replicas"] = 1
     for stage in ("prefill", "decode"):
         body["spec"]["stages"][stage]["env"] = [{"name": "QWENSERVE_KV_CACHE_GB", "value": "0.25"}]
-    path = tmp_path / "qwendeployment.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return path
+    return body
 
 
 def test_cpu_example_serves_from_pods_with_their_own_ips_scales_decode_and_leaves_nothing_behind(
-        spec_file: Path, tmp_path: Path) -> None:
-    _wait_for_lock(timeout=120)
+        spec: dict[str, Any], tmp_path: Path) -> None:
+    wait_for_lock(timeout=120)
     # A run killed with SIGKILL (a machine's session ending under it) leaves its namespaces; `up` removes them.
     left_before = any(_ours().values())
     shm_before = set(os.listdir("/dev/shm"))
-    cluster = DevCluster(spec_file, tmp_path / "state")
+    cluster = DevCluster(spec, tmp_path / "state", ready_timeout_s=240)
     try:
         ready = cluster.wait_for(r"ready http=(\S+) grpc=(\S+)", timeout=300)
         if left_before:
@@ -177,7 +100,7 @@ def test_cpu_example_serves_from_pods_with_their_own_ips_scales_decode_and_leave
         assert len(ips) == 4 and len(set(ips)) == 4 and all(ip.startswith(SUBNET_PREFIX) for ip in ips), ips
         assert grpc_address.split(":")[0] == pods["router"][0]["status"]["podIP"]
         for stage in ("prefill", "decode"):
-            steps = _metric(pods[stage][0]["status"]["podIP"], "qwenserve_engine_step_seconds_count")
+            steps = total(scrape(METRICS_PORT, pods[stage][0]["status"]["podIP"]), "qwenserve_engine_step_seconds_count")
             assert steps > 0, f"{stage} at its own IP ran no engine step"
 
         scaled = subprocess.run([sys.executable, "-m", "qwenserve.cli", "dev-cluster", "--state-dir",
@@ -187,7 +110,7 @@ def test_cpu_example_serves_from_pods_with_their_own_ips_scales_decode_and_leave
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
             decode = cluster.pods("decode")
-            if len(decode) == 2 and all(_ready(p) for p in decode):
+            if len(decode) == 2 and all(pod_ready(p) for p in decode):
                 break
             time.sleep(1)
         else:
@@ -200,13 +123,13 @@ def test_cpu_example_serves_from_pods_with_their_own_ips_scales_decode_and_leave
         # A killed container restarts in the same pod (same name and IP) and becomes ready again.
         first = pods["decode"][0]["metadata"]["name"]
         victim = next(p["metadata"]["name"] for p in decode if p["metadata"]["name"] != first)  # the new one
-        pid = int(cluster.wait_for(rf"pod {victim}: started pid (\d+)", timeout=1, since_start=True).group(1))
+        pid = int(cluster.wait_for(rf"pod {victim}: started pid (\d+)", timeout=1).group(1))
         os.kill(pid, signal.SIGKILL)
         cluster.wait_for(rf"pod {victim}: restarting: exited", timeout=30)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             pod = next((p for p in cluster.pods("decode") if p["metadata"]["name"] == victim), None)
-            if pod and _ready(pod) and pod["status"]["containerStatuses"][0]["restartCount"] == 1:
+            if pod and pod_ready(pod) and pod["status"]["containerStatuses"][0]["restartCount"] == 1:
                 break
             time.sleep(1)
         else:

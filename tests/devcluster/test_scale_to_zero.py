@@ -7,28 +7,27 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 
-from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.devcluster.test_scaled_cluster import DevCluster, _example, _metric, _netns_unavailable
+from tests.support.devcluster import METRICS_PORT, DevCluster, example_deployment, netns_unavailable
+from tests.support.metrics import scrape, total
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-if (reason := _netns_unavailable()) is not None:
+if (reason := netns_unavailable()) is not None:
     pytestmark.append(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="module")
-def idle_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
-    tiny_model = write_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-idle",
-                                  {**TINY_CONFIG, "max_position_embeddings": 1024}, seed=19)
-    spec = _example("network", {"tokenizer": 1, "prefill": 1, "decode": 1, "router": 1})
+def idle_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    spec = example_deployment("network", {"tokenizer": 1, "prefill": 1, "decode": 1, "router": 1})
     spec["spec"]["stages"]["decode"]["autoscaling"] = {
         "enabled": True, "minReplicas": 0, "maxReplicas": 1, "scaleDownStabilizationSeconds": 5}
     spec["spec"]["coldStartTimeoutSeconds"] = 180
-    cluster = DevCluster(spec, tiny_model, tmp_path_factory.mktemp("idle-cluster"))
+    cluster = DevCluster(spec, tmp_path_factory.mktemp("idle-cluster"), tiny_model)
     try:
         cluster.wait_ready()
         yield cluster
@@ -58,5 +57,7 @@ def test_an_idle_decode_stage_goes_to_zero_and_a_request_brings_one_pod_back(idl
 
     tokens, finish, seconds = asyncio.run(_answer(cluster.grpc))
     assert finish == common_pb2.FINISH_REASON_LENGTH and len(tokens) == 8, (finish, tokens)
-    assert _metric(router, "qwenserve_router_cold_starts_total", worker_stage="decode", outcome="served") == 1
+    cold_starts = total(scrape(METRICS_PORT, router), "qwenserve_router_cold_starts_total", worker_stage="decode",
+                        outcome="served")
+    assert cold_starts == 1
     assert len(cluster.pods("decode")) == 1  # one pod, started for this request

@@ -16,7 +16,6 @@ with a tiny checkpoint written here standing for the example's model (`--model`)
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import os
 import random
@@ -24,9 +23,7 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,41 +31,28 @@ from typing import Any
 
 import grpc
 import pytest
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from qwenserve.default_model import TINY_CONFIG, write_checkpoint
-from qwenserve.devcluster.cli import LOCK_FILE
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.support.devcluster import (
+    METRICS_PORT,
+    REPO,
+    DevCluster,
+    example_deployment,
+    netns_unavailable,
+    pod_ready,
+)
+from tests.support.metrics import by_labels, scrape, total
 
-REPO = Path(__file__).resolve().parents[2]
-METRICS_PORT = 9090
 PORTS = {"prefill": 50052, "decode": 50053}
-STAGE_ARGS = {  # small engines: six pods share two cores
-    "prefill": ["--kv-cache-gb", "0.05", "--threads", "1", "--kv-pool-mib", "16"],
-    # The stage's drain on SIGTERM (--grace-s, 10 s by default) within the pod's terminationGracePeriodSeconds.
-    "decode": ["--kv-cache-gb", "0.05", "--threads", "1", "--grace-s", "60"],
-    "router": ["--resolve-interval-s", "1"],  # a pod that joins or leaves is seen within a second
-}
 # max_tokens of a plain request and of a stream running when a pod is killed
 SHORT, LONG = 16, 300
 
 
-def _netns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and a bridge)"
-    probe = subprocess.run(["ip", "netns", "add", "qsprobe-scaled"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"`ip netns add` is not permitted here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "qsprobe-scaled"], capture_output=True)
-    return None
-
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-if (reason := _netns_unavailable()) is not None:
+if (reason := netns_unavailable()) is not None:
     pytestmark.append(pytest.mark.skip(reason=reason))
 
 
@@ -96,12 +80,6 @@ DRAINED = [Prompt(p.ids, 300 + 80 * i) for i, p in enumerate(_prompts(8, 0, seed
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-pods",
-                            {**TINY_CONFIG, "max_position_embeddings": 1024}, seed=17)
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_model: Path) -> dict[Prompt, list[int]]:
     """Greedy tokens of every prompt from one in-process engine on the same checkpoint."""
     prompts = [*PLAIN, *STREAMS, *DRAINED]
@@ -116,121 +94,6 @@ def reference(tiny_model: Path) -> dict[Prompt, list[int]]:
 
 
 # -- the cluster ---------------------------------------------------------------------------------------------
-
-
-def _wait_for_lock(timeout: float) -> None:
-    """Another dev-cluster (another test's) may still be stopping; one runs on this machine at a time."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with open(LOCK_FILE, "a") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return  # closing the file lets go again
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"another dev-cluster holds {LOCK_FILE}") from None
-        time.sleep(1)
-
-
-class DevCluster:
-    """`qwen-serve dev-cluster up` as a subprocess; its output lines collected as they come."""
-
-    def __init__(self, spec: dict[str, Any], model: Path, state_dir: Path) -> None:
-        self.state_dir = state_dir
-        state_dir.mkdir(parents=True, exist_ok=True)
-        spec_file = state_dir / "qwendeployment.yaml"
-        spec_file.write_text(yaml.safe_dump(spec))
-        self.lines: list[str] = []
-        _wait_for_lock(90)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "qwenserve.cli", "dev-cluster", "--state-dir", str(state_dir), "up",
-             "-f", str(spec_file), "--model", str(model), "--ready-timeout", "200"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._read, daemon=True).start()
-        self.grpc = ""
-
-    def wait_ready(self) -> None:
-        """Until `up` prints its ready line; the router's gRPC address is then `self.grpc`."""
-        self.grpc = self.wait_for(r"ready http=(\S+) grpc=(\S+)", timeout=240).group(2)
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
-        """The first output line from index `start` on matching `pattern`; fails after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if match := next(filter(None, (re.search(pattern, x) for x in self.lines[start:])), None):
-                return match
-            if time.monotonic() > deadline or self.process.poll() is not None:
-                raise AssertionError(f"no line matching {pattern!r}; output:\n" + "\n".join(self.lines[-60:]))
-            time.sleep(0.2)
-
-    def api(self, path: str) -> Any:
-        state = json.loads((self.state_dir / "state.json").read_text())
-        with urllib.request.urlopen(state["api"] + path, timeout=10) as response:
-            return json.load(response)
-
-    def pods(self, stage: str) -> list[dict[str, Any]]:
-        items = self.api("/api/v1/namespaces/default/pods")["items"]
-        return [p for p in items if p["metadata"]["labels"].get("qwenserve.io/stage") == stage]
-
-    def ready_pods(self, stage: str, count: int, timeout: float) -> dict[str, str]:
-        """{pod name: pod IP} once `stage` has exactly `count` pods, all ready."""
-        deadline = time.monotonic() + timeout
-        while True:
-            pods = self.pods(stage)
-            if len(pods) == count and all(_ready(p) for p in pods):
-                return {p["metadata"]["name"]: p["status"]["podIP"] for p in pods}
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{stage} did not reach {count} ready pods: {pods}")
-            time.sleep(1)
-
-    def scale(self, stage: str, replicas: int) -> None:
-        done = subprocess.run([sys.executable, "-m", "qwenserve.cli", "dev-cluster", "--state-dir",
-                               str(self.state_dir), "scale", stage, str(replicas)],
-                              cwd=REPO, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-
-    def patch_replicas(self, stage: str, replicas: int) -> None:
-        """What `kubectl patch qwendeployment --type merge` does: a merge patch of the CR through the API."""
-        state = json.loads((self.state_dir / "state.json").read_text())
-        body = json.dumps({"spec": {"stages": {stage: {"replicas": replicas}}}}).encode()
-        request = urllib.request.Request(
-            f"{state['api']}/apis/qwenserve.io/v1alpha1/namespaces/{state['namespace']}/qwendeployments/"
-            f"{state['name']}", data=body, method="PATCH", headers={"Content-Type": "application/merge-patch+json"})
-        with urllib.request.urlopen(request, timeout=10) as response:
-            assert response.status == 200
-
-    def pod_logs(self) -> dict[str, str]:
-        return {log.parent.name: log.read_text(errors="replace")
-                for log in (self.state_dir / "pods").glob("*/log")}
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
-
-
-def _example(mode: str, replicas: dict[str, int]) -> dict[str, Any]:
-    """The CPU example with `replicas`, KV transfer `mode` and small engines."""
-    body = yaml.safe_load((REPO / "examples" / "qwendeployment-cpu.yaml").read_text())
-    body["spec"]["kvTransfer"]["mode"] = mode
-    for stage, count in replicas.items():
-        body["spec"]["stages"][stage]["replicas"] = count
-    for stage, args in STAGE_ARGS.items():
-        body["spec"]["stages"][stage]["args"] = args
-    return body
 
 
 def _no_unknown_flags(cluster: DevCluster, pods: int) -> None:
@@ -249,10 +112,10 @@ def _no_unknown_flags(cluster: DevCluster, pods: int) -> None:
 def network_cluster(tiny_model: Path, reference: dict[Prompt, list[int]],
                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
     """The CPU example, network mode, 2 prefill and 2 decode pods; shared by the tests after the shm one."""
-    spec = _example("network", {"tokenizer": 1, "prefill": 2, "decode": 2, "router": 1})
-    cluster = DevCluster(spec, tiny_model, tmp_path_factory.mktemp("network-cluster"))
+    spec = example_deployment("network", {"tokenizer": 1, "prefill": 2, "decode": 2, "router": 1})
+    cluster = DevCluster(spec, tmp_path_factory.mktemp("network-cluster"), tiny_model)
     try:
-        cluster.wait_ready()
+        cluster.waitpod_ready()
         yield cluster
     finally:
         cluster.stop()
@@ -261,20 +124,9 @@ def network_cluster(tiny_model: Path, reference: dict[Prompt, list[int]],
 # -- talking to it -------------------------------------------------------------------------------------------
 
 
-def _metrics(ip: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """A pod's /metrics page at its own IP: sample name -> [(labels, value)]."""
-    with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return samples
-
-
 def _metric(ip: str, name: str, **labels: str) -> float:
-    """The sum of a pod's samples named `name` that carry `labels`."""
-    return sum(value for got, value in _metrics(ip).get(name, []) if labels.items() <= got.items())
+    """The sum of a pod's samples named `name` that carry `labels` (0 when it has none)."""
+    return total(scrape(METRICS_PORT, ip), name, **labels)
 
 
 @dataclass
@@ -335,10 +187,10 @@ def _pid(cluster: DevCluster, pod: str) -> int:
 
 def test_shm_mode_hands_off_through_the_nodes_dev_shm(
         tiny_model: Path, reference: dict[Prompt, list[int]], tmp_path: Path) -> None:
-    spec = _example("shm", {"tokenizer": 1, "prefill": 1, "decode": 1, "router": 1})
-    cluster = DevCluster(spec, tiny_model, tmp_path / "shm-cluster")
+    spec = example_deployment("shm", {"tokenizer": 1, "prefill": 1, "decode": 1, "router": 1})
+    cluster = DevCluster(spec, tmp_path / "shm-cluster", tiny_model)
     try:
-        cluster.wait_ready()
+        cluster.waitpod_ready()
         streams = asyncio.run(_run(cluster.grpc, PLAIN[:6]))
         _check_against(reference, streams)
         (decode,) = cluster.ready_pods("decode", 1, timeout=10).values()
@@ -364,8 +216,8 @@ def test_every_prefill_and_decode_pod_serves_and_handoffs_cross_the_network(
     for name, ip in decode.items():
         assert _metric(ip, "qwenserve_handoff_bytes_total", transport="grpc") > 0, f"decode {name} fetched nothing"
         # A handoff decode could not fetch would be a failure here and a prompt recomputed by decode.
-        failures = {tuple(sorted(labels.items())): v for labels, v
-                    in _metrics(ip).get("qwenserve_handoff_failures_total", []) if v}
+        failures = {labels: v for labels, v
+                    in by_labels(scrape(METRICS_PORT, ip), "qwenserve_handoff_failures_total").items() if v}
         assert not failures, f"decode {name}: {failures}"
     assert _metric(router, "qwenserve_router_failovers_total") == 0
 
@@ -402,7 +254,7 @@ def test_a_decode_pod_killed_mid_stream_is_replayed_on_the_other_and_restarted(
     deadline = time.monotonic() + 120
     while True:
         pod = next(p for p in cluster.pods("decode") if p["metadata"]["name"] == victim)
-        if _ready(pod) and pod["status"]["containerStatuses"][0]["restartCount"] == 1:
+        if pod_ready(pod) and pod["status"]["containerStatuses"][0]["restartCount"] == 1:
             break
         assert time.monotonic() < deadline, f"{victim} did not come back: {pod}"
         time.sleep(1)

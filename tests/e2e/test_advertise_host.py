@@ -4,23 +4,17 @@ be dialled is an error in decode's log and a counted `unreachable` handoff failu
 from __future__ import annotations
 
 import asyncio
-import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from qwenserve.launcher import LocalCluster, free_port
+from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
-from tests.e2e.conftest import make_cluster, router_stub
-
-
-def _samples(port: int, name: str) -> dict[str, float]:
-    """Every sample of a metric on a service's /metrics page, by its label set."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M)}
+from tests.support.clusters import make_cluster, router_stub
+from tests.support.metrics import by_labels, scrape, total
+from tests.support.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +43,8 @@ def test_a_prefill_bound_to_a_wildcard_hands_off_over_the_network_at_its_adverti
     messages = asyncio.run(generate())
     assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and not messages[-1].HasField("error")
     # Decode fetched the prompt's KV over gRPC from prefill's advertised address instead of recomputing it.
-    assert _samples(decode.metrics_port, "qwenserve_handoff_bytes_total").get('transport="grpc"', 0) > 0
-    assert not _samples(decode.metrics_port, "qwenserve_handoff_failures_total")
+    assert total(scrape(decode.metrics_port), "qwenserve_handoff_bytes_total", transport="grpc") > 0
+    assert not by_labels(scrape(decode.metrics_port), "qwenserve_handoff_failures_total")
 
 
 @pytest.mark.parametrize("location", ["closed-port", "wildcard"])
@@ -78,12 +72,13 @@ def test_a_handle_whose_location_cannot_be_dialled_is_a_logged_error_and_counted
                     pass
             return refused.value.code()
 
-    before = _samples(decode.metrics_port, "qwenserve_handoff_failures_total")
+    before = scrape(decode.metrics_port)
     # FAILED_PRECONDITION: the router's cue to recompute the prompt, which it logs.
     assert asyncio.run(handoff_to_nowhere()) == grpc.StatusCode.FAILED_PRECONDITION
-    after = _samples(decode.metrics_port, "qwenserve_handoff_failures_total")
-    key = 'reason="unreachable",transport="grpc"'
-    assert after.get(key, 0) - before.get(key, 0) == 1, after
+    after = scrape(decode.metrics_port)
+    unreachable = {"reason": "unreachable", "transport": "grpc"}
+    failures = "qwenserve_handoff_failures_total"
+    assert total(after, failures, **unreachable) - total(before, failures, **unreachable) == 1, by_labels(after, failures)
     assert wildcard_cluster.log_dir is not None
     log = (wildcard_cluster.log_dir / "decode-0.log").read_text()
     errors = [line for line in log.splitlines() if "ERROR" in line and "handoff refused" in line and dead in line]
@@ -107,5 +102,5 @@ def test_prefill_and_decode_hand_off_over_mooncake_when_both_are_told_to(tiny_mo
 
         messages = asyncio.run(generate())
         assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and not messages[-1].HasField("error")
-        assert _samples(decode.metrics_port, "qwenserve_handoff_bytes_total").get('transport="mooncake"', 0) > 0
-        assert not _samples(decode.metrics_port, "qwenserve_handoff_failures_total")
+        assert total(scrape(decode.metrics_port), "qwenserve_handoff_bytes_total", transport="mooncake") > 0
+        assert not by_labels(scrape(decode.metrics_port), "qwenserve_handoff_failures_total")

@@ -21,7 +21,7 @@ import pytest
 
 from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.e2e.conftest import make_cluster
+from tests.support.clusters import make_cluster
 
 KV_TOKENS = 320  # 20 blocks of 16 tokens; the tiny model has 1,024 positions
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # layers x (K, V) x kv heads x head_dim x fp32

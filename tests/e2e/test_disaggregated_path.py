@@ -16,9 +16,11 @@ import pytest
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
-from qwenserve.launcher import LocalCluster, free_port
+from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
-from tests.e2e.conftest import metric, router_stub
+from tests.support.clusters import router_stub
+from tests.support.metrics import metric
+from tests.support.ports import free_port
 
 MAX_TOKENS = 12
 

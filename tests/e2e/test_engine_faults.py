@@ -24,9 +24,10 @@ from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.grpc_server import FAULT_EXIT_CODE
 from qwenserve.kv_transfer import leaked_segments
-from qwenserve.launcher import free_port, wait_serving
+from qwenserve.launcher import wait_serving
 from qwenserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tests.e2e.conftest import WORKER_ENV
+from tests.support.clusters import WORKER_ENV
+from tests.support.ports import free_port
 
 FAULTY_STAGE = Path(__file__).parent / "faulty_stage.py"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -72,12 +73,6 @@ def start_stage(tmp_path: Path) -> Iterator[Callable[..., Stage]]:
         if stage.process.poll() is None:
             stage.process.terminate()
         stage.process.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("m") / "tiny", {**TINY_CONFIG, "max_position_embeddings": 1024},
-                            seed=11)
 
 
 def _decode_request(request_id: str, prompt: list[int], max_tokens: int, **sampling: object) -> decode_pb2.DecodeRequest:

@@ -34,7 +34,7 @@ from qwenserve.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from tests.e2e.conftest import make_cluster
+from tests.support.clusters import make_cluster
 
 OPEN_KEY, LIMITED_KEY = "sk-open", "sk-limited"
 OUT_OF_VOCAB = 10_000_000

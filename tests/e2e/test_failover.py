@@ -14,7 +14,7 @@ from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.e2e.conftest import make_cluster
+from tests.support.clusters import make_cluster
 
 STREAM_TOKENS = 300
 

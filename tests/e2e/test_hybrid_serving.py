@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import shutil
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -21,7 +19,8 @@ import torch
 from qwenserve.kv_layout import KVLayout
 from qwenserve.tokenizer import builtin
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.e2e.conftest import make_cluster
+from tests.support.clusters import make_cluster
+from tests.support.metrics import scrape, total
 
 PROMPTS = [[9707, 11, 1879, 0] * 5, [785, 6722, 315, 9625, 374, 12095, 13] * 12, [40, 1079]]
 NEW_TOKENS = 12
@@ -111,8 +110,8 @@ def test_a_hybrid_model_disaggregated_hands_off_its_state_and_equals_transformer
            "QWENSERVE_STATE_SNAPSHOT_TOKENS": "32"}
     with make_cluster(hybrid_model, tmp_path, prefill=1, decode=1, env=env) as cluster:
         served, cached = asyncio.run(_served(f"{cluster.host}:{cluster.router_port}", again=PROMPTS[1]))
-        handed = _metric(cluster.child("decode-0").metrics_port, "qwenserve_handoff_bytes_total")
-        failed = _metric(cluster.child("decode-0").metrics_port, "qwenserve_handoff_failures_total")
+        handed = total(scrape(cluster.child("decode-0").metrics_port), "qwenserve_handoff_bytes_total")
+        failed = total(scrape(cluster.child("decode-0").metrics_port), "qwenserve_handoff_failures_total")
     want = _reference(hybrid_model)
     assert served == [*want, want[1]]
     assert cached == 64
@@ -135,14 +134,10 @@ def test_handed_off_hybrid_sequences_preempted_on_a_small_decode_pool_recompute_
            "QWENSERVE_KV_CACHE_GB": f"{(state_bytes + 9 * block_bytes + 64) / 2**30:.10f}"}
     with make_cluster(hybrid_model, tmp_path, prefill=1, decode=1, env=env) as cluster:
         served, _ = asyncio.run(_served(f"{cluster.host}:{cluster.router_port}", new_tokens=new_tokens))
-        preempted = _metric(cluster.child("decode-0").metrics_port, "qwenserve_engine_preemptions_total")
-        failed = _metric(cluster.child("decode-0").metrics_port, "qwenserve_handoff_failures_total")
+        preempted = total(scrape(cluster.child("decode-0").metrics_port), "qwenserve_engine_preemptions_total")
+        failed = total(scrape(cluster.child("decode-0").metrics_port), "qwenserve_handoff_failures_total")
     assert preempted > 0, "the decode pool was large enough for the whole batch: nothing was preempted"
     assert failed == 0
     assert served == _reference(hybrid_model, new_tokens)
 
 
-def _metric(port: int, name: str) -> float:
-    """A counter's value summed over its labels."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from qwenserve import launcher
-from tests.e2e.conftest import make_cluster
+from tests.support.clusters import make_cluster
 
 
 def test_a_cluster_whose_picked_port_was_taken_starts_on_other_ports(

@@ -25,9 +25,11 @@ import pytest
 import yaml
 
 from qwenserve.default_model import write_checkpoint
-from qwenserve.launcher import LocalCluster, free_port
+from qwenserve.launcher import LocalCluster
 from qwenserve.router.models import canary_share
-from tests.e2e.conftest import TINY, make_cluster
+from tests.support.checkpoints import TINY
+from tests.support.clusters import make_cluster
+from tests.support.ports import free_port
 
 KEYS = {"tenants": {"anyone": None, "limited": {"models": ["qwen-backup"]}},
         "keys": [{"tenant": "anyone", "key": "sk-anyone"}, {"tenant": "limited", "key": "sk-limited"}]}

@@ -22,14 +22,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from qwenserve.launcher import free_port, wait_serving
-from qwenserve.router.discovery import Resolver, system_resolver
+from qwenserve.launcher import wait_serving
 from qwenserve.router.config import RouterConfig
+from qwenserve.router.discovery import Resolver, system_resolver
 from qwenserve.router.generation import Router
 from qwenserve.status import parse_gauges
 from qwenserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.e2e.conftest import WORKER_ENV
+from tests.support.clusters import WORKER_ENV
+from tests.support.ports import free_port
 
 NAME = "decode.pods.test"
 SERVED = "qwenserve_engine_step_tokens_sum"  # tokens a worker computed: its own record of serving

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from qwenserve.v1 import router_pb2, router_pb2_grpc
-from tests.e2e.conftest import make_cluster
+from tests.support.clusters import make_cluster
 
 KEYS = {"tiers": {"paid": {"priority": 0}, "free": {"priority": 2}},
         "tenants": {"big-co": {"tier": "paid"}, "hobbyist": {"tier": "free"}},

@@ -24,7 +24,7 @@ from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.e2e.conftest import make_cluster
+from tests.support.clusters import make_cluster
 
 # Minutes, not seconds: a 0.6B-shaped prefill of 2k tokens, in a reference engine and in the cluster. (8k took
 # 5.5 of CI's 30 minutes on a 2-core AVX2 machine, 4k then three; 2k's ~470 MB of fp32 KV overflows the 64 MiB

@@ -20,10 +20,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from qwenserve.launcher import LocalCluster, free_port, wait_serving
+from qwenserve.launcher import LocalCluster, wait_serving
 from qwenserve.status import fetch_status
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.e2e.conftest import make_cluster, metric
+from tests.support.clusters import make_cluster
+from tests.support.metrics import metric
+from tests.support.ports import free_port
 
 MAX_TOKENS = 12
 

@@ -14,7 +14,7 @@ import grpc
 
 from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import router_pb2, router_pb2_grpc
-from tests.e2e.conftest import make_cluster
+from tests.support.clusters import make_cluster
 
 
 def _request(i: int, max_tokens: int) -> router_pb2.GenerateRequest:

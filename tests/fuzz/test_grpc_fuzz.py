@@ -12,8 +12,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from qwenserve.v1 import common_pb2, router_pb2
-from tests.fuzz.answers import Answer
-from tests.fuzz.conftest import (
+from tests.fuzz.client import (
     REQUEST_BOUND_S,
     FuzzClient,
     Tally,
@@ -21,7 +20,6 @@ from tests.fuzz.conftest import (
     fuzz_settings,
     request_bound,
 )
-from tests.fuzz.deployment import Deployment
 from tests.fuzz.strategies import (
     AUTH_GOOD,
     MODEL_NAME,
@@ -32,6 +30,8 @@ from tests.fuzz.strategies import (
     grpc_refusal_reason,
     request_ids,
 )
+from tests.support.answers import Answer
+from tests.support.deployment import Deployment
 
 # The client's mistakes, and the limits it ran into.
 CLIENT_ERRORS = {"INVALID_ARGUMENT", "OUT_OF_RANGE", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "NOT_FOUND",

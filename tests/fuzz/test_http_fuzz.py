@@ -14,9 +14,7 @@ from typing import Any
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from tests.fuzz.answers import Answer, http_post
-from tests.fuzz.conftest import FuzzClient, Tally, assert_still_serving, fuzz_settings, request_bound
-from tests.fuzz.deployment import Deployment
+from tests.fuzz.client import FuzzClient, Tally, assert_still_serving, fuzz_settings, request_bound
 from tests.fuzz.strategies import (
     AUTH_GOOD,
     MODEL_NAME,
@@ -29,6 +27,8 @@ from tests.fuzz.strategies import (
     http_headers,
     refusal_reason,
 )
+from tests.support.answers import Answer, http_post
+from tests.support.deployment import Deployment
 
 GOOD_HEADERS = {"Authorization": AUTH_GOOD, "Content-Type": "application/json"}
 HI = [{"role": "user", "content": "hi"}]

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from qwenserve.launcher import LocalCluster
+from tests.support.ports import free_port
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 OPENSSL = shutil.which("openssl") or "/usr/bin/openssl"
@@ -36,12 +37,6 @@ TENANT_LIMITS = {
     "flags": {"tokens_per_minute": 1000},
     "billed": {},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- certificates ------------------------------------------------------------------------------

@@ -17,16 +17,16 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from qwenserve.launcher import free_port
 from qwenserve.ratelimit import InProcessRateLimiter
+from qwenserve.router.config import RouterConfig
 from qwenserve.router.front_door import FrontConfig, add_front_flags, start_http_front
 from qwenserve.router.gatekeeper import Gatekeeper
-from qwenserve.router.config import RouterConfig
 from qwenserve.router.generation import Router
 from qwenserve.router.openai_http import build_app
 from qwenserve.tenancy import KeyStore, Tenant, key_digest
 from qwenserve.tokenizer.detokenizer import IncrementalDetokenizer
 from qwenserve.tokenizer.tokenizer import Tokenizer
+from tests.support.ports import free_port
 
 KEY = {"Authorization": "Bearer sk-test"}
 CHAT = {"model": "qwen-test", "messages": [{"role": "user", "content": "hi"}]}

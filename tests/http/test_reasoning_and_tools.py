@@ -1,6 +1,6 @@
 """Thinking and tool calls as Qwen3 users call them, through the official `openai` client and gRPC.
 
-The cluster serves a scripted checkpoint (tests/scripted_model.py): real weights that make the model
+The cluster serves a scripted checkpoint (tests/support/scripted_checkpoint.py): real weights that make the model
 write, after the chat template's "assistant\\n", a thinking block and then a tool call:
 
     <think>I think</think><tool_call>{"name":"get_weather","arguments":{"city": "Paris"}}</tool_call>
@@ -24,7 +24,7 @@ import pytest
 from qwenserve.launcher import LocalCluster
 from qwenserve.tokenizer import Tokenizer
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.scripted_model import script_ids, write_scripted_checkpoint
+from tests.support.scripted_checkpoint import script_ids, write_scripted_checkpoint
 
 CALL = '{"name":"get_weather","arguments":{"city": "Paris"}}'
 ARGUMENTS = {"city": "Paris"}

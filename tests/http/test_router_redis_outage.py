@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from qwenserve.default_model import TINY_CONFIG, write_checkpoint
-from qwenserve.launcher import LocalCluster, free_port
+from qwenserve.launcher import LocalCluster
+from tests.support.ports import free_port
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"

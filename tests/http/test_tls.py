@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from qwenserve.launcher import free_port
 from qwenserve.router.openai_http import serve_http
 from qwenserve.router.tls import TlsConfig, TlsConfigError, grpc_server_credentials, http_ssl_context
+from tests.support.ports import free_port
 
 
 def hello_app() -> web.Application:

@@ -20,7 +20,7 @@ from qwenserve.kv_transfer import (
     add_kv_transfer_service,
     leaked_segments,
 )
-from tests.conftest import SessionProcesses
+from tests.support.processes import SessionProcesses
 
 TEST_PREFIX = "qwenserve-kvtest"
 MiB = 1 << 20

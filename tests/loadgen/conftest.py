@@ -10,7 +10,8 @@ import pytest
 from qwenserve.default_model import write_checkpoint
 from qwenserve.launcher import LocalCluster
 from qwenserve.tokenizer import Tokenizer
-from tests.e2e.conftest import TINY, WORKER_ENV
+from tests.support.checkpoints import TINY
+from tests.support.clusters import WORKER_ENV
 
 
 @pytest.fixture(scope="session")

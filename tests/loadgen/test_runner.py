@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from qwenserve.launcher import free_port
 from qwenserve.loadgen.cli import BenchConfig, bench
 from qwenserve.loadgen.stats import Slo
 from qwenserve.loadgen.targets import Chunk, LoadRequest, SyntheticTarget
+from tests.support.ports import free_port
 
 
 def _config(**kw: object) -> BenchConfig:

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from qwenserve.grpc_server import GrpcServerConfig, serve
-from qwenserve.launcher import free_port
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(30)
 

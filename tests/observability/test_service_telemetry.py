@@ -15,7 +15,8 @@ import pytest
 from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from qwenserve_operator import autoscaler
-from tests.observability.conftest import ReceivedSpan, Samples, SpanReceiver, scrape, total
+from tests.support.metrics import Samples, scrape, total
+from tests.support.spans import ReceivedSpan, SpanReceiver
 
 pytestmark = pytest.mark.timeout(180)
 

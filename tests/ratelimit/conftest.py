@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.redis_server import REDIS_SERVER, RedisServer
+from tests.support.redis_server import REDIS_SERVER, RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Sequence
 
 from qwenserve.tenancy import Tenant, TenantLimits
@@ -30,9 +29,3 @@ def max_window_sum(admissions: Sequence[tuple[float, int]], window_s: float) -> 
         if running > best:
             best, best_end = running, ts
     return best, best_end
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -7,11 +7,11 @@ import json
 
 import pytest
 from prometheus_client import REGISTRY
-from ratelimit_checks import free_port
 
 from qwenserve.ratelimit.redis_client import connect
 from qwenserve.tenancy import InProcessUsageMeter, RedisUsageMeter, Tenant, UsageMeter, UsageRecord
 from qwenserve.tenancy.cli import main as usage_cli
+from tests.support.ports import free_port
 
 
 @pytest.fixture(params=["memory", "redis"])

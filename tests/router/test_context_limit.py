@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
 
-from qwenserve.router.errors import ContextLengthExceeded
 from qwenserve.router.config import RouterConfig
+from qwenserve.router.errors import ContextLengthExceeded
 from qwenserve.router.generation import Router
 from qwenserve.v1 import (
     common_pb2,
@@ -20,6 +19,7 @@ from qwenserve.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from tests.support.ports import free_port
 
 
 class Tokenizer(tokenizer_pb2_grpc.TokenizerServicer):
@@ -38,12 +38,6 @@ def engine_stage(base: type, limit: int) -> object:
 
 
 Servicers = list[tuple[Callable[[object, grpc.aio.Server], None], object]]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

@@ -13,8 +13,9 @@ import pytest
 
 from qwenserve.default_model import write_checkpoint
 from qwenserve.launcher import LocalCluster
-from tests.e2e.conftest import TINY, make_cluster
-from tests.observability.conftest import Samples, scrape, total
+from tests.support.checkpoints import TINY
+from tests.support.clusters import make_cluster
+from tests.support.metrics import Samples, scrape, total
 
 pytestmark = pytest.mark.timeout(240)
 

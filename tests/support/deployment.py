@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from qwenserve import supervision
 from qwenserve.launcher import Child, LocalCluster, wait_serving
 from qwenserve.v1 import router_pb2, router_pb2_grpc
-from tests.fuzz.answers import Answer, grpc_generate, http_post
+from tests.support.answers import Answer, grpc_generate, http_post
 
 log = logging.getLogger(__name__)
 

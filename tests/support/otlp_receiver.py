@@ -1,4 +1,4 @@
-"""A minimal OTLP/gRPC trace collector, run as its own process: `python -m tests.observability.otlp_receiver FILE`.
+"""A minimal OTLP/gRPC trace collector, run as its own process: `python -m tests.support.otlp_receiver FILE`.
 
 Prints its port on the first stdout line, then appends every span it is sent to FILE as one JSON
 object per line. It runs out of the test process on purpose: a gRPC server's threads in the process
