@@ -22,23 +22,9 @@ class MaxModelLenError(EngineError, ValueError):
 
 
 class RequestError(EngineError, ValueError):
-    """A request was rejected before it ran."""
-
-
-class EmptyPromptError(RequestError):
-    """The prompt has no tokens."""
-
-
-class InvalidTokenError(RequestError):
-    """A prompt, resume or stop token id lies outside the model's vocabulary."""
-
-
-class ContextLengthExceededError(RequestError):
-    """prompt + already-generated + max_tokens does not fit in max_model_len."""
-
-
-class RequestTooLargeError(RequestError):
-    """The request needs more KV blocks than the whole pool holds, so it could never run."""
+    """A request was rejected before it ran for a reason only this engine knows (its grammar backend, a KV
+    import's layout, an id already in flight); what the model's limits refuse is a
+    `qwenserve.request_limits.RequestOutOfLimits`."""
 
 
 class DuplicateRequestError(RequestError):

@@ -312,6 +312,7 @@ class EngineTarget:
     async def stream(self, req: LoadRequest) -> AsyncIterator[Chunk]:
         from qwenserve.engine.errors import RequestError
         from qwenserve.engine.sampling_params import SamplingParams
+        from qwenserve.request_limits import RequestOutOfLimits
 
         params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
         try:
@@ -322,7 +323,7 @@ class EngineTarget:
                 u = out.usage
                 yield Chunk(len(out.new_token_ids), ReportedUsage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens),
                             out.finish_reason, "error" if out.finish_reason == "error" else None, out.error or "")
-        except RequestError as e:
+        except (RequestError, RequestOutOfLimits) as e:
             raise TargetError(f"engine:{type(e).__name__}", str(e)) from None
 
 

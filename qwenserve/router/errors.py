@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 
+from qwenserve.request_limits import RequestOutOfLimits
 from qwenserve.rpc_errors import RETRYABLE_CODES, error_detail
 from qwenserve.v1 import common_pb2
 
@@ -126,6 +127,13 @@ class MethodNotAllowed(RouterError):
     grpc_code = grpc.StatusCode.UNIMPLEMENTED
     http_status = 405
     code = "method_not_allowed"
+
+
+def out_of_limits(error: RequestOutOfLimits) -> InvalidRequest:
+    """The router's error for a request the model's limits refuse (request_limits.py): a context that does not
+    fit is `context_length_exceeded`, any other limit `invalid_request`; both INVALID_ARGUMENT / HTTP 400."""
+    kind = ContextLengthExceeded if error.code == ContextLengthExceeded.code else InvalidRequest
+    return kind(error.message, error.field)
 
 
 def error_headers(error: RouterError) -> dict[str, str]:

@@ -29,10 +29,11 @@ from prometheus_client import CollectorRegistry
 from qwenserve.engine.sampling_params import InvalidSamplingParams
 from qwenserve.engine.structured import ReasoningFirst
 from qwenserve.protocol import sampling_from_proto
+from qwenserve.request_limits import ModelLimits, RequestOutOfLimits, check_request
 from qwenserve.router.chat_output import ChatOutput, chat_shape_of, tool_choice_of
 from qwenserve.router.config import RouterConfig
 from qwenserve.router.discovery import Resolver, system_resolver
-from qwenserve.router.errors import ContextLengthExceeded, InvalidRequest, ServiceUnavailable, UnknownModel
+from qwenserve.router.errors import InvalidRequest, ServiceUnavailable, UnknownModel, out_of_limits
 from qwenserve.router.failover import Progress, RequestFailed, Step, decode, prefill
 from qwenserve.router.fleet import WorkerFleet, remaining, shutting_down, stage_error
 from qwenserve.router.generation_defaults import with_defaults
@@ -121,38 +122,18 @@ class Router:
             deadline = min(deadline or float("inf"), time.monotonic() + min(until, MAX_DEADLINE_S))
         chat_tools = tool_choice_of(req, self.config.tool_call_parser)
         prompt_ids = await self._prompt_ids(req, deadline, chat_tools)
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", "input")
-        limit = self.config.max_model_len
-        room = limit - len(prompt_ids)
-        if room < 1:
-            raise ContextLengthExceeded(
-                f"the prompt has {len(prompt_ids)} tokens; this server's context is {limit} tokens, prompt and "
-                f"output together, so a prompt may have at most {limit - 1}",
-                "input",
-            )
+        limits = ModelLimits(self.vocab_size, self.config.max_model_len)
         # What the stages get. A max_tokens the client (and the model's defaults) left out stays out: each stage
         # then gives the request what fits its context and KV cache (the whole context could need more blocks).
-        wire = with_defaults(req.sampling, self.config.sampling_defaults, room)
+        wire = with_defaults(req.sampling, self.config.sampling_defaults, max(1, limits.max_model_len - len(prompt_ids)))
         try:
-            sampling = sampling_from_proto(wire, default_max_tokens=room)
+            sampling = sampling_from_proto(wire, default_max_tokens=None)
+            budget = check_request(prompt_ids, sampling, limits, prompt_field="input")
+            sampling = dataclasses.replace(sampling, max_tokens=budget)  # min_tokens is checked against it
         except InvalidSamplingParams as e:
             raise InvalidRequest(str(e), f"sampling.{e.field}") from e
-        if sampling.max_tokens is not None and sampling.max_tokens > room:
-            raise ContextLengthExceeded(
-                f"max_tokens {sampling.max_tokens} + prompt {len(prompt_ids)} tokens exceeds the context of "
-                f"{limit} tokens; lower max_tokens to at most {room}",
-                "sampling.max_tokens",
-            )
-        first = sampling.reasoning_first
-        if first is not None and max(first.start_id, first.end_id) >= self.vocab_size:
-            raise InvalidRequest(f"reasoning_first names a token outside the vocabulary of {self.vocab_size}",
-                                 "sampling.structured.reasoning_first")
-        bad_stop = next((t for t in sampling.stop_token_ids if t >= self.vocab_size), None)
-        if bad_stop is not None:
-            raise InvalidRequest(
-                f"stop token id {bad_stop} is outside the vocabulary of {self.vocab_size}", "sampling.stop_token_ids"
-            )
+        except RequestOutOfLimits as e:
+            raise out_of_limits(e) from e
         chat = None
         if req.WhichOneof("input") == "chat":
             think = self.config.think_token_ids if self.config.reasoning_parser == "qwen3" else None
@@ -200,11 +181,7 @@ class Router:
         if which is None:
             raise InvalidRequest("one of prompt, chat or prompt_token_ids is required", "input")
         if which == "prompt_token_ids":
-            ids = list(req.prompt_token_ids.ids)
-            bad = [i for i in ids if i >= self.vocab_size]
-            if bad:
-                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}", "input")
-            return ids
+            return list(req.prompt_token_ids.ids)  # checked against the vocabulary with the rest (request_limits)
         if which == "prompt":
             treq = tokenizer_pb2.TokenizeRequest(text=req.prompt)
         else:

@@ -20,7 +20,7 @@ from qwenserve.telemetry.tracing import Attr, get_tracer
 from qwenserve.v1 import common_pb2, decode_pb2
 from qwenserve.worker.errors import BadRequest, HandoffRefused
 from qwenserve.worker.handoff_telemetry import failure_reason, transport_label
-from qwenserve.worker.requests import checked_cache_salt, checked_request, checked_request_id
+from qwenserve.worker.requests import checked_cache_salt, checked_request, checked_request_id, engine_limits
 
 log = logging.getLogger(__name__)
 tracer = get_tracer("qwenserve.decode")
@@ -109,27 +109,16 @@ class DecodeWorker:
             raise BadRequest("one of prefilled or local_prefill is required")
         request_id = checked_request_id(request.request_id, "decode")
         cache_salt = checked_cache_salt(request.cache_salt)
-        resume = list(request.resume_token_ids)
-        prompt, sampling = checked_request(
-            request.prompt_token_ids, request.sampling, vocab_size=self.engine.model_config.vocab_size,
-            max_model_len=self.engine.max_model_len, generated=len(resume) + (start == "prefilled"),
-            kv_capacity=self.engine.pool.num_blocks * self.engine.pool.block_size,
-        )
-        bad = next((i for i in resume if i >= self.engine.model_config.vocab_size), None)
-        if bad is not None:
-            raise BadRequest(f"resume token id {bad} is outside the vocabulary", "resume_token_ids")
+        # What was generated already: the prefill's first token, or the tokens before a failover.
+        resume = [request.prefilled.first_token_id] if start == "prefilled" else list(request.resume_token_ids)
+        prompt, sampling = checked_request(request.prompt_token_ids, request.sampling, engine_limits(self.engine),
+                                           resume)
         kv_import, handle = None, None
         cached = 0
         if start == "prefilled":
-            first = request.prefilled.first_token_id
-            if first >= self.engine.model_config.vocab_size:
-                raise BadRequest(
-                    f"prefilled.first_token_id {first} is outside the vocabulary", "prefilled.first_token_id"
-                )
             handle = held.handle = request.prefilled.kv_handle
             held.request_id = request_id
             kv_import = await self._import(held, len(prompt))
-            resume = [first]
             cached = request.prefilled.cached_prompt_tokens
         timing.request_id = request_id
         if traced and self.steps is not None:

@@ -12,12 +12,8 @@ import logging
 
 import grpc
 
-from qwenserve.engine.errors import (
-    ContextLengthExceededError,
-    EngineShutdownError,
-    RequestError,
-    RequestTooLargeError,
-)
+from qwenserve.engine.errors import EngineShutdownError, RequestError
+from qwenserve.request_limits import RequestOutOfLimits
 from qwenserve.rpc_errors import RETRYABLE_CODES, error_detail
 from qwenserve.v1 import common_pb2
 
@@ -38,14 +34,6 @@ class WorkerError(Exception):
 class BadRequest(WorkerError):
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     code = "invalid_argument"
-
-
-class ContextTooLong(BadRequest):
-    """Prompt plus output budget do not fit in the context or in this worker's KV cache; the router
-    answers the client `context_length_exceeded` (HTTP 400)."""
-
-    grpc_code = grpc.StatusCode.OUT_OF_RANGE
-    code = "context_length_exceeded"
 
 
 class HandoffRefused(WorkerError):
@@ -74,10 +62,11 @@ class PrefillFailed(WorkerError):
     code = "prefill_failed"
 
 
+# A request that does not fit the context or this worker's KV cache: the router answers the client
+# `context_length_exceeded` (HTTP 400) and tries no other worker.
+_OUT_OF_LIMITS_CODES = {"context_length_exceeded": grpc.StatusCode.OUT_OF_RANGE}
 # Engine errors a servicer meets, each as (types, gRPC code, ErrorDetail code); the first match wins.
 _ENGINE_ERRORS: tuple[tuple[tuple[type[Exception], ...], grpc.StatusCode, str], ...] = (
-    ((ContextLengthExceededError, RequestTooLargeError), grpc.StatusCode.OUT_OF_RANGE,
-     "context_length_exceeded"),
     ((RequestError,), grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
     ((EngineShutdownError,), grpc.StatusCode.UNAVAILABLE, "unavailable"),
 )
@@ -88,6 +77,10 @@ def grpc_status(error: Exception) -> tuple[grpc.StatusCode, common_pb2.ErrorDeta
     logged with their traceback here, once, and answered INTERNAL (never a bare UNKNOWN without a reason)."""
     if isinstance(error, WorkerError):
         return error.grpc_code, _detail(error.grpc_code, error.code, str(error), error.field)
+    if isinstance(error, RequestOutOfLimits):
+        grpc_code = _OUT_OF_LIMITS_CODES.get(error.code, grpc.StatusCode.INVALID_ARGUMENT)
+        code = error.code if error.code in _OUT_OF_LIMITS_CODES else "invalid_argument"
+        return grpc_code, _detail(grpc_code, code, error.message, error.field)
     for types, grpc_code, code in _ENGINE_ERRORS:
         if isinstance(error, types):
             return grpc_code, _detail(grpc_code, code, str(error))

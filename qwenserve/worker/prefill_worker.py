@@ -15,7 +15,7 @@ from qwenserve.telemetry.tracing import Attr, get_tracer
 from qwenserve.v1 import common_pb2, prefill_pb2
 from qwenserve.worker.errors import Overloaded, PrefillFailed, WorkerUnavailable
 from qwenserve.worker.handoff_telemetry import transport_label
-from qwenserve.worker.requests import checked_cache_salt, checked_request, checked_request_id
+from qwenserve.worker.requests import checked_cache_salt, checked_request, checked_request_id, engine_limits
 
 log = logging.getLogger(__name__)
 tracer = get_tracer("qwenserve.prefill")
@@ -48,11 +48,7 @@ class PrefillWorker:
         answers without a first token. A cancelled caller aborts the engine request and the slot."""
         request_id = checked_request_id(request.request_id, "prefill")
         cache_salt = checked_cache_salt(request.cache_salt)
-        prompt, sampling = checked_request(
-            request.prompt_token_ids, request.sampling,
-            vocab_size=self.engine.model_config.vocab_size, max_model_len=self.engine.max_model_len,
-            kv_capacity=self.engine.pool.num_blocks * self.engine.pool.block_size,
-        )
+        prompt, sampling = checked_request(request.prompt_token_ids, request.sampling, engine_limits(self.engine))
         with tracer.start_as_current_span("prefill", attributes={Attr.PROMPT_TOKENS: len(prompt)}) as span:
             return await self._prefill(request_id, prompt, sampling, cache_salt, span, request.priority)
 

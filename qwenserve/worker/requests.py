@@ -1,19 +1,24 @@
 """Checks every worker applies to an incoming request before the engine sees it.
 
-The router checks the same things; a stage checks again because anyone who reaches its port can call it,
-and a request that passes here must never fail deep in the engine for a reason the caller could have fixed.
+The router checks a request against the model's limits where it enters (request_limits.py); a stage checks
+again, with the same function and its own limits (its max_model_len, its KV cache), because anyone who reaches
+its port can call it, and a request that passes here must never fail deep in the engine for a reason the caller
+could have fixed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from qwenserve.protocol import sampling_from_proto
+from qwenserve.request_limits import ModelLimits, check_request
 from qwenserve.v1 import common_pb2
-from qwenserve.worker.errors import BadRequest, ContextTooLong
+from qwenserve.worker.errors import BadRequest
 
 #: Visible ASCII only: the id goes into logs, spans, metadata and handoff ids, where anything else breaks.
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
@@ -23,49 +28,26 @@ MAX_CACHE_SALT_CHARS = 1024
 def checked_request(
     prompt_ids: Sequence[int],
     sampling: common_pb2.SamplingParams,
-    *,
-    vocab_size: int,
-    max_model_len: int,
-    kv_capacity: int | None = None,
-    generated: int = 0,
+    limits: ModelLimits,
+    resume_ids: Sequence[int] = (),
 ) -> tuple[list[int], SamplingParams]:
-    """Validate ids and sampling; `generated` tokens already exist (resume) and count against the budget.
-
-    `kv_capacity` is the most tokens the worker's KV cache holds: a request needing more could never
-    be scheduled, so it is refused (ContextTooLong), and an unset max_tokens is capped to what fits.
-    """
+    """The prompt and the engine's sampling settings, max_tokens filled with what fits this worker (its context
+    and KV cache) when the caller set none. Raises BadRequest for a sampling setting out of range and the shared
+    check's RequestOutOfLimits (request_limits.py) for what does not fit the model; `resume_ids` were already
+    generated and count against max_tokens."""
     ids = list(prompt_ids)
-    if not ids:
-        raise BadRequest("prompt_token_ids is empty", "prompt_token_ids")
-    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
-    if bad is not None:
-        raise BadRequest(f"token id {bad} is outside the vocabulary of {vocab_size}", "prompt_token_ids")
-    room = max_model_len - len(ids)
-    if room < 1:
-        raise ContextTooLong(f"the prompt has {len(ids)} tokens; the context is {max_model_len}")
-    fits = room if kv_capacity is None else min(room, kv_capacity - len(ids))
-    if fits < 1:
-        raise ContextTooLong(f"the prompt has {len(ids)} tokens; this server's KV cache holds {kv_capacity}")
     try:
-        params = sampling_from_proto(sampling, default_max_tokens=fits)
+        params = sampling_from_proto(sampling, default_max_tokens=None)
+        budget = check_request(ids, params, limits, resume_ids=resume_ids)
+        return ids, dataclasses.replace(params, max_tokens=budget)  # min_tokens is checked against the budget
     except InvalidSamplingParams as e:
         raise BadRequest(f"sampling.{e}", f"sampling.{e.field}") from e
-    bad = next((i for i in params.stop_token_ids if i >= vocab_size), None)
-    if bad is not None:
-        raise BadRequest(f"sampling.stop_token_ids: token id {bad} is outside the vocabulary of {vocab_size}",
-                         "sampling.stop_token_ids")
-    if params.max_tokens is not None and params.max_tokens > room:
-        raise ContextTooLong(
-            f"max_tokens {params.max_tokens} + prompt {len(ids)} exceeds the context of {max_model_len}"
-        )
-    if params.max_tokens is not None and params.max_tokens > fits:
-        raise ContextTooLong(
-            f"max_tokens {params.max_tokens} + prompt {len(ids)} tokens is more than this server's KV cache "
-            f"holds ({kv_capacity} tokens); lower max_tokens to at most {fits}"
-        )
-    if generated and params.max_tokens is not None and generated >= params.max_tokens:
-        raise BadRequest(f"{generated} tokens were already generated; max_tokens is {params.max_tokens}")
-    return ids, params
+
+
+def engine_limits(engine: Any) -> ModelLimits:
+    """The limits a request must fit on this worker: its engine's vocabulary, max_model_len and KV cache."""
+    return ModelLimits(engine.model_config.vocab_size, engine.max_model_len,
+                       engine.pool.num_blocks * engine.pool.block_size)
 
 
 def checked_request_id(request_id: str, prefix: str) -> str:

@@ -205,7 +205,7 @@ async def test_the_router_spreads_over_pods_follows_scale_up_and_drains_a_remove
         assert router.metrics.failovers.labels("decode")._value.get() == 0  # the drained streams were not moved
         await wait_until(lambda: pod["127.0.0.2"] not in router.fleet.draining_pods(), "127.0.0.2 has drained", 5)
         assert pod["127.0.0.2"] not in router.fleet.pods("decode")
-        assert pod["127.0.0.2"] not in router._channels, "the drained pod's channel stayed open"
+        assert pod["127.0.0.2"] not in router.fleet._channels, "the drained pod's channel stayed open"
 
 
 async def test_localhost_resolves_through_getaddrinfo_and_status_lists_every_pod(

@@ -10,8 +10,9 @@ import pytest
 
 from qwenserve.engine.config import EngineConfig, KVCapacity, resolve_max_model_len
 from qwenserve.engine.engine import LLMEngine
-from qwenserve.engine.errors import ContextLengthExceededError, MaxModelLenError
+from qwenserve.engine.errors import MaxModelLenError
 from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.request_limits import ContextLengthExceeded
 
 # 8 blocks of 8 tokens: 64 tokens, a KiB a block.
 SMALL_KV = KVCapacity(num_blocks=8, block_size=8, bytes_per_block=1024)
@@ -53,7 +54,7 @@ def test_an_engine_whose_kv_cache_is_smaller_than_the_model_lowers_max_model_len
     assert len(warnings) == 1 and "lowered from 512 to 64" in warnings[0], warnings
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     assert len(engine.generate_sync([[3] * 63], greedy)[0]) == 1
-    with pytest.raises(ContextLengthExceededError, match="max_model_len is 64"):
+    with pytest.raises(ContextLengthExceeded, match="max_model_len is 64"):
         engine.generate_sync([[3] * 64], greedy)
     # Without max_tokens a request gets the rest of the context, which the cache always holds.
     unbounded = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)

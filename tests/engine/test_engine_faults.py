@@ -11,8 +11,9 @@ from engine_checkpoints import random_prompts
 
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
-from qwenserve.engine.errors import EngineDeadError, InvalidTokenError
+from qwenserve.engine.errors import EngineDeadError
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from qwenserve.request_limits import TokenOutsideVocabulary
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -20,7 +21,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 def test_a_stop_token_id_outside_the_vocabulary_is_refused_and_the_engine_serves_on(make_engine):
     engine = make_engine("qwen3_gqa4")  # vocabulary of 1024
     bad = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2, stop_token_ids=(4294967295,))
-    with pytest.raises(InvalidTokenError, match="stop_token_ids: token id 4294967295 is outside the vocabulary"):
+    with pytest.raises(TokenOutsideVocabulary, match="stop_token_ids: token id 4294967295 is outside the vocabulary"):
         engine.generate_sync([[1, 2, 3]], bad)
     assert engine.generate_sync([[1, 2, 3]], GREEDY)[0] and engine.failure is None
 

@@ -13,13 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
-from qwenserve.engine.errors import (
-    CheckpointError,
-    ContextLengthExceededError,
-    EmptyPromptError,
-    InvalidTokenError,
-)
+from qwenserve.engine.errors import CheckpointError
 from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.request_limits import ContextLengthExceeded, EmptyPrompt, TokenOutsideVocabulary
 
 TINY = EngineConfig(num_kv_blocks=32, block_size=8, num_threads=2)
 
@@ -67,11 +63,11 @@ def test_sharded_checkpoint_with_index_loads(tmp_path, checkpoint, reference):
 def test_invalid_requests_raise_typed_errors(make_engine):
     engine = make_engine("qwen3_gqa4", num_kv_blocks=25, block_size=8, max_model_len=200)
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
-    with pytest.raises(EmptyPromptError):
+    with pytest.raises(EmptyPrompt):
         engine.generate_sync([[]], greedy)
-    with pytest.raises(InvalidTokenError, match="1024"):
+    with pytest.raises(TokenOutsideVocabulary, match="1024"):
         engine.generate_sync([[1, 1024]], greedy)
-    with pytest.raises(ContextLengthExceededError, match="max_model_len"):
+    with pytest.raises(ContextLengthExceeded, match="max_model_len"):
         engine.generate_sync([[1] * 150], SamplingParams(max_tokens=60))
 
 

@@ -21,6 +21,7 @@ from qwenserve.kv_transfer import (
     add_kv_transfer_service,
 )
 from qwenserve.protocol import kv_layout_to_proto
+from qwenserve.request_limits import RequestOutOfLimits
 from qwenserve.v1 import decode_pb2
 from qwenserve.worker.decode_worker import DecodeWorker
 from qwenserve.worker.errors import BadRequest, HandoffRefused
@@ -112,7 +113,7 @@ def test_invalid_requests_are_refused_before_any_work(engine: LLMEngine, request
         async for _ in worker.decode(request_):
             pass
 
-    with pytest.raises(BadRequest, match=fragment):
+    with pytest.raises((BadRequest, RequestOutOfLimits), match=fragment):
         asyncio.run(consume())
 
 
