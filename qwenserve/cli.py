@@ -27,12 +27,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "usage": ("qwenserve.tenancy.cli:main", "per-tenant usage (requests and tokens)"),
 }
 
-# `qwen-serve serve <stage>`: the container entrypoint of each stage.
+# `qwen-serve serve <stage>`: the container entrypoint of each stage; the function takes the stage's checked config
+# (qwenserve.stages), so the server module (and torch) is imported only once the flags and the host are fine.
 STAGES: dict[str, str] = {
-    "tokenizer": "qwenserve_services.tokenizer.server:main",
-    "prefill": "qwenserve_services.prefill.server:main",
-    "decode": "qwenserve_services.decode.server:main",
-    "router": "qwenserve_services.router.server:main",
+    "tokenizer": "qwenserve_services.tokenizer.server:start",
+    "prefill": "qwenserve_services.prefill.server:start",
+    "decode": "qwenserve_services.decode.server:start",
+    "router": "qwenserve_services.router.server:start",
 }
 
 
@@ -65,10 +66,11 @@ def _importable(name: str) -> bool:
         return False
 
 
-def _call(target: str, argv: list[str]) -> int:
+def _call(target: str, argument: object) -> int:
+    """Import `module:function` and call it with `argument` (a command's argv, a stage's config)."""
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    return int(func(argv) or 0)
+    return int(func(argument) or 0)
 
 
 def _usage() -> str:
@@ -101,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             given = f"unknown stage {rest[0]!r}{_did_you_mean(rest[0], STAGES)}; " if rest else ""
             print(f"qwen-serve serve: {given}give one of {', '.join(STAGES)}", file=sys.stderr)
             return 2
-        if (refused := _precheck(rest[0], rest[1:])) is not None:
-            return refused
-        return _call(STAGES[rest[0]], rest[1:])
+        return _serve(rest[0], rest[1:])
     if command not in COMMANDS:
         print(f"qwen-serve: unknown command {command!r}{_did_you_mean(command, [*COMMANDS, 'serve'])}; "
               "`qwen-serve --help` lists them", file=sys.stderr)
@@ -114,22 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     return _call(COMMANDS[command][0], rest)
 
 
-def _precheck(stage: str, argv: list[str]) -> int | None:
-    """Parse a stage's flags and check its host (model folder, ports, key files) with its light config module,
-    before the server module imports torch: a mistake is one line within a second. None: go ahead."""
-    import logging
+def _serve(stage: str, argv: list[str]) -> int:
+    """Parse the stage's flags and check its host (model folder, ports, key files) once, with its light config
+    module, before the server module imports torch (a mistake is one line within a second); then start the
+    server with that config."""
+    from qwenserve.stages.common import checked, stage_module
 
-    from qwenserve.preflight import StartupError, one_line
-    from qwenserve.telemetry.logs import console
-
-    config_module = importlib.import_module(f"qwenserve.stages.{stage}")
-    config = config_module.parse_config(argv)  # exits with one line on a bad flag
-    try:
-        config_module.check(config)
-    except StartupError as e:
-        console("%s: cannot start: %s", stage, one_line(e), level=logging.ERROR, stderr=True)
+    config_module = stage_module(stage)
+    config = checked(stage, config_module.parse_config(argv), config_module.check)  # a bad flag: one line, exit 2
+    if config is None:
         return 1
-    return None
+    return _call(STAGES[stage], config)
 
 
 def _serve_usage() -> str:

@@ -210,14 +210,16 @@ def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: st
     _add(parser, spec, suppress)
 
 
-def _add(parser: argparse.ArgumentParser | argparse._ArgumentGroup, spec: FlagSpec, suppress: bool) -> None:
+def _add(parser: argparse.ArgumentParser | argparse._ArgumentGroup, spec: FlagSpec, suppress: bool,
+         environ: Mapping[str, str] | None = None) -> None:
     opt, default = spec.option, spec.default
     variable = spec.env
+    environ = os.environ if environ is None else environ
     if suppress:
         default = argparse.SUPPRESS
-    elif variable is not None and variable in os.environ:
+    elif variable is not None and variable in environ:
         try:
-            default = convert(spec, os.environ[variable], variable)
+            default = convert(spec, environ[variable], variable)
         except FlagError as e:
             _fail(parser, f"{e} (the environment fallback of {spec.flag})")
     text = opt.help + (f" [env {variable}]" if variable else "")
@@ -266,15 +268,17 @@ def _fail(parser: argparse.ArgumentParser | argparse._ArgumentGroup, message: st
 
 def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
                 defaults: Mapping[str, Any] | None = None, suppress: bool = False,
-                skip: Callable[[FlagSpec], bool] | None = None) -> list[FlagSpec]:
+                skip: Callable[[FlagSpec], bool] | None = None,
+                environ: Mapping[str, str] | None = None) -> list[FlagSpec]:
     """Add a flag for every option of `cls` (see `add_flag` for `suppress`); flags the parser already has,
-    or that `skip` refuses, are left out. Returns the specs added."""
+    or that `skip` refuses, are left out. The variables come from `environ` (default: this process's
+    environment; another process's, for a command line built here). Returns the specs added."""
     added = []
     existing = parser._option_string_actions  # shared by a parser and its argument groups
     for spec in option_specs(cls, defaults):
         if spec.flag in existing or (skip is not None and skip(spec)):
             continue
-        _add(parser, spec, suppress)
+        _add(parser, spec, suppress, environ)
         added.append(spec)
     return added
 

@@ -239,8 +239,14 @@ class LocalCluster:
                     raise
                 console("qwen-serve: %s; starting again on other ports (%s)", taken, e, stderr=True)
 
-    def _launch(self, timeout_s: float) -> None:
+    def child_environment(self, child: Child) -> dict[str, str]:
+        """The environment `child` runs with: this process's, the cluster's `env`, the child's own variables (the
+        secrets given to it), and its progress and supervision settings (a prefill child's CPU priority)."""
         env = {**os.environ, **self.env}
+        nice = self.prefill_nice if child.name.startswith("prefill") else 0
+        return {**env, **child.env, **progress.child_env(child.name, env), **supervision.child_env(nice)}
+
+    def _launch(self, timeout_s: float) -> None:
         sink = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
         for child in self.children:
             out: IO[bytes] | None = sink
@@ -248,10 +254,10 @@ class LocalCluster:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 out = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - lives as long as the child
             # Children's own output never mixes with the launcher's stdout (which carries the ready line).
-            # Progress as named lines, never bars: the children share the launcher's terminal or write files.
-            nice = self.prefill_nice if child.name.startswith("prefill") else 0
+            # Progress as named lines, never bars (progress.child_env): the children share the launcher's terminal
+            # or write files.
             child.process = subprocess.Popen(
-                child.argv, env={**env, **child.env, **progress.child_env(child.name, env), **supervision.child_env(nice)},
+                child.argv, env=self.child_environment(child),
                 stdout=subprocess.PIPE if out is not None else sys.stderr, stderr=subprocess.STDOUT,
             )
             if out is not None and child.process.stdout is not None:

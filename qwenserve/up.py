@@ -11,13 +11,10 @@ child and its last line of output) stops them all.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import logging
-import os
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +32,7 @@ from qwenserve.flags import (
 from qwenserve.launcher import LocalCluster, stage_configs
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
 from qwenserve.presets import preset_defaults, preset_named
+from qwenserve.stages.common import stage_module
 from qwenserve.telemetry.logs import console
 
 # Stage flags `qwen-serve up` sets itself (addresses and ports it chooses, the model it serves).
@@ -96,12 +94,13 @@ def main(argv: list[str]) -> int:
             prefill_nice=up.prefill_nice, stage_values=stage_values,
         )
         cluster.plan()
+        configs = _child_configs(cluster)
         if up.print_config:
-            for name, config in _child_configs(cluster):
+            for name, _stage, config in configs:
                 print(f"{name}: {config_line(config)}")
             print(f"up: prefill_nice={up.prefill_nice}")
             return 0
-        _check_plan(cluster, up)
+        _check_plan(configs, up)
     except StartupError as e:
         console("qwen-serve up: cannot start: %s", one_line(e), level=logging.ERROR, stderr=True)
         return 1
@@ -144,41 +143,27 @@ def _checked_model(model: str | None) -> str:
     return model
 
 
-def _child_configs(cluster: LocalCluster) -> list[tuple[str, Any]]:
-    """(child name, its stage's configuration parsed from its planned command line), without starting anything."""
+def _child_configs(cluster: LocalCluster) -> list[tuple[str, str, Any]]:
+    """(child name, stage, the stage's configuration) as the child will parse it: its planned command line with the
+    stage's strict parser (a refusal exits here, in one line), its variables from the environment it will get
+    (the secrets `up` hands it there included). Nothing is started, and this process's environment is untouched."""
     configs = []
     for child in cluster.children:
-        stage = child.argv[child.argv.index("serve") + 1]
-        module = importlib.import_module(f"qwenserve.stages.{stage}")
-        with _environment(child.env):
-            configs.append((child.name, module.parse_config(child.argv[child.argv.index("serve") + 2:],
-                                                            prog="qwen-serve up")))
+        serve = child.argv.index("serve")
+        stage = child.argv[serve + 1]
+        config = stage_module(stage).parse_config(child.argv[serve + 2:], prog="qwen-serve up",
+                                                  environ=cluster.child_environment(child))
+        configs.append((child.name, stage, config))
     return configs
 
 
-def _check_plan(cluster: LocalCluster, up: UpConfig) -> None:
-    """Before starting anything: every child's command line parses with its stage's strict parser (a refusal
-    exits here, in one line), and the stages' start-up checks pass (ports, key and TLS files)."""
+def _check_plan(configs: list[tuple[str, str, Any]], up: UpConfig) -> None:
+    """Before starting anything: `up`'s own ports are free and each stage's start-up checks pass (ports, key
+    and TLS files) for its first child, whose parsed config they are given."""
     check_port_free(up.host, up.grpc_port, "--grpc-port")
     check_port_free(up.host, up.port, "--port")
     checked: set[str] = set()
-    for child in cluster.children:
-        stage = child.argv[child.argv.index("serve") + 1]
-        module = importlib.import_module(f"qwenserve.stages.{stage}")
-        with _environment(child.env):  # the secrets it reads from its environment
-            config = module.parse_config(child.argv[child.argv.index("serve") + 2:], prog="qwen-serve up")
-            if stage not in checked:
-                module.check(config)
-                checked.add(stage)
-
-
-@contextlib.contextmanager
-def _environment(extra: dict[str, str]) -> Iterator[None]:
-    """os.environ with `extra` set, for the block."""
-    saved = dict(os.environ)
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    for _name, stage, config in configs:
+        if stage not in checked:
+            stage_module(stage).check(config)
+            checked.add(stage)

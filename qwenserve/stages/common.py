@@ -11,11 +11,13 @@ These modules import no torch and no gRPC servers, so `qwen-serve up` can build 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import ClassVar, TypeVar
 
 from qwenserve.addresses import is_wildcard_host
@@ -26,6 +28,9 @@ from qwenserve.preflight import StartupError, check_model_folder, check_port_fre
 from qwenserve.presets import PRESET_NAMES, preset_defaults, preset_named
 
 C = TypeVar("C", bound="StageConfig")
+
+#: The stages, in the order `qwen-serve up` starts them; each has a module here named after it.
+STAGES: tuple[str, ...] = ("tokenizer", "prefill", "decode", "router")
 
 #: How prefill hands KV to decode: shared memory on one host, a gRPC byte stream, or Mooncake Transfer Engine.
 KV_TRANSFER_MODES = ("shm", "network", "mooncake")
@@ -72,21 +77,27 @@ class EngineStageConfig(StageConfig):
     engine: EngineConfig = nested(EngineConfig, kv_cache_memory_gb=1.0)
 
 
+def stage_module(stage: str) -> ModuleType:
+    """`qwenserve.stages.<stage>`: the stage's config class, `build_parser`, `parse_config` and `check`."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; the stages are {', '.join(STAGES)}")
+    return importlib.import_module(f"qwenserve.stages.{stage}")
+
+
 def stage_parser(stage: str, config_class: type, description: str, prog: str | None = None,
-                 argv: Sequence[str] = ()) -> StrictParser:
+                 argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> StrictParser:
     """The strict parser of a stage, every flag derived from `config_class`; the defaults are the preset's that
-    `argv` (or QWENSERVE_PRESET) names, where the stage has those options."""
+    `argv` (or QWENSERVE_PRESET) names, where the stage has those options. Variables are read from `environ`
+    (default: this process's environment; a child's, for `qwen-serve up`, which passes them on unread)."""
     parser = StrictParser(prog=prog or f"qwen-serve serve {stage}", description=description)
-    add_options(parser, config_class, defaults=preset_defaults(preset_named(argv)))
+    add_options(parser, config_class, defaults=preset_defaults(preset_named(argv, environ)), environ=environ)
     return parser
 
 
 def undefined_flags(stage: str, argv: Sequence[str], taken: Sequence[str] = ()) -> list[str]:
     """The flags in `argv` that `qwen-serve serve STAGE` does not define, or that are in `taken` (set by whoever
     builds the rest of the command line): what the operator refuses in a spec's extra stage arguments."""
-    import importlib
-
-    known = importlib.import_module(f"qwenserve.stages.{stage}").build_parser()._option_string_actions
+    known = stage_module(stage).build_parser()._option_string_actions
     flags = [token.split("=", 1)[0] for token in argv if token.startswith("--")]
     return [flag for flag in flags if flag not in known or flag in taken]
 
@@ -148,19 +159,25 @@ def check_engine_stage(config: EngineStageConfig) -> EngineStageConfig:
     return dataclasses.replace(config, model=model, served_model_name=config.served_model_name or Path(model).name)
 
 
-def start(name: str, config: C, check: Callable[[C], C], run: Callable[[C], Awaitable[None]],
-          startup_errors: Sequence[type[Exception]] = ()) -> int:
-    """From a parsed config to the stage's exit code: `check(config)` (the host's side, returning the config
-    with what it resolved, e.g. the built-in model's folder), then `run_stage`. Start-up failures are one line
-    on stderr and exit status 1."""
-    from qwenserve.grpc_server import run_stage
+def checked(name: str, config: C, check: Callable[[C], C]) -> C | None:
+    """`check(config)`: the host's side (model folder, ports, key files), returning the config with what it
+    resolved (the built-in model's folder, the advertised address); None after the failure's one line on
+    stderr. Runs once per process, before the server module (and torch) is imported."""
     from qwenserve.telemetry.logs import console
 
     try:
-        config = check(config)
+        return check(config)
     except StartupError as e:
         console("%s: cannot start: %s", name, one_line(e), level=logging.ERROR, stderr=True)
-        return 1
+        return None
+
+
+def run_checked(name: str, config: C, run: Callable[[C], Awaitable[None]],
+                startup_errors: Sequence[type[Exception]] = ()) -> int:
+    """From a checked config to the stage's exit code (`run_stage`: logging, the one config line, the event
+    loop). Start-up failures are one line on stderr and exit status 1."""
+    from qwenserve.grpc_server import run_stage
+
     return run_stage(name, config, run, startup_errors=(StartupError, *startup_errors))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from qwenserve.addresses import advertise_host
@@ -35,15 +35,19 @@ class DecodeServiceConfig(EngineStageConfig):
                  "primary address when --host is a wildcard; a pod: its pod IP)")
 
 
-def build_parser(prog: str | None = None, argv: Sequence[str] = ()) -> StrictParser:
-    """`qwen-serve serve decode`'s parser."""
+def build_parser(prog: str | None = None, argv: Sequence[str] = (),
+                 environ: Mapping[str, str] | None = None) -> StrictParser:
+    """`qwen-serve serve decode`'s parser (variables from `environ`, default this process's)."""
     return stage_parser("decode", DecodeServiceConfig,
-                        "The Decode stage: import a handoff (or prefill locally) and stream tokens.", prog, argv)
+                        "The Decode stage: import a handoff (or prefill locally) and stream tokens.", prog, argv,
+                        environ)
 
 
-def parse_config(argv: Sequence[str], prog: str | None = None) -> DecodeServiceConfig:
-    """Flags, falling back to QWENSERVE_* environment variables, falling back to defaults."""
-    parser = build_parser(prog, argv)
+def parse_config(argv: Sequence[str], prog: str | None = None,
+                 environ: Mapping[str, str] | None = None) -> DecodeServiceConfig:
+    """Flags, falling back to QWENSERVE_* variables (of `environ`, default this process's), falling back to
+    defaults."""
+    parser = build_parser(prog, argv, environ)
     config: DecodeServiceConfig = parser.parse_config(DecodeServiceConfig, argv)
     check_engine_options(parser, config)
     check_advertise_host(parser, config.advertise_host, "prefill workers")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from qwenserve.addresses import advertise_host
@@ -35,15 +35,18 @@ class PrefillServiceConfig(EngineStageConfig):
     kv_max_mib: int = option(4096, help="most memory unreleased handoffs may hold")
 
 
-def build_parser(prog: str | None = None, argv: Sequence[str] = ()) -> StrictParser:
-    """`qwen-serve serve prefill`'s parser."""
+def build_parser(prog: str | None = None, argv: Sequence[str] = (),
+                 environ: Mapping[str, str] | None = None) -> StrictParser:
+    """`qwen-serve serve prefill`'s parser (variables from `environ`, default this process's)."""
     return stage_parser("prefill", PrefillServiceConfig,
-                        "The Prefill stage: prompt in, first token and a KV handoff out.", prog, argv)
+                        "The Prefill stage: prompt in, first token and a KV handoff out.", prog, argv, environ)
 
 
-def parse_config(argv: Sequence[str], prog: str | None = None) -> PrefillServiceConfig:
-    """Flags, falling back to QWENSERVE_* environment variables, falling back to defaults."""
-    parser = build_parser(prog, argv)
+def parse_config(argv: Sequence[str], prog: str | None = None,
+                 environ: Mapping[str, str] | None = None) -> PrefillServiceConfig:
+    """Flags, falling back to QWENSERVE_* variables (of `environ`, default this process's), falling back to
+    defaults."""
+    parser = build_parser(prog, argv, environ)
     config: PrefillServiceConfig = parser.parse_config(PrefillServiceConfig, argv)
     check_engine_options(parser, config)
     check_advertise_host(parser, config.advertise_host, "decode workers")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -98,15 +98,20 @@ class RouterServiceConfig(StageConfig):
         object.__setattr__(self, "model_name", name)
 
 
-def build_parser(prog: str | None = None, argv: Sequence[str] = ()) -> StrictParser:
-    """`qwen-serve serve router`'s parser (with the defaults of the preset `argv` names)."""
+def build_parser(prog: str | None = None, argv: Sequence[str] = (),
+                 environ: Mapping[str, str] | None = None) -> StrictParser:
+    """`qwen-serve serve router`'s parser (with the defaults of the preset `argv` names; variables from
+    `environ`, default this process's)."""
     return stage_parser("router", RouterServiceConfig,
-                        "The Router stage: gRPC Generate and the OpenAI HTTP front over the workers.", prog, argv)
+                        "The Router stage: gRPC Generate and the OpenAI HTTP front over the workers.", prog, argv,
+                        environ)
 
 
-def parse_config(argv: Sequence[str], prog: str | None = None) -> RouterServiceConfig:
-    """Flags, falling back to QWENSERVE_* environment variables, falling back to defaults."""
-    parser = build_parser(prog, argv)
+def parse_config(argv: Sequence[str], prog: str | None = None,
+                 environ: Mapping[str, str] | None = None) -> RouterServiceConfig:
+    """Flags, falling back to QWENSERVE_* variables (of `environ`, default this process's), falling back to
+    defaults."""
+    parser = build_parser(prog, argv, environ)
     config: RouterServiceConfig = parser.parse_config(RouterServiceConfig, argv)
     if not config.decode and not config.models_file:
         parser.error("at least one --decode worker is required (host:port[,host:port]), or --models-file")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from qwenserve.flags import StrictParser, option
@@ -27,15 +27,17 @@ class TokenizerServiceConfig(StageConfig):
     max_message_bytes: int = option(64 << 20, help="largest gRPC message")
 
 
-def build_parser(prog: str | None = None) -> StrictParser:
-    """`qwen-serve serve tokenizer`'s parser."""
+def build_parser(prog: str | None = None, argv: Sequence[str] = (),
+                 environ: Mapping[str, str] | None = None) -> StrictParser:
+    """`qwen-serve serve tokenizer`'s parser (variables from `environ`, default this process's)."""
     return stage_parser("tokenizer", TokenizerServiceConfig, "The Tokenizer stage: tokenize, count, detokenize.",
-                        prog)
+                        prog, argv, environ)
 
 
-def parse_config(argv: Sequence[str], prog: str | None = None) -> TokenizerServiceConfig:
+def parse_config(argv: Sequence[str], prog: str | None = None,
+                 environ: Mapping[str, str] | None = None) -> TokenizerServiceConfig:
     """Flags, falling back to QWENSERVE_* environment variables, falling back to defaults."""
-    return build_parser(prog).parse_config(TokenizerServiceConfig, argv)
+    return build_parser(prog, argv, environ).parse_config(TokenizerServiceConfig, argv)
 
 
 def check(config: TokenizerServiceConfig) -> TokenizerServiceConfig:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,7 +15,7 @@ from qwenserve.engine.engine import LLMEngine
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.kv_transfer.importer import ImporterConfig
 from qwenserve.rpc_errors import abort
-from qwenserve.stages.common import argv_or_sys, start
+from qwenserve.stages.common import argv_or_sys, checked, run_checked
 from qwenserve.stages.decode import DecodeServiceConfig, check, parse_config
 from qwenserve.telemetry.metrics import handoff_metrics
 from qwenserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -93,6 +94,17 @@ async def run(config: DecodeServiceConfig) -> None:
         engine.shutdown()
 
 
+def start(config: DecodeServiceConfig) -> int:
+    """`qwen-serve serve decode` from its parsed and checked config (the CLI did both, before importing this
+    module) to the stage's exit code."""
+    return run_checked("decode", config, run, startup_errors=ENGINE_STARTUP_ERRORS)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `qwen-serve serve decode`."""
-    return start("decode", parse_config(argv_or_sys(argv)), check, run, startup_errors=ENGINE_STARTUP_ERRORS)
+    """`python -m qwenserve_services.decode.server [flags]`: parse, check, start."""
+    config = checked("decode", parse_config(argv_or_sys(argv)), check)
+    return 1 if config is None else start(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

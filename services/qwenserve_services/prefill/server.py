@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 import grpc
 
@@ -17,7 +18,7 @@ from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.kv_transfer.exporter import ExporterConfig, KVExporter, MiB
 from qwenserve.kv_transfer.grpc_transport import add_kv_transfer_service
 from qwenserve.rpc_errors import abort
-from qwenserve.stages.common import argv_or_sys, start
+from qwenserve.stages.common import argv_or_sys, checked, run_checked
 from qwenserve.stages.prefill import PrefillServiceConfig, check, parse_config
 from qwenserve.telemetry.metrics import handoff_metrics
 from qwenserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
@@ -106,6 +107,17 @@ async def run(config: PrefillServiceConfig) -> None:
         engine.shutdown()
 
 
+def start(config: PrefillServiceConfig) -> int:
+    """`qwen-serve serve prefill` from its parsed and checked config (the CLI did both, before importing this
+    module) to the stage's exit code."""
+    return run_checked("prefill", config, run, startup_errors=ENGINE_STARTUP_ERRORS)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `qwen-serve serve prefill`."""
-    return start("prefill", parse_config(argv_or_sys(argv)), check, run, startup_errors=ENGINE_STARTUP_ERRORS)
+    """`python -m qwenserve_services.prefill.server [flags]`: parse, check, start."""
+    config = checked("prefill", parse_config(argv_or_sys(argv)), check)
+    return 1 if config is None else start(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from qwenserve.router.models import ModelRoutes, ModelsConfigError, load_models_
 from qwenserve.router.reasoning import THINK_END, THINK_START
 from qwenserve.router.request_ids import new_request_id
 from qwenserve.router.tls import TlsConfigError, grpc_server_credentials
-from qwenserve.stages.common import argv_or_sys, start
+from qwenserve.stages.common import argv_or_sys, checked, run_checked
 from qwenserve.stages.router import RouterServiceConfig, check, parse_config
 from qwenserve.status import probe_stage
 from qwenserve.telemetry.logs import bind_request_id
@@ -222,7 +223,18 @@ async def run(config: RouterServiceConfig) -> None:
             await router.close()
 
 
+def start(config: RouterServiceConfig) -> int:
+    """`qwen-serve serve router` from its parsed and checked config (the CLI did both, before importing this
+    module) to the stage's exit code."""
+    return run_checked("router", config, run,
+                       startup_errors=(TenancyConfigError, TlsConfigError, TokenizerError, ModelsConfigError))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `qwen-serve serve router`."""
-    return start("router", parse_config(argv_or_sys(argv)), check, run,
-                 startup_errors=(TenancyConfigError, TlsConfigError, TokenizerError, ModelsConfigError))
+    """`python -m qwenserve_services.router.server [flags]`: parse, check, start."""
+    config = checked("router", parse_config(argv_or_sys(argv)), check)
+    return 1 if config is None else start(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

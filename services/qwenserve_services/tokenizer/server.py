@@ -23,7 +23,7 @@ from opentelemetry.trace import StatusCode
 
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.rpc_errors import abort
-from qwenserve.stages.common import argv_or_sys, start
+from qwenserve.stages.common import argv_or_sys, checked, run_checked
 from qwenserve.stages.tokenizer import TokenizerServiceConfig, check, parse_config
 from qwenserve.telemetry.metrics import tokenizer_metrics
 from qwenserve.telemetry.tracing import get_tracer
@@ -159,10 +159,16 @@ async def run(config: TokenizerServiceConfig) -> None:
         servicer.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def start(config: TokenizerServiceConfig) -> int:
+    """`qwen-serve serve tokenizer` from its parsed and checked config (the CLI did both, before importing this
+    module) to the stage's exit code."""
+    return run_checked("tokenizer", config, run, startup_errors=(OSError, ValueError, TokenizerError))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `qwen-serve serve tokenizer`."""
-    return start("tokenizer", parse_config(argv_or_sys(argv)), check, run,
-                 startup_errors=(OSError, ValueError, TokenizerError))
+    """`python -m qwenserve_services.tokenizer.server [flags]`: parse, check, start."""
+    config = checked("tokenizer", parse_config(argv_or_sys(argv)), check)
+    return 1 if config is None else start(config)
 
 
 if __name__ == "__main__":
