@@ -7,8 +7,8 @@ sizes and, where causal-conv1d imports, the decode convolution: milliseconds per
 largest difference in the outputs and the states. It needs nothing but torch and the kernel packages, so it runs on
 a bare GPU machine with fla-core carried beside the repository (scripts/gpu_check.sh).
 
-    PYTHONPATH=.venv/fla:. python -P bench/linear_attention_kernels_bench.py           # 0.8B shapes
-    PYTHONPATH=.venv/fla:. python -P bench/linear_attention_kernels_bench.py --small   # a quick look
+    PYTHONPATH=.venv/fla:. python bench/linear_attention_kernels_bench.py           # 0.8B shapes
+    PYTHONPATH=.venv/fla:. python bench/linear_attention_kernels_bench.py --small   # a quick look
 """
 
 from __future__ import annotations

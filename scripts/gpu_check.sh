@@ -13,5 +13,5 @@ export PYTHONPATH=".venv/fla:.${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   "$python" -c 'import torch, triton, fla; print("torch", torch.__version__, "triton", triton.__version__, "fla", fla.__version__)'
-  "$python" -P bench/linear_attention_kernels_bench.py --device cuda --out "$out/linear_attention_kernels.json"
+  "$python" bench/linear_attention_kernels_bench.py --device cuda --out "$out/linear_attention_kernels.json"
 } 2>&1 | tee "$out/gpu_check.log"

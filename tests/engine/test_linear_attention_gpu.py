@@ -48,7 +48,7 @@ def interpreted(checkpoint) -> dict:
     """tests/engine/fla_interpreted.py's findings on the tiny Qwen3-Next checkpoint and PROMPTS."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(FLA_TARGET), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-P", str(HELPER), str(checkpoint("qwen3_next")), json.dumps(PROMPTS)],
+    done = subprocess.run([sys.executable, str(HELPER), str(checkpoint("qwen3_next")), json.dumps(PROMPTS)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
