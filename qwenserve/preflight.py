@@ -7,9 +7,10 @@ Each check raises StartupError with a message that names the cause and the fix; 
 from __future__ import annotations
 
 import errno
-import json
 import socket
 from pathlib import Path
+
+from qwenserve.checkpoint_config import read_config_json
 
 
 class StartupError(Exception):
@@ -34,7 +35,7 @@ def check_model_folder(model: str | Path, flag: str = "--model", *, needs_tokeni
     if not config.is_file():
         raise StartupError(f"{flag} {folder} has no config.json, so it is not a checkpoint folder; {fix}")
     try:
-        json.loads(config.read_text())
+        read_config_json(folder)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise StartupError(f"{flag} {folder}: config.json is not readable JSON ({e}); {fix}") from None
     if needs_tokenizer and not (folder / "tokenizer.json").is_file():

@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qwenserve.checkpoint_config import (
+    DEFAULT_MAX_POSITION_EMBEDDINGS,
+    is_multimodal,
+    language_model_config,
+    read_config_json,
+)
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 # model_type as transformers writes it -> the family we serve: a text-only Qwen3.5 checkpoint says "qwen3_5_text".
 MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
@@ -107,10 +114,9 @@ class ModelConfig:
         (`rope_parameters`, `num_local_experts`) give the same result."""
         model_type = cfg.get("model_type", "")
         weight_prefix = "model."
-        if model_type in HYBRID_MODEL_TYPES and isinstance(cfg.get("text_config"), dict):
+        if model_type in HYBRID_MODEL_TYPES and is_multimodal(cfg):
             # A multimodal checkpoint (Qwen3_5ForConditionalGeneration): its language model, served text-only.
-            outer = {k: cfg[k] for k in ("eos_token_id", "tie_word_embeddings") if k in cfg}
-            cfg = {**cfg["text_config"], **outer, "model_type": model_type}
+            cfg = language_model_config(cfg)
             weight_prefix = "model.language_model."
         model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -135,7 +141,7 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or DEFAULT_MAX_POSITION_EMBEDDINGS),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Qwen3 has them only when the config says so.
             attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
@@ -158,10 +164,7 @@ class ModelConfig:
     def from_folder(cls, path: str | Path) -> ModelConfig:
         """Read `config.json` (and the EOS ids of `generation_config.json` when present) from a checkpoint folder."""
         folder = Path(path)
-        config_file = folder / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{config_file} not found: a checkpoint folder needs a config.json")
-        cfg = json.loads(config_file.read_text())
+        cfg = read_config_json(folder)
         gen_file = folder / "generation_config.json"
         if gen_file.is_file():
             gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from qwenserve.cache import cache_root
+from qwenserve.checkpoint_config import checkpoint_limits
 from qwenserve.tokenizer import builtin
 from qwenserve.tokenizer.chat_template import render_chat
 from qwenserve.tokenizer.errors import ChatTemplateError, CheckpointError, InvalidInput
@@ -142,12 +143,7 @@ class Tokenizer:
         if (folder / "generation_config.json").is_file():
             eos = _read_json(folder / "generation_config.json").get("eos_token_id")
             extra_eos = [eos] if isinstance(eos, int) else list(eos or [])
-        model_vocab = None
-        if (folder / "config.json").is_file():
-            model_config = _read_json(folder / "config.json")
-            model_vocab = model_config.get("vocab_size") or model_config.get("text_config", {}).get(
-                "vocab_size"
-            )
+        model_vocab = checkpoint_limits(folder).vocab_size if (folder / "config.json").is_file() else None
         return cls(tokenizer_json, config, template, extra_eos, model_vocab)
 
     @classmethod

@@ -17,7 +17,6 @@ running near the end of `--grace-s` end with finish reason ABORT rather than bei
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from pathlib import Path
 import grpc
 from prometheus_client import Gauge
 
+from qwenserve.checkpoint_config import checkpoint_limits
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.router import grpc_generate
 from qwenserve.router.config import RouterConfig
@@ -130,14 +130,14 @@ def _gauge_value(gauge: Gauge) -> float:
 
 
 def _load_tokenizer(model: str | None) -> tuple[Tokenizer, int, str]:
-    """The detokenizer's vocabulary, the context length and a model name, from the checkpoint."""
+    """The detokenizer's vocabulary, the model's positions (its context at most) and a model name, from the
+    checkpoint."""
     if model is None:
         from qwenserve.default_model import ensure_default_model
 
         model = str(ensure_default_model())
     folder = Path(model)
-    config = json.loads((folder / "config.json").read_text())
-    return Tokenizer.from_dir(folder), int(config.get("max_position_embeddings", 4096)), folder.name
+    return Tokenizer.from_dir(folder), checkpoint_limits(folder).max_position_embeddings, folder.name
 
 
 def _think_token_ids(tokenizer: Tokenizer) -> tuple[int, int] | None:
