@@ -12,14 +12,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# Bytes per value of each serving dtype. torch is imported only where tensors are handled, so the router, which
+# converts layouts to and from the wire and never touches KV, starts without it.
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def __getattr__(name: str) -> object:
+    """TORCH_DTYPES (serving dtype name -> torch.dtype), made on first use so importing this module needs no torch."""
+    if name == "TORCH_DTYPES":
+        return _torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # block_size is not compared: the handoff is token-major.
 COMPATIBILITY_FIELDS = (
@@ -67,8 +80,8 @@ class KVLayout:
     linear_value_head_dim: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in TORCH_DTYPES:
-            raise ValueError(f"KV dtype {self.dtype!r} is not one of {sorted(TORCH_DTYPES)}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"KV dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
         required = ("num_layers", "num_kv_heads", "head_dim") + (LINEAR_FIELDS if self.linear_layers else ())
         for name in required:
             if getattr(self, name) < 1:
@@ -91,7 +104,7 @@ class KVLayout:
         return (self.linear_layers, self.linear_conv_dim, self.linear_conv_width)
 
     def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.dtype]
+        return _torch_dtypes()[self.dtype]
 
     def token_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
         """Shape of the token-major KV tensor for `num_tokens` tokens."""
@@ -113,6 +126,8 @@ class KVLayout:
     def split(self, data: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, LinearState | None]:
         """Views over a handoff's bytes (`data`: uint8, nbytes(num_tokens) long, 4-byte aligned): the KV
         [L, 2, T, H, D] and, for a hybrid model, the linear-attention state."""
+        import torch
+
         if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != self.nbytes(num_tokens):
             raise ValueError(f"a handoff of {num_tokens} tokens is {self.nbytes(num_tokens)} bytes (uint8, 1-D); "
                              f"got {data.dtype} {tuple(data.shape)}")
@@ -135,6 +150,8 @@ class KVLayout:
                     f"{what}: a hybrid model's handoff carries its linear-attention state with the KV" if state is None
                     else f"{what}: linear-attention state was given for a model without linear-attention layers")
             return
+        import torch
+
         for name, tensor, shape, dtype in (("recurrent", state.recurrent, self.recurrent_shape, torch.float32),
                                            ("conv", state.conv, self.conv_shape, self.torch_dtype())):
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
@@ -142,7 +159,7 @@ class KVLayout:
                                        f"model's is {dtype} {list(shape)}")
 
     def _itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype()).element_size()
+        return DTYPE_SIZES[self.dtype]
 
     def check_accepts(self, other: KVLayout, what: str = "KV") -> None:
         """Raise KVLayoutMismatch naming every field where `other` (the KV offered) differs from this layout
