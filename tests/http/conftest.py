@@ -150,7 +150,7 @@ def _wait_for_http(port: int, logs: Path, timeout_s: float = 20.0) -> None:
                 return
         except OSError:
             if time.monotonic() > deadline:
-                pytest.fail(f"the router serves no HTTP on port {port} (services/router/server.py must start "
+                pytest.fail(f"the router serves no HTTP on port {port} (services/qwenserve_services/router/server.py must start "
                             f"qwenserve.router.front_door.start_http_front); logs in {logs}")
             time.sleep(0.2)
 
