@@ -32,6 +32,10 @@ FINISH_REASON_NAMES: dict[int, str] = {v: k for k, v in FINISH_REASONS.items()}
 MAX_SAMPLING_MAGNITUDE = 1e6
 FLOAT_SAMPLING_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                          "frequency_penalty")
+# A constraint up to this size is parsed where it enters (a malformed one is a 400 naming `structured` at once, in
+# milliseconds); a larger one only where it is compiled, in a worker's compile process (engine/grammar_compile.py),
+# since parsing it here would hold up this event loop (seconds for a 1 MB regex).
+EDGE_PARSE_MAX_CHARS = 16384
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int | None) -> SamplingParams:
@@ -72,8 +76,8 @@ def reasoning_first_from_proto(msg: common_pb2.StructuredOutput) -> ReasoningFir
 
 
 def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
-    """The wire's constraint, its grammar checked (compiled once per distinct constraint); raises
-    InvalidSamplingParams naming `structured` when it cannot be used."""
+    """The wire's constraint, its grammar checked when it is small (EDGE_PARSE_MAX_CHARS; parsed once per distinct
+    constraint); raises InvalidSamplingParams naming `structured` when it cannot be used."""
     kind = msg.WhichOneof("kind")
     try:
         if kind is None:
@@ -82,7 +86,8 @@ def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
             structured = StructuredOutput(kind, json.dumps(list(msg.choice.values)))
         else:
             structured = StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind))
-        compiled_grammar(structured)
+        if len(structured.spec) <= EDGE_PARSE_MAX_CHARS:
+            compiled_grammar(structured)
     except StructuredOutputError as e:
         raise InvalidSamplingParams("structured", str(e)) from None
     return structured

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from qwenserve.engine.errors import MaxModelLenError
+from qwenserve.engine.structured import GrammarLimits
 from qwenserve.flags import option
 
 if TYPE_CHECKING:
@@ -83,6 +84,32 @@ class EngineConfig:
                    "and they pass their start-up check (off: PyTorch's forms)")
     num_threads: int | None = option(None, flag="--threads", help="torch threads on CPU (default: all cores)")
     seed: int = option(0, help="the sampling seed of requests that give none")
+    # Structured output's bounds (structured.py GrammarLimits): a request beyond one is a 400 naming the flag. The
+    # defaults are far above a real tool-use schema; what they stop is one request taking a worker's CPU or memory.
+    max_grammar_chars: int = option(
+        262144, help="structured output: longest JSON schema, regex, grammar or list of choices, in characters")
+    max_grammar_choices: int = option(4096, help="structured output: most strings a choice constraint may list")
+    grammar_compile_timeout_s: float = option(
+        10.0, help="structured output: a constraint not compiled within this many seconds is refused")
+    grammar_compile_memory_mb: int = option(
+        1024, help="structured output: memory one constraint's compilation may take (its compile process is "
+                   "stopped beyond it), in MiB; also the most its compiled form may hold")
+    grammar_cache_mb: int = option(
+        512, help="structured output: memory for compiled constraints kept for reuse, least recently used "
+                  "dropped first, in MiB")
+    grammar_compile_processes: int = option(
+        2, help="structured output: processes compiling constraints at once (each started on first use)")
+    grammar_mask_budget_ms: float = option(
+        100.0, help="structured output: a request whose grammar takes longer than this to work out its allowed "
+                    "tokens, on several steps in a row, is ended with an error (its batch goes on)")
+
+    def grammar_limits(self) -> GrammarLimits:
+        """The structured-output bounds these flags set."""
+        return GrammarLimits(
+            max_chars=self.max_grammar_chars, max_choices=self.max_grammar_choices,
+            compile_timeout_s=self.grammar_compile_timeout_s, compile_memory_bytes=self.grammar_compile_memory_mb << 20,
+            cache_bytes=self.grammar_cache_mb << 20, compile_processes=max(1, self.grammar_compile_processes),
+            mask_budget_s=self.grammar_mask_budget_ms / 1000)
 
     def torch_device(self) -> torch.device:
         """The device to run on."""

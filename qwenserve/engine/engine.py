@@ -96,7 +96,7 @@ class LLMEngine:
         )
         self.eos_token_ids: list[int] = list(model_cfg.eos_token_ids)
         self.grammar = GrammarBackend(Path(checkpoint) / "tokenizer.json", model_cfg.vocab_size, self.eos_token_ids,
-                                      kernels.cpu)
+                                      kernels.cpu, config.grammar_limits())
         with torch.device(device):
             model = model_class(model_cfg)(model_cfg, dtype, self.max_model_len, kernels.ops)
         fingerprint = load_checkpoint(model, checkpoint)
@@ -229,9 +229,15 @@ class LLMEngine:
         def emit(out: RequestOutput) -> None:
             mailbox.post(outputs.put_nowait, out)
 
+        compiled = None
+        if sampling.structured is not None:
+            # Compiled off this loop and off the compute loop (grammar_compile.py): the request joins the
+            # scheduler only once its grammar is ready, and a hostile one is refused without reaching it.
+            self._check_open()
+            compiled = await self.grammar.compile(sampling.structured)
         seq = self._new_sequence(
             request_id, prompt_token_ids, sampling, cache_salt=cache_salt, resume_token_ids=resume_token_ids,
-            kv_import=kv_import, kv_export=kv_export, emit=emit,
+            kv_import=kv_import, kv_export=kv_export, emit=emit, compiled_grammar=compiled,
         )
         seq.priority = priority
         self._submit(seq)
@@ -363,6 +369,7 @@ class LLMEngine:
             self._closed = True
         self._commands.put(_STOP)
         self._thread.join(timeout=60)
+        self.grammar.close()
 
     # ---- request intake ---------------------------------------------------------------------------
 
@@ -458,7 +465,8 @@ class LLMEngine:
                 if seq is not None and seq.status is not SequenceStatus.FINISHED:
                     self._finish(seq, "abort")
 
-    def _finish(self, seq: Sequence, reason: str, last: RequestOutput | None = None, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, last: RequestOutput | None = None, error: str | None = None,
+                request_fault: bool = False) -> None:
         if seq.status is SequenceStatus.FINISHED:
             return
         self.scheduler.finish(seq)
@@ -468,4 +476,4 @@ class LLMEngine:
         new_tokens = last.new_token_ids if last else []
         logprobs = last.logprobs if last else None
         seq.emit(RequestOutput(seq.request_id, new_tokens, logprobs, True, reason, seq.usage(), error,
-                               prompt_logprobs=last.prompt_logprobs if last else None))
+                               prompt_logprobs=last.prompt_logprobs if last else None, request_fault=request_fault))

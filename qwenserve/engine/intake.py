@@ -39,8 +39,10 @@ class RequestIntake:
         kv_import: KVImport | None = None,
         kv_export: KVExportSink | None = None,
         emit: Callable[[RequestOutput], None] | None = None,
+        compiled_grammar: Any = None,
     ) -> Sequence:
-        """The request as a Sequence, or a RequestOutOfLimits / RequestError saying why it cannot run here."""
+        """The request as a Sequence, or a RequestOutOfLimits / RequestError saying why it cannot run here.
+        compiled_grammar: its constraint, compiled beforehand (GrammarBackend.compile); else compiled here."""
         tokens = [int(t) for t in prompt_token_ids] + [int(t) for t in resume_token_ids]
         max_tokens = check_request(prompt_token_ids, sampling, self.limits, resume_ids=resume_token_ids)
         # No KV check: max_model_len fits in the cache (checked at start), so a request within it can always run.
@@ -56,15 +58,17 @@ class RequestIntake:
             cache_salt=cache_salt,
             kv_import=kv_import,
             kv_export=kv_export,
-            grammar=self._grammar_for(sampling, resume_token_ids),
+            grammar=self._grammar_for(sampling, resume_token_ids, compiled_grammar),
         )
 
-    def _grammar_for(self, sampling: SamplingParams, resume_token_ids: Seq[int]) -> Any:
+    def _grammar_for(self, sampling: SamplingParams, resume_token_ids: Seq[int], compiled: Any) -> Any:
         """The request's structured-output matcher, advanced past the tokens it already has (a handoff's first
         token, a failover's resumed ones); None for free text. StructuredOutputError: a 400 for the client."""
         if sampling.structured is None:
             return None
-        matcher = self.grammar.matcher_for(sampling.structured, sampling.reasoning_first)
+        if compiled is None:
+            compiled = self.grammar.compile_sync(sampling.structured)
+        matcher = self.grammar.matcher_for(compiled, sampling.reasoning_first)
         for token in resume_token_ids:
             if not matcher.accept_token(int(token)):
                 raise StructuredOutputError(f"the tokens already generated do not fit the grammar (token {token})")

@@ -41,6 +41,9 @@ class RequestOutput:
     # With the first token, when `prompt_logprobs` was asked for: one entry per prompt position after the
     # first (the first token has nothing before it to be predicted from).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # With finish_reason "error": True when the request itself was at fault (its grammar went past a bound), a
+    # client's error (4xx) that says nothing of the worker's health; False for the engine's own failures.
+    request_fault: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ class Finish(Protocol):
     """Ends a request (frees its blocks, forgets it) and sends its last output: the engine's bookkeeping."""
 
     def __call__(self, seq: Sequence, reason: str, last: RequestOutput | None = None,
-                 error: str | None = None) -> None: ...
+                 error: str | None = None, request_fault: bool = False) -> None: ...
 
 
 class EngineStep:
@@ -115,12 +115,17 @@ class EngineStep:
         try:
             tokens, logprobs = self.sampler(logits, rows)
             return list(zip(items, tokens, logprobs, strict=True))
+        except RequestError as exc:  # a request's grammar went past a bound: that request ends, no fault here
+            log.info("a request's grammar refused a step (%s); sampling the batch's rows one at a time", exc)
         except Exception:
             log.exception("sampling a batch of %d rows failed; sampling its rows one at a time", len(rows))
         sampled = []
         for i, (item, row) in enumerate(zip(items, rows, strict=True)):
             try:
                 tokens, logprobs = self.sampler(logits[i : i + 1], [row])
+            except RequestError as exc:
+                self.finish(item.seq, "error", error=str(exc), request_fault=True)
+                continue
             except Exception as exc:
                 self.finish(item.seq, "error", error=f"sampling failed: {type(exc).__name__}: {exc}")
                 continue

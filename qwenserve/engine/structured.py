@@ -31,6 +31,36 @@ class StructuredOutputError(RequestError):
     """A constraint that cannot be compiled, or a model that cannot take one; a client's 400."""
 
 
+class GrammarLimitExceeded(StructuredOutputError):
+    """A constraint beyond one of this server's bounds (size, compile time or memory, mask cost); the message
+    names the flag that sets it. A client's 400, never the worker's fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarLimits:
+    """What one request's constraint may cost a worker (EngineConfig's --max-grammar-* and --grammar-* flags)."""
+
+    max_chars: int = 262144
+    max_choices: int = 4096
+    compile_timeout_s: float = 10.0
+    compile_memory_bytes: int = 1 << 30
+    cache_bytes: int = 512 << 20
+    compile_processes: int = 2
+    mask_budget_s: float = 0.1
+
+    def check_size(self, structured: StructuredOutput) -> None:
+        """GrammarLimitExceeded for a constraint too large to be worth compiling: checked before any work."""
+        if structured.kind == "choice":  # counted first: for a long list, the count is what to change
+            count = len(structured.choices())
+            if count > self.max_choices:
+                raise GrammarLimitExceeded(f"choice lists {count} strings, more than this server's limit of "
+                                           f"{self.max_choices} (--max-grammar-choices)")
+        if len(structured.spec) > self.max_chars:
+            raise GrammarLimitExceeded(
+                f"the {structured.what} is {len(structured.spec)} characters, more than this server's limit of "
+                f"{self.max_chars} (--max-grammar-chars)")
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """One request's constraint: `kind` (one of KINDS) and its text (a JSON list of strings for choice)."""
@@ -49,16 +79,20 @@ class StructuredOutput:
         return {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
                 "ebnf": "grammar"}[self.kind]
 
+    def choices(self) -> list[str]:
+        """A choice constraint's strings; StructuredOutputError unless they are a non-empty list of them."""
+        try:
+            choices = json.loads(self.spec)
+        except ValueError:
+            choices = None
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise StructuredOutputError("choice must be a non-empty list of non-empty strings")
+        return choices
+
     def ebnf(self) -> str:
         """The constraint as an EBNF grammar (choice and json_object; the others compile from their own form)."""
         if self.kind == "choice":
-            try:
-                choices = json.loads(self.spec)
-            except ValueError:
-                choices = None
-            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-                raise StructuredOutputError("choice must be a non-empty list of non-empty strings")
-            return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+            return "root ::= " + " | ".join(json.dumps(c) for c in self.choices())
         return self.spec
 
 

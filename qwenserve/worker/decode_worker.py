@@ -305,8 +305,10 @@ async def _coalesced(
                 if last.finished:
                     msg.finish_reason = finish_reason_to_proto(last.finish_reason)
                     if last.finish_reason == "error":
+                        # A request at fault (its grammar past a bound) is the client's error, not this worker's.
                         msg.error.CopyFrom(common_pb2.ErrorDetail(
-                            code="engine_error", message=last.error or "the engine failed this request"
+                            code="invalid_argument" if last.request_fault else "engine_error",
+                            message=last.error or "the engine failed this request"
                         ))
                     usage = last.usage
                     msg.usage.CopyFrom(common_pb2.Usage(

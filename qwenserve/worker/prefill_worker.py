@@ -13,7 +13,7 @@ from qwenserve.telemetry.engine_steps import EngineStepObserver
 from qwenserve.telemetry.metrics import HandoffMetrics
 from qwenserve.telemetry.tracing import Attr, get_tracer
 from qwenserve.v1 import common_pb2, prefill_pb2
-from qwenserve.worker.errors import Overloaded, PrefillFailed, WorkerUnavailable
+from qwenserve.worker.errors import BadRequest, Overloaded, PrefillFailed, WorkerUnavailable
 from qwenserve.worker.handoff_telemetry import transport_label
 from qwenserve.worker.requests import checked_cache_salt, checked_request, checked_request_id, engine_limits
 
@@ -75,7 +75,7 @@ class PrefillWorker:
         first: list[int] = []
         logprobs: list[common_pb2.TokenLogprob] = []
         prompt_logprobs: list[common_pb2.TokenLogprob] = []
-        finish, cached, error = None, 0, None
+        finish, cached, error, request_fault = None, 0, None, False
         traced = span.is_recording()
         if traced and self.steps is not None:
             self.steps.watch(request_id)
@@ -88,7 +88,7 @@ class PrefillWorker:
                 logprobs.extend(logprobs_to_proto(out.new_token_ids, out.logprobs))
                 prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
                 if out.finished:
-                    finish, error = out.finish_reason, out.error
+                    finish, error, request_fault = out.finish_reason, out.error, out.request_fault
                     cached = out.usage.cached_prompt_tokens
         except BaseException:
             for slot in slots:
@@ -102,7 +102,7 @@ class PrefillWorker:
         if finish not in ("stop", "length", "export") or not first:
             for slot in slots:
                 slot.abort()
-            raise _failure(request_id, finish, error, no_room)
+            raise _failure(request_id, finish, error, no_room, request_fault)
         response = prefill_pb2.PrefillResponse(
             request_id=request_id, first_token_id=first[0], cached_prompt_tokens=cached
         )
@@ -133,8 +133,11 @@ class PrefillWorker:
         return response
 
 
-def _failure(request_id: str, finish: str | None, error: str | None, no_room: list[KVPoolExhausted]) -> Exception:
+def _failure(request_id: str, finish: str | None, error: str | None, no_room: list[KVPoolExhausted],
+             request_fault: bool = False) -> Exception:
     """What to raise when the engine ended a prefill without a first token and a handoff."""
+    if request_fault:  # the request's own grammar went past a bound: the client's error, not this worker's
+        return BadRequest(error or "the request's grammar cannot go on", "sampling.structured")
     if no_room:
         return Overloaded(f"no room for the KV handoff: {no_room[0]}")
     if finish == "abort":
