@@ -134,3 +134,20 @@ def test_grpc_generate_takes_the_constraint_in_its_sampling(cluster: LocalCluste
         replies = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60))
     assert replies[-1].finish_reason == common_pb2.FINISH_REASON_STOP
     jsonschema.validate(json.loads("".join(r.text for r in replies)), PERSON)
+
+
+def test_a_hostile_grammar_is_a_400_naming_its_limit_and_the_next_request_is_served(client: openai.OpenAI) -> None:
+    model = _model(client)
+    hostile = [
+        ({"guided_choice": [f"w{i:05d}" * 7 for i in range(20_000)]}, "--max-grammar-choices"),
+        ({"guided_json": {"enum": [f"value-{i}" for i in range(50_000)]}}, "--max-grammar-chars"),
+        ({"guided_regex": r"[^\s\S]"}, "matches nothing"),
+    ]
+    for extra, words in hostile:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=model, messages=ASK, max_tokens=8,
+                                           extra_body={**NO_THINKING, **extra}, timeout=15)
+        assert words in refused.value.body["message"], refused.value.body
+    reply = client.chat.completions.create(model=model, messages=ASK, max_tokens=20, temperature=1.0, seed=5,
+                                           extra_body={**NO_THINKING, "guided_choice": ["yes", "no"]})
+    assert reply.choices[0].message.content in ("yes", "no")
