@@ -115,7 +115,7 @@ def network_cluster(tiny_model: Path, reference: dict[Prompt, list[int]],
     spec = example_deployment("network", {"tokenizer": 1, "prefill": 2, "decode": 2, "router": 1})
     cluster = DevCluster(spec, tmp_path_factory.mktemp("network-cluster"), tiny_model)
     try:
-        cluster.waitpod_ready()
+        cluster.wait_ready()
         yield cluster
     finally:
         cluster.stop()
@@ -190,7 +190,7 @@ def test_shm_mode_hands_off_through_the_nodes_dev_shm(
     spec = example_deployment("shm", {"tokenizer": 1, "prefill": 1, "decode": 1, "router": 1})
     cluster = DevCluster(spec, tmp_path / "shm-cluster", tiny_model)
     try:
-        cluster.waitpod_ready()
+        cluster.wait_ready()
         streams = asyncio.run(_run(cluster.grpc, PLAIN[:6]))
         _check_against(reference, streams)
         (decode,) = cluster.ready_pods("decode", 1, timeout=10).values()
