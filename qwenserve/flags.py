@@ -388,6 +388,8 @@ def _printable(config: object) -> dict[str, Any]:
         return dict(vars(config))
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
+        if not f.repr:  # left out of the dataclass's repr, so out of its line too (a router's per-model wiring)
+            continue
         value = getattr(config, f.name)
         spec: Option | None = f.metadata.get(_OPTION)
         if spec is not None and spec.secret and value:

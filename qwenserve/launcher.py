@@ -6,8 +6,9 @@ status`. A child's command line is built from its stage's configuration class (`
 addresses and model the cluster chose, plus the stage options it was given (`qwen-serve up`, qwenserve/up.py,
 passes on every flag the user gave that the stage defines; secrets go through the child's environment).
 
-The cluster waits until every child's gRPC health check says SERVING; on `stop()` (or when any child dies: it
-names the child and its last line of output) it stops them all. Children get SIGTERM from the kernel if the
+The cluster waits until every child's gRPC health check says SERVING (a child that dies meanwhile fails the start,
+named with its last line of output); on `stop()` it stops them all. `restart()`
+starts a child that exited again on its ports (`qwen-serve up` decides when: qwenserve/restarts.py). Children get SIGTERM from the kernel if the
 launcher itself is killed (PR_SET_PDEATHSIG, armed by each child: qwenserve/supervision.py), so no orphans
 are left behind.
 """
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,8 @@ from qwenserve.telemetry.logs import console
 
 # Plans a start may try when a picked port was taken before its child bound it.
 PORT_ATTEMPTS = 3
+# Lines of a child's output kept for a message about it.
+LAST_LINES = 3
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -67,6 +71,9 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)  # this child's own variables (secrets: not in argv)
     last_line: str = ""
     relay: threading.Thread | None = None
+    restarts: int = 0  # times it was started again after it exited (qwen-serve up, qwenserve/restarts.py)
+    # Its last lines of output, for the message naming a stage that keeps failing at start.
+    last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=LAST_LINES))
 
     def died(self) -> str | None:
         """None while running (or not started); else how it ended, with its last line of output."""
@@ -92,6 +99,7 @@ def _relay(child: Child, source: IO[bytes], sink: IO[bytes]) -> None:
         line = raw.decode("utf-8", "replace").strip()
         if line:
             child.last_line = line
+            child.last_lines.append(line)
     source.close()
 
 
@@ -191,7 +199,7 @@ class LocalCluster:
             self.children.append(self._stage("decode", self._port(), {}, workers["decode"]))
         self.router_port = self.router_port or self._port()
         self.http_port = self.http_port or self._port()
-        keys_given = bool({"--api-keys-file", "--api-key"} & {a.split("=")[0] for a in self.extra_router_args}) or any(
+        keys_given = bool({"--api-keys-file", "--api-keys", "--api-key"} & {a.split("=")[0] for a in self.extra_router_args}) or any(
             k in {**os.environ, **self.env, **self.stage_env()}
             for k in ("QWENSERVE_API_KEYS_FILE", "QWENSERVE_API_KEYS", "QWENSERVE_API_KEY")
         ) or bool(self.stage_values.get("api_keys_file") or self.stage_values.get("no_auth"))
@@ -244,31 +252,50 @@ class LocalCluster:
         secrets given to it), and its progress and supervision settings (a prefill child's CPU priority)."""
         env = {**os.environ, **self.env}
         nice = self.prefill_nice if child.name.startswith("prefill") else 0
-        return {**env, **child.env, **progress.child_env(child.name, env), **supervision.child_env(nice)}
+        return {**env, **child.env, **progress.child_env(child.name, env),
+                **supervision.child_env(nice, child.restarts)}
 
     def _launch(self, timeout_s: float) -> None:
-        sink = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
         for child in self.children:
-            out: IO[bytes] | None = sink
-            if self.log_dir is not None:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                out = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - lives as long as the child
-            # Children's own output never mixes with the launcher's stdout (which carries the ready line).
-            # Progress as named lines, never bars (progress.child_env): the children share the launcher's terminal
-            # or write files.
-            child.process = subprocess.Popen(
-                child.argv, env=self.child_environment(child),
-                stdout=subprocess.PIPE if out is not None else sys.stderr, stderr=subprocess.STDOUT,
-            )
-            if out is not None and child.process.stdout is not None:
-                child.relay = threading.Thread(target=_relay, args=(child, child.process.stdout, out),
-                                               name=f"relay-{child.name}", daemon=True)
-                child.relay.start()
+            self._spawn(child)
         try:
             self.wait_healthy(timeout_s)
         except BaseException:
             self.stop()
             raise
+
+    def _spawn(self, child: Child) -> None:
+        """Start `child`'s process, its output relayed to its log file (or this process's stderr)."""
+        out: IO[bytes] | None = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - lives as long as the child
+        child.last_line = ""
+        child.last_lines.clear()
+        # Children's own output never mixes with the launcher's stdout (which carries the ready line).
+        # Progress as named lines, never bars (progress.child_env): the children share the launcher's terminal
+        # or write files.
+        child.process = subprocess.Popen(
+            child.argv, env=self.child_environment(child),
+            stdout=subprocess.PIPE if out is not None else sys.stderr, stderr=subprocess.STDOUT,
+        )
+        if out is not None and child.process.stdout is not None:
+            child.relay = threading.Thread(target=_relay, args=(child, child.process.stdout, out),
+                                           name=f"relay-{child.name}", daemon=True)
+            child.relay.start()
+
+    def restart(self, child: Child) -> None:
+        """Start the exited `child` again with the same command line, so on the same ports (the router's channels
+        to it reconnect). Call it from the thread that started the cluster: a child gets SIGTERM when the thread
+        that started it ends (PR_SET_PDEATHSIG)."""
+        if child.process is not None and child.process.poll() is None:
+            raise RuntimeError(f"{child.name} is still running")
+        # A child killed with SIGKILL could not unlink its shared memory (its successor reaps too, later).
+        from qwenserve.kv_transfer.shm import reap_orphaned_segments
+
+        reap_orphaned_segments()
+        child.restarts += 1
+        self._spawn(child)
 
     def dead_child(self) -> str | None:
         """How the first child that has stopped ended (with its last line), or None while all run."""
@@ -337,13 +364,19 @@ class LocalCluster:
         self.stop()
 
 
-def _serving(stub: health_pb2_grpc.HealthStub) -> bool:
+def _serving(stub: health_pb2_grpc.HealthStub, timeout_s: float = 1.0) -> bool:
     """One health check: True when the server says SERVING."""
     try:
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
     except grpc.RpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def serving(address: str, timeout_s: float = 0.5) -> bool:
+    """One health check of the server at `address`: True when it says SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        return _serving(health_pb2_grpc.HealthStub(channel), timeout_s)
 
 
 def wait_serving(

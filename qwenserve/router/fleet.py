@@ -21,6 +21,7 @@ from qwenserve.router.prepared_request import PreparedRequest
 from qwenserve.router.stream_slots import StreamSlots
 from qwenserve.router.stream_watch import StreamWatch
 from qwenserve.router.workers import WorkerPool
+from qwenserve.stage_auth import credential_interceptors
 from qwenserve.telemetry.metrics import RouterMetrics
 from qwenserve.telemetry.tracing import client_interceptors
 from qwenserve.v1 import (
@@ -98,7 +99,7 @@ class WorkerFleet:
                     # pods then share the calls (gRPC's default, pick_first, would send every call to one).
                     ("grpc.lb_policy_name", "round_robin"),
                 ],
-                interceptors=client_interceptors(),
+                interceptors=[*credential_interceptors(c.stage_secret), *client_interceptors()],
             )
         return self._channels[address]
 
@@ -239,7 +240,7 @@ class WorkerFleet:
         while True:
             try:
                 info = await stub.GetInfo(common_pb2.EngineInfoRequest(), wait_for_ready=True,
-                                          timeout=self.config.rpc_timeout_s)
+                                          timeout=self.config.tokenizer_timeout_s)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # not one of our engine stages: it sets no limit
                     log.warning("%s worker %s does not report its limits (GetInfo: UNIMPLEMENTED)", stage, address)

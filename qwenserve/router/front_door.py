@@ -13,7 +13,6 @@ the limiter get their settings from here, not from the environment.
 from __future__ import annotations
 
 import argparse
-import os
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from qwenserve.router.openai_http import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BOD
 from qwenserve.router.tls import TlsConfig, http_ssl_context
 from qwenserve.telemetry.metrics import RouterMetrics
 from qwenserve.tenancy import InProcessUsageMeter, KeyStore, RedisUsageMeter, load_key_store
+from qwenserve.tenancy.tenants import TenancyConfigError, TenantLimits
 from qwenserve.tenancy.usage import UsageMeter
 
 
@@ -40,6 +40,9 @@ class FrontConfig:
     api_key: str | None = option(None, secret=True,
                                  help="the one API key clients must send (as vLLM's --api-key), default tenant")
     api_keys_file: str | None = option(None, help="API keys -> tenants and limits (YAML/JSON file or directory)")
+    api_keys: str | None = option(None, secret=True,
+                                  help="more API keys as key:tenant,... (the tenant follows the last ':'); a tenant "
+                                       "the keys file does not define gets the default limits")
     no_auth: bool = option(False, help="accept every request as the default tenant")
     default_requests_per_minute: int | None = option(
         None, help="limit of tenants the keys file gives none (and of everyone under --no-auth); default none")
@@ -94,15 +97,15 @@ def make_gatekeeper(config: FrontConfig, metrics: RouterMetrics | None = None) -
 
 
 def load_front_keys(config: FrontConfig) -> KeyStore:
-    """The key store the front door authenticates with: the keys file, `--api-key`, the keys listed in
-    QWENSERVE_API_KEYS, and the default limits. Raises TenancyConfigError naming what is wrong."""
-    env = dict(os.environ)
-    for name, value in (("QWENSERVE_DEFAULT_REQUESTS_PER_MINUTE", config.default_requests_per_minute),
-                        ("QWENSERVE_DEFAULT_TOKENS_PER_MINUTE", config.default_tokens_per_minute)):
-        env[name] = "" if value is None else str(value)
-    env.pop("QWENSERVE_API_KEYS_FILE", None)  # the flag's variable, already read into config.api_keys_file
-    return load_key_store(config.api_keys_file or None, no_auth=config.no_auth, api_key=config.api_key or None,
-                          env=env)
+    """The key store the front door authenticates with: the keys file, `--api-key`, `--api-keys` and the default
+    limits, all from the flags (or their variables). Raises TenancyConfigError naming what is wrong."""
+    for flag, limit in (("--default-requests-per-minute", config.default_requests_per_minute),
+                        ("--default-tokens-per-minute", config.default_tokens_per_minute)):
+        if limit is not None and limit < 1:
+            raise TenancyConfigError(f"{flag} {limit}: give a positive limit, or none for no limit")
+    default_limits = TenantLimits(config.default_requests_per_minute, config.default_tokens_per_minute)
+    return load_key_store(config.api_keys_file or None, api_keys=config.api_keys or "", api_key=config.api_key or None,
+                          no_auth=config.no_auth, default_limits=default_limits)
 
 
 async def close_gatekeeper(gatekeeper: Gatekeeper) -> None:

@@ -30,7 +30,7 @@ from qwenserve.engine.sampling_params import InvalidSamplingParams
 from qwenserve.engine.structured import ReasoningFirst
 from qwenserve.protocol import sampling_from_proto
 from qwenserve.request_limits import ModelLimits, RequestOutOfLimits, check_request
-from qwenserve.router.chat_output import ChatOutput, chat_shape_of, tool_choice_of
+from qwenserve.router.chat_output import ChatOutput, chat_shape_of, check_chat_json, tool_choice_of
 from qwenserve.router.config import RouterConfig
 from qwenserve.router.discovery import Resolver, system_resolver
 from qwenserve.router.errors import InvalidRequest, ServiceUnavailable, UnknownModel, out_of_limits
@@ -45,6 +45,7 @@ from qwenserve.router.workers import NoWorkerAvailable
 from qwenserve.telemetry.metrics import RouterMetrics, router_metrics
 from qwenserve.telemetry.tracing import Attr, get_tracer
 from qwenserve.tenancy.content_filter import ContentFilter
+from qwenserve.untrusted_input import echo
 from qwenserve.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class Router:
         resolver: Resolver = system_resolver,
         token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
+        if config.max_model_len is None:  # the router stage sets the checkpoint's; the library cannot guess it
+            raise ValueError("RouterConfig.max_model_len: give the model's context length (prompt + output tokens)")
         self.config = config
         self.metrics = metrics if metrics is not None else router_metrics(CollectorRegistry())
         self.fleet = WorkerFleet(config, self.metrics, resolver)
@@ -95,7 +98,7 @@ class Router:
         """Raises UnknownModel unless `model` is empty (the default) or the model this router serves."""
         if model and model != self.config.model_name:
             raise UnknownModel(
-                f"the model {model!r} does not exist; this server serves {self.config.model_name!r}", "model"
+                f"the model {echo(model)} does not exist; this server serves {self.config.model_name!r}", "model"
             )
 
     # -- preparing -------------------------------------------------------------------------------
@@ -165,7 +168,7 @@ class Router:
         """The prompt's token ids as a generation would see them (chat template, tools and forced start)."""
         if not self.vocab_size:
             raise ServiceUnavailable("the router is starting: waiting for the tokenizer service")
-        return await self._prompt_ids(req, time.monotonic() + self.config.rpc_timeout_s, tool_choice_of(req, self.config.tool_call_parser))
+        return await self._prompt_ids(req, time.monotonic() + self.config.tokenizer_timeout_s, tool_choice_of(req, self.config.tool_call_parser))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """The text of token ids, special tokens included."""
@@ -185,6 +188,7 @@ class Router:
         if which == "prompt":
             treq = tokenizer_pb2.TokenizeRequest(text=req.prompt)
         else:
+            check_chat_json(req.chat)
             chat = tokenizer_pb2.TokenizeRequest().chat
             chat.CopyFrom(req.chat)
             choice, prefix = chat_tools
@@ -195,7 +199,7 @@ class Router:
         stub = tokenizer_pb2_grpc.TokenizerStub(self.fleet.channel(self.config.tokenizer_address))
         with tracer.start_as_current_span("tokenize", attributes={"qwenserve.input": which}) as span:
             try:
-                resp = await stub.Tokenize(treq, timeout=remaining(deadline, self.config.rpc_timeout_s))
+                resp = await stub.Tokenize(treq, timeout=remaining(deadline, self.config.tokenizer_timeout_s))
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequest(e.details() or "invalid input", "input") from e

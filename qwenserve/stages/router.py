@@ -6,17 +6,16 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
 from qwenserve.flags import StrictParser, address_list, nested, option
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free
 from qwenserve.presets import PRESET_NAMES
+from qwenserve.router.config import RouterConfig
 from qwenserve.router.front_door import FrontConfig, load_front_keys
 from qwenserve.router.generation_defaults import GenerationConfigError, load_generation_defaults
 from qwenserve.router.models import ModelsConfigError, load_models_file
 from qwenserve.router.tls import TlsConfigError
 from qwenserve.stages.common import (
-    COMMON_ENVIRONMENT,
     StageConfig,
     check_common,
     resolve_model,
@@ -35,47 +34,16 @@ class RouterServiceConfig(StageConfig):
     http_port: int = option(0, help="OpenAI-compatible HTTP port (0: off)")
     served_model_name: str = option("", aliases=("--model-name",),
                                     help="the name clients use for the model (default: the folder's name)")
-    max_model_len: int | None = option(
-        None, help="longest request, prompt + output tokens, as the engines' --max-model-len (default: the model's)")
+    router: RouterConfig = nested(RouterConfig)  # how requests are treated; the stage sets each model's wiring
     tokenizer: str = option("127.0.0.1:50051", help="tokenizer service address")
     prefill: list[str] = option(default_factory=list, type=address_list,
                                 help="prefill workers, comma-separated host:port (a name: each pod it resolves to)")
     decode: list[str] = option(default_factory=list, type=address_list,
                                help="decode workers, comma-separated host:port (a name: each pod it resolves to; "
                                     "at least one)")
-    local_prefill_threshold: int = option(
-        0, help="prompts shorter than this many tokens are prefilled on the decode worker")
-    connect_timeout_s: float = option(
-        5.0, help="a worker whose connection is not ready within this many seconds is skipped")
-    prefill_timeout_s: float = option(
-        300.0, help="deadline of one prefill call (plus 0.1 s a prompt token) when the request has none sooner"
-    )
-    tokenizer_timeout_s: float = option(
-        30.0, help="deadline of one tokenizer call (and of a worker's GetInfo) when the request has none sooner")
-    stall_timeout_s: float = option(
-        30.0, help="a decode stream silent this long (first token included) fails over to another worker")
-    resolve_interval_s: float = option(
-        5.0, help="how often --prefill / --decode names (a headless Service) are resolved again to their pods")
-    cold_start_wait_s: float = option(
-        0.0, help="hold a request this long while the decode stage has no pod (scaled to zero) for one to start; "
-                  "then 503 with Retry-After (0: at once)")
-    max_streams_per_decode_worker: int = option(
-        0, help="at most this many requests in flight per decode worker, counted before prefill; more wait here "
-                "(tier priority, then arrival), so no stream stalls for a decode slot after its first token (0: no bound)")
-    max_queue_wait_s: float = option(
-        60.0, help="a request waiting longer than this for a decode stream slot gets 503 with Retry-After")
-    priority_aging_s: float = option(
-        5.0, help="requests waiting for a decode stream slot go by tier priority, one level better per this many "
-                  "seconds waited, as in the engines")
     preset: str = option("none", choices=PRESET_NAMES,
                          help="latency or throughput, as the engine stages': here it sets "
                               "--max-streams-per-decode-worker; flags given beside it win")
-    reasoning_parser: str = option(
-        "qwen3", choices=("qwen3", "none"),
-        help="chat answers: a <think> block goes to reasoning_content (none: it stays in the content)")
-    tool_call_parser: str = option(
-        "hermes", choices=("hermes", "none"),
-        help="chat requests with tools: <tool_call> blocks become tool_calls (none: tools are refused)")
     models_file: str = option(
         "", help="serve several models, each with its own stages, fallback and canary (a YAML file, see "
                  "qwenserve/router/models.py); the model, --tokenizer, --prefill and --decode are then unused")
@@ -89,9 +57,6 @@ class RouterServiceConfig(StageConfig):
                                        help="decode workers' metrics host:port, as --decode")
     front: FrontConfig = nested(FrontConfig)
     model_name: str = field(default="", init=False)  # the name served: --served-model-name or the folder's
-
-    # Keys as "key:tenant,..." (secrets stay out of argv; qwenserve/tenancy/keys.py).
-    ENVIRONMENT: ClassVar[frozenset[str]] = COMMON_ENVIRONMENT | {"QWENSERVE_API_KEYS"}
 
     def __post_init__(self) -> None:
         name = self.served_model_name or (Path(self.model).name if self.model else "")
@@ -115,7 +80,8 @@ def parse_config(argv: Sequence[str], prog: str | None = None,
     config: RouterServiceConfig = parser.parse_config(RouterServiceConfig, argv)
     if not config.decode and not config.models_file:
         parser.error("at least one --decode worker is required (host:port[,host:port]), or --models-file")
-    if config.max_streams_per_decode_worker < 0 or config.max_queue_wait_s < 0 or config.priority_aging_s < 0:
+    router = config.router
+    if router.max_streams_per_decode_worker < 0 or router.max_queue_wait_s < 0 or router.priority_aging_s < 0:
         parser.error("--max-streams-per-decode-worker, --max-queue-wait-s and --priority-aging-s must be >= 0")
     return config
 

@@ -4,7 +4,7 @@ The key file (YAML or JSON, same schema; a Kubernetes Secret mounted as a file w
 
     # api-keys.yaml
     default_tenant: local            # optional; the tenant of --no-auth mode ("default")
-    default_limits:                  # optional; limits of tenants named only in QWENSERVE_API_KEYS
+    default_limits:                  # optional; limits of tenants named only in --api-keys
       requests_per_minute: 60
       tokens_per_minute: 100000
     tiers:                           # optional; a tier's priority (lower is admitted first) and limits
@@ -30,10 +30,11 @@ The key file (YAML or JSON, same schema; a Kubernetes Secret mounted as a file w
 A directory (a Secret mounted as a volume) loads every `*.yaml`, `*.yml` and `*.json` in it,
 skipping Kubernetes' hidden `..data` entries; a tenant defined twice is an error.
 
-Environment: `QWENSERVE_API_KEYS_FILE` (the file or directory), `QWENSERVE_API_KEYS`
-("key1:tenantA,key2:tenantB"; the tenant follows the last ':'), `QWENSERVE_NO_AUTH=1`, and
-`QWENSERVE_DEFAULT_REQUESTS_PER_MINUTE` / `QWENSERVE_DEFAULT_TOKENS_PER_MINUTE` for the default
-limits when no file gives `default_limits` (the operator sets these from the QwenDeployment).
+Beside the file, `load_key_store` takes values (the router's front door passes its flags', which fall back to
+their `QWENSERVE_*` variables): more keys as "key1:tenantA,key2:tenantB" (`--api-keys`; the tenant follows the
+last ':'), vLLM's single `--api-key`, `--no-auth`, and the default limits (`--default-requests-per-minute`,
+`--default-tokens-per-minute`; the operator sets their variables from the QwenDeployment) for when no file
+gives `default_limits`.
 
 Only SHA-256 digests of keys are kept in memory.
 """
@@ -43,7 +44,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,7 +182,7 @@ def _tiers(raw: object, where: str) -> dict[str, tuple[int, dict[str, object]]]:
     return tiers
 
 
-def parse_api_keys_env(value: str) -> list[tuple[str, str]]:
+def parse_api_keys(value: str) -> list[tuple[str, str]]:
     """("key", "tenant") pairs from "key1:tenantA,key2:tenantB" (keys may contain ':')."""
     pairs = []
     for i, item in enumerate(part.strip() for part in value.split(",")):
@@ -190,8 +190,8 @@ def parse_api_keys_env(value: str) -> list[tuple[str, str]]:
             continue
         key, sep, tenant_id = item.rpartition(":")
         if not sep or not key:
-            raise TenancyConfigError(f"QWENSERVE_API_KEYS item {i + 1}: expected 'key:tenant'")
-        pairs.append((key, check_tenant_id(tenant_id, f"QWENSERVE_API_KEYS item {i + 1}")))
+            raise TenancyConfigError(f"--api-keys (QWENSERVE_API_KEYS) item {i + 1}: expected 'key:tenant'")
+        pairs.append((key, check_tenant_id(tenant_id, f"--api-keys (QWENSERVE_API_KEYS) item {i + 1}")))
     return pairs
 
 
@@ -302,37 +302,24 @@ class KeyStore:
         return self._count
 
 
-def _env_default_limits(env: Mapping[str, str]) -> TenantLimits:
-    """Default limits from QWENSERVE_DEFAULT_{REQUESTS,TOKENS}_PER_MINUTE; unset or empty means unlimited."""
-    raw: dict[str, object] = {}
-    for field_name in ("requests_per_minute", "tokens_per_minute"):
-        value = env.get(f"QWENSERVE_DEFAULT_{field_name.upper()}", "").strip()
-        if value:
-            raw[field_name] = int(value) if value.isdigit() else value
-    return parse_limits(raw, "QWENSERVE_DEFAULT_*")
-
-
 def load_key_store(
     path: str | Path | None = None,
     *,
-    no_auth: bool | None = None,
-    env: Mapping[str, str] | None = None,
+    api_keys: str = "",
     api_key: str | None = None,
+    no_auth: bool = False,
+    default_limits: TenantLimits | None = None,
 ) -> KeyStore:
-    """Build the key store from a key file/directory and the environment (see the module docstring).
+    """Build the key store from a key file/directory and the keys given beside it (see the module docstring).
 
-    Explicit arguments win over `QWENSERVE_API_KEYS_FILE` and `QWENSERVE_NO_AUTH`; `api_key` is one more key,
-    of the default tenant (vLLM's single `--api-key`). Raises `TenancyConfigError` with the file and field at fault.
+    `api_keys` is "key1:tenantA,key2:tenantB"; `api_key` is one more key, of the default tenant (vLLM's single
+    `--api-key`); `default_limits` are the limits of tenants nothing else limits (a key file's `default_limits`
+    win). Raises `TenancyConfigError` with the file and field at fault.
     """
-    env = os.environ if env is None else env
-    if path is None and env.get("QWENSERVE_API_KEYS_FILE"):
-        path = env["QWENSERVE_API_KEYS_FILE"]
-    if no_auth is None:
-        no_auth = env.get("QWENSERVE_NO_AUTH", "").strip().lower() in ("1", "true", "yes", "on")
     parts = read_key_files(path) if path is not None else []
     tenants: dict[str, Tenant] = {}
     keys: list[tuple[bytes, str]] = []
-    default_tenant, default_limits = DEFAULT_TENANT, _env_default_limits(env)
+    default_tenant, default_limits = DEFAULT_TENANT, default_limits or TenantLimits()
     for part in parts:
         for tenant_id, tenant in part.tenants.items():
             if tenant_id in tenants and tenants[tenant_id] != tenant:
@@ -341,15 +328,15 @@ def load_key_store(
         keys.extend(part.keys)
         default_tenant = part.default_tenant or default_tenant
         default_limits = part.default_limits or default_limits
-    for key, tenant_id in parse_api_keys_env(env.get("QWENSERVE_API_KEYS", "")):
+    for key, tenant_id in parse_api_keys(api_keys):
         tenants.setdefault(tenant_id, Tenant(tenant_id, default_limits))
         keys.append((key_digest(key), tenant_id))
     if api_key:
         keys.append((key_digest(api_key), default_tenant))
     if not keys and not no_auth:
         raise TenancyConfigError(
-            "no API keys configured: give --api-key or --api-keys-file (or set QWENSERVE_API_KEY, "
-            "QWENSERVE_API_KEYS_FILE or QWENSERVE_API_KEYS), or run with --no-auth"
+            "no API keys configured: give --api-key, --api-keys or --api-keys-file (or set QWENSERVE_API_KEY, "
+            "QWENSERVE_API_KEYS or QWENSERVE_API_KEYS_FILE), or run with --no-auth"
         )
     tenants.setdefault(default_tenant, Tenant(default_tenant, default_limits))
     return KeyStore(tenants.values(), keys, no_auth=no_auth, default_tenant=default_tenant)

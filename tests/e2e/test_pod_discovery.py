@@ -121,8 +121,8 @@ async def running_router(model: Path, workers: Workers, decode: list[str],
                          resolver: Resolver = system_resolver) -> AsyncIterator[Router]:
     """The router library over `workers`' tokenizer and prefill and the `decode` entries, resolving every 0.3 s."""
     tokenizer = Tokenizer.from_dir(model)
-    config = RouterConfig(workers.tokenizer.address, [workers.prefill.address], decode, resolve_interval_s=0.3,
-                          worker_info_wait_s=5)
+    config = RouterConfig(workers.tokenizer.address, [workers.prefill.address], decode, max_model_len=4096,
+                          resolve_interval_s=0.3, worker_info_wait_s=5)
     router = Router(config, lambda skip: IncrementalDetokenizer(tokenizer, skip_special_tokens=skip),
                     resolver=resolver)
     try:

@@ -35,7 +35,7 @@ LIMIT = 64 * 1024
 
 @pytest.fixture
 async def client() -> AsyncIterator[TestClient]:
-    router = Router(RouterConfig("127.0.0.1:1", ["127.0.0.1:1"], ["127.0.0.1:1"]), detokenizer_factory=None)  # type: ignore[arg-type]
+    router = Router(RouterConfig("127.0.0.1:1", ["127.0.0.1:1"], ["127.0.0.1:1"], max_model_len=4096), detokenizer_factory=None)  # type: ignore[arg-type]
     router.vocab_size = 151_936  # as if start() had asked the tokenizer
     keys = KeyStore([Tenant("t")], [(key_digest("sk-test"), "t")])
     app = build_app(router, Gatekeeper(keys, InProcessRateLimiter()), "qwen-test", max_body_bytes=LIMIT)
@@ -93,7 +93,7 @@ async def test_token_ids_outside_the_vocabulary_are_400_on_the_prompt(client: Te
 
 
 async def test_a_router_still_starting_answers_503_not_a_vocabulary_error() -> None:
-    router = Router(RouterConfig("127.0.0.1:1", [], ["127.0.0.1:1"]), detokenizer_factory=None)  # type: ignore[arg-type]
+    router = Router(RouterConfig("127.0.0.1:1", [], ["127.0.0.1:1"], max_model_len=4096), detokenizer_factory=None)  # type: ignore[arg-type]
     keys = KeyStore([Tenant("t")], [(key_digest("sk-test"), "t")])
     app = build_app(router, Gatekeeper(keys, InProcessRateLimiter()), "qwen-test")
     async with TestClient(TestServer(app)) as c:
@@ -132,7 +132,7 @@ async def dead_workers_client() -> AsyncIterator[TestClient]:
     """A front whose router knows the vocabulary but whose prefill and decode workers are all down."""
     dead = "127.0.0.1:1"
     tokenizer = Tokenizer.builtin()
-    router = Router(RouterConfig(dead, [dead], [dead], connect_timeout_s=0.5),
+    router = Router(RouterConfig(dead, [dead], [dead], max_model_len=4096, connect_timeout_s=0.5),
                     lambda skip: IncrementalDetokenizer(tokenizer, skip))
     router.vocab_size = 1000
     keys = KeyStore([Tenant("t")], [(key_digest("sk-test"), "t")])
@@ -240,7 +240,7 @@ async def test_a_half_sent_body_gets_408_and_the_connection_closed_at_the_body_t
     parser = argparse.ArgumentParser()
     add_front_flags(parser)
     front = FrontConfig.from_args(parser.parse_args(["--http-body-timeout-s", "0.5", "--no-auth"]))
-    router = Router(RouterConfig("127.0.0.1:1", [], ["127.0.0.1:1"]), detokenizer_factory=None)  # type: ignore[arg-type]
+    router = Router(RouterConfig("127.0.0.1:1", [], ["127.0.0.1:1"], max_model_len=4096), detokenizer_factory=None)  # type: ignore[arg-type]
     router.vocab_size = 151_936
     keys = KeyStore([Tenant("t")], [(key_digest("sk-test"), "t")])
     port = free_port()

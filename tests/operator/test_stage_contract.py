@@ -138,7 +138,7 @@ def test_a_presets_crd_field_reaches_prefill_decode_and_the_router_as_their_flag
     monkeypatch.setenv("QWENSERVE_DECODE", "decode.ns.svc:50052")  # the router's ConfigMap gives its workers
     spec["preset"] = "latency"
     router = router_config(stage_args("d", "ns", "router", spec)[2:])
-    assert (router.preset, router.max_streams_per_decode_worker) == ("latency", 32)
+    assert (router.preset, router.router.max_streams_per_decode_worker) == ("latency", 32)
 
 
 def test_the_stages_refuse_a_flag_they_do_not_define(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""API keys -> tenants: file formats, environment, authentication, no-auth mode."""
+"""API keys -> tenants: file formats, keys listed beside the file, authentication, no-auth mode."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def write_key_file(tmp_path: Path) -> Path:
 
 
 def test_keys_from_a_yaml_file_map_to_tenants_with_their_limits(tmp_path: Path) -> None:
-    store = load_key_store(write_key_file(tmp_path), env={})
+    store = load_key_store(write_key_file(tmp_path))
     acme = store.authenticate("sk-acme-prod")
     assert acme == Tenant("acme", TenantLimits(600, 200000, 4096))
     assert store.authenticate("sk-globex-dev") == Tenant("globex", TenantLimits())
@@ -51,7 +51,7 @@ def test_keys_from_a_yaml_file_map_to_tenants_with_their_limits(tmp_path: Path) 
 
 
 def test_missing_or_wrong_key_is_unauthenticated(tmp_path: Path) -> None:
-    store = load_key_store(write_key_file(tmp_path), env={})
+    store = load_key_store(write_key_file(tmp_path))
     for missing in (None, ""):
         with pytest.raises(Unauthenticated, match="missing API key"):
             store.authenticate(missing)
@@ -66,18 +66,14 @@ def test_missing_or_wrong_key_is_unauthenticated(tmp_path: Path) -> None:
 
 
 def test_only_digests_of_keys_are_kept_in_memory(tmp_path: Path) -> None:
-    store = load_key_store(write_key_file(tmp_path), env={"QWENSERVE_API_KEYS": "sk-env-secret:acme"})
-    assert store.authenticate("sk-env-secret").id == "acme"
+    store = load_key_store(write_key_file(tmp_path), api_keys="sk-listed-secret:acme")
+    assert store.authenticate("sk-listed-secret").id == "acme"
     held = repr(vars(store))
-    assert "sk-globex-dev" not in held and "sk-env-secret" not in held
+    assert "sk-globex-dev" not in held and "sk-listed-secret" not in held
 
 
-def test_environment_keys_join_the_file_and_unknown_tenants_get_default_limits(tmp_path: Path) -> None:
-    env = {
-        "QWENSERVE_API_KEYS_FILE": str(write_key_file(tmp_path)),
-        "QWENSERVE_API_KEYS": "k:1:acme, k2:newco",
-    }
-    store = load_key_store(env=env)
+def test_listed_keys_join_the_file_and_unknown_tenants_get_default_limits(tmp_path: Path) -> None:
+    store = load_key_store(write_key_file(tmp_path), api_keys="k:1:acme, k2:newco")
     assert store.authenticate("k:1").id == "acme"  # a key may contain ':'; the tenant follows the last one
     assert store.authenticate("k2") == Tenant("newco", TenantLimits(requests_per_minute=10))
 
@@ -94,16 +90,16 @@ def test_json_file_and_secret_directory_load_the_same_schema(tmp_path: Path) -> 
             }
         )
     )
-    store = load_key_store(secret, env={})
+    store = load_key_store(secret)
     assert store.authenticate("sk-json") == Tenant("acme", TenantLimits(tokens_per_minute=1000))
 
 
 def test_no_auth_mode_maps_everything_to_the_default_tenant(tmp_path: Path) -> None:
-    store = load_key_store(write_key_file(tmp_path), no_auth=True, env={})
+    store = load_key_store(write_key_file(tmp_path), no_auth=True)
     assert store.authenticate(None).id == "local"
     assert store.authenticate("whatever").id == "local"
     assert store.authenticate("sk-globex-dev").id == "local"
-    bare = load_key_store(env={"QWENSERVE_NO_AUTH": "1"})
+    bare = load_key_store(no_auth=True)
     assert bare.authenticate(None) == Tenant("default", TenantLimits())
 
 
@@ -124,14 +120,14 @@ def test_malformed_key_files_say_what_is_wrong(tmp_path: Path, text: str, messag
     path = tmp_path / "keys.yaml"
     path.write_text(text)
     with pytest.raises(TenancyConfigError, match=message):
-        load_key_store(path, env={})
+        load_key_store(path)
 
 
 def test_auth_without_any_key_configured_is_a_config_error() -> None:
     with pytest.raises(TenancyConfigError, match="no API keys configured"):
-        load_key_store(env={})
+        load_key_store()
     with pytest.raises(TenancyConfigError, match="expected 'key:tenant'"):
-        load_key_store(env={"QWENSERVE_API_KEYS": "justakey"})
+        load_key_store(api_keys="justakey")
 
 
 def test_bearer_token_parsing() -> None:

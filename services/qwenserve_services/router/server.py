@@ -1,7 +1,7 @@
 """The Router stage: gRPC `Generate` (and the OpenAI HTTP front) over the disaggregated workers.
 
 `qwen-serve serve router [MODEL] --tokenizer H:P --prefill H:P[,H:P] --decode H:P[,H:P]`; the options are
-RouterServiceConfig's (`config.py`).
+RouterServiceConfig's (`qwenserve/stages/router.py`).
 
 `--tokenizer-metrics`, `--prefill-metrics`, `--decode-metrics` (the stages' Prometheus host:port,
 in the same order as their gRPC addresses; for a name, each of its pods at that port) let `GetStatus` /
@@ -17,6 +17,7 @@ running near the end of `--grace-s` end with finish reason ABORT rather than bei
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -28,7 +29,6 @@ from prometheus_client import Gauge
 from qwenserve.checkpoint_config import checkpoint_limits
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.router import grpc_generate
-from qwenserve.router.config import RouterConfig
 from qwenserve.router.discovery import metrics_address
 from qwenserve.router.errors import RouterError
 from qwenserve.router.front_door import close_gatekeeper, make_gatekeeper, start_http_front
@@ -39,6 +39,7 @@ from qwenserve.router.models import ModelRoutes, ModelsConfigError, load_models_
 from qwenserve.router.reasoning import THINK_END, THINK_START
 from qwenserve.router.request_ids import new_request_id
 from qwenserve.router.tls import TlsConfigError, grpc_server_credentials
+from qwenserve.stage_secret import load_stage_secret
 from qwenserve.stages.common import argv_or_sys, checked, run_checked
 from qwenserve.stages.router import RouterServiceConfig, check, parse_config
 from qwenserve.status import probe_stage
@@ -147,26 +148,20 @@ def _think_token_ids(tokenizer: Tokenizer) -> tuple[int, int] | None:
 
 
 def _router(config: RouterServiceConfig, metrics: RouterMetrics, name: str, model: str | None, tokenizer: str,
-            prefill: list[str], decode: list[str], max_model_len: int | None = None) -> Router:
-    """One model's Router: its vocabulary and sampling defaults from its checkpoint, the rest from the flags."""
+            prefill: list[str], decode: list[str]) -> Router:
+    """One model's Router: the flags' settings (config.router) with the model's wiring, its vocabulary and
+    sampling defaults from its checkpoint."""
     vocabulary, model_len, folder_name = _load_tokenizer(model)
     defaults = load_generation_defaults(config.generation_config, model)
     if defaults:
         log.info("%s: sampling defaults from the generation config (a request's own settings win): %s",
                  name or folder_name, defaults)
     return Router(
-        RouterConfig(
-            tokenizer_address=tokenizer, prefill_addresses=prefill, decode_addresses=decode,
-            model_name=name or folder_name, max_model_len=max_model_len or model_len,
-            local_prefill_threshold=config.local_prefill_threshold,
-            connect_timeout_s=config.connect_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
-            rpc_timeout_s=config.tokenizer_timeout_s,
-            stall_timeout_s=config.stall_timeout_s, resolve_interval_s=config.resolve_interval_s,
-            cold_start_wait_s=config.cold_start_wait_s,
-            max_streams_per_decode_worker=config.max_streams_per_decode_worker,
-            max_queue_wait_s=config.max_queue_wait_s, priority_aging_s=config.priority_aging_s,
-            reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
+        dataclasses.replace(
+            config.router, tokenizer_address=tokenizer, prefill_addresses=prefill, decode_addresses=decode,
+            model_name=name or folder_name, max_model_len=config.router.max_model_len or model_len,
             think_token_ids=_think_token_ids(vocabulary), sampling_defaults=defaults,
+            stage_secret=load_stage_secret(config.stage_secret_file),
         ),
         lambda skip: IncrementalDetokenizer(vocabulary, skip_special_tokens=skip),
         metrics,
@@ -178,11 +173,11 @@ def build_routes(config: RouterServiceConfig, metrics: RouterMetrics) -> ModelRo
     """The models this router serves: the one of its flags, or every one of --models-file."""
     if not config.models_file:
         router = _router(config, metrics, config.model_name, config.model, config.tokenizer, config.prefill,
-                         config.decode, config.max_model_len)
+                         config.decode)
         return ModelRoutes({router.config.model_name: router}, router.config.model_name)
     models = load_models_file(config.models_file)
-    routers = {e.name: _router(config, metrics, e.name, e.model, e.tokenizer, list(e.prefill), list(e.decode),
-                               config.max_model_len) for e in models.entries}
+    routers = {e.name: _router(config, metrics, e.name, e.model, e.tokenizer, list(e.prefill), list(e.decode))
+               for e in models.entries}
     return ModelRoutes(routers, models.default, {e.name: e for e in models.entries},
                        on_fallback=lambda model, fallback: metrics.fallbacks.labels(model, fallback).inc())
 
