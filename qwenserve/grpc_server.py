@@ -38,6 +38,8 @@ from prometheus_client import CollectorRegistry
 
 from qwenserve.flags import print_config
 from qwenserve.preflight import one_line
+from qwenserve.stage_auth import StageAuthInterceptor
+from qwenserve.stage_secret import StageSecret
 from qwenserve.telemetry.logs import console
 from qwenserve.telemetry.metrics_server import MetricsServer
 from qwenserve.telemetry.startup import start_telemetry, stop_telemetry
@@ -67,6 +69,8 @@ class GrpcServerConfig:
     credentials: grpc.ServerCredentials | None = None  # TLS; None: plaintext (the local default)
     metrics_port: int = 0  # Prometheus /metrics, /healthz, /readyz on `host`; 0: none
     metrics_registry: CollectorRegistry | None = field(default=None, compare=False)  # None: the default one
+    # Callers must present this deployment's stage credential (all but health and reflection); None: anyone may call.
+    stage_secret: StageSecret | None = field(default=None, repr=False)
 
 
 class ServeState:
@@ -116,8 +120,11 @@ class StageServer:
             # "without data", and a ping deemed early must never cost the call its connection.
             ("grpc.http2.max_ping_strikes", 0),
         ]
+        # The credential is checked first: a refused call costs no span, no parsing, no handler.
+        guard = [StageAuthInterceptor(config.stage_secret)] if config.stage_secret is not None else []
         self.server = grpc.aio.server(
-            options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs, interceptors=server_interceptors()
+            options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+            interceptors=[*guard, *server_interceptors()],
         )
         self.state = ServeState()
         self.health = HealthServicer()

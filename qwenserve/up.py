@@ -12,6 +12,7 @@ child and its last line of output) stops them all.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from qwenserve.flags import (
 from qwenserve.launcher import LocalCluster, stage_configs
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
 from qwenserve.presets import preset_defaults, preset_named
+from qwenserve.stage_secret import per_run_secret_file
 from qwenserve.stages.common import stage_module
 from qwenserve.telemetry.logs import console
 
@@ -86,6 +88,9 @@ def main(argv: list[str]) -> int:
         parser.error("need --decode >= 1 and --prefill >= 0")
     given = vars(args)
     stage_values = {spec.dest: given[spec.dest] for specs in routed.values() for spec in specs if spec.dest in given}
+    if not stage_values.get("stage_secret_file") and not os.environ.get("QWENSERVE_STAGE_SECRET_FILE"):
+        # Only this run's stages may call each other: a secret made for it, handed to every stage as a file.
+        stage_values["stage_secret_file"] = str(per_run_secret_file())
     try:
         model = _checked_model(up.model)
         cluster = LocalCluster(

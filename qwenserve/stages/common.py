@@ -26,6 +26,7 @@ from qwenserve.engine.config import EngineConfig
 from qwenserve.flags import StrictParser, add_options, nested, option, option_specs
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
 from qwenserve.presets import PRESET_NAMES, preset_defaults, preset_named
+from qwenserve.stage_secret import load_stage_secret
 
 C = TypeVar("C", bound="StageConfig")
 
@@ -54,6 +55,10 @@ class StageConfig:
     # QWENSERVE_LOG_FORMAT=json (read by the logging setup) is this switch's variable: the operator sets it.
     log_json: bool | None = option(None, env=False, help="log one JSON object per line [env QWENSERVE_LOG_FORMAT=json]")
     log_level: str | None = option(None, help="DEBUG, INFO, WARNING, ... (default INFO)")
+    stage_secret_file: str = option(
+        "", help="file holding the deployment's stage secret: prefill, decode and the tokenizer serve only callers "
+                 "that prove they know it, the router and decode prove it (qwen-serve up makes one per run; "
+                 "unset: any caller is served, with a warning)")
 
     #: Variables the stage reads that are no flag's (see `variables`).
     ENVIRONMENT: ClassVar[frozenset[str]] = COMMON_ENVIRONMENT
@@ -106,6 +111,8 @@ def check_common(config: StageConfig, *, needs_tokenizer: bool = False) -> None:
     """The checks every stage makes before loading anything: its model folder and its ports."""
     if config.model:
         check_model_folder(config.model, needs_tokenizer=needs_tokenizer)
+    if config.stage_secret_file:
+        load_stage_secret(config.stage_secret_file)
     check_port_free(config.host, config.port, "--port")
     if config.metrics_port and config.metrics_port != config.port:
         check_port_free(config.host, config.metrics_port, "--metrics-port")

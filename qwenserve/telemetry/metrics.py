@@ -356,6 +356,16 @@ class HandoffMetrics:
         self.failures.labels(bounded(transport, TRANSPORTS), bounded(reason, HANDOFF_FAILURE_REASONS)).inc()
 
 
+class StageAuthMetrics:
+    """Calls a stage refused for want of its deployment's stage credential (qwenserve/stage_auth.py)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.refusals = Counter(
+            "qwenserve_stage_auth_refusals_total",
+            "Calls refused without the deployment's stage credential, by service and reason (missing, wrong).",
+            ["service", "reason"], registry=registry)
+
+
 class TokenizerMetrics:
     """The tokenizer service's request, text, token and latency metrics."""
 
@@ -436,6 +446,11 @@ def handoff_metrics(registry: CollectorRegistry | None = None) -> HandoffMetrics
 def tokenizer_metrics(registry: CollectorRegistry | None = None) -> TokenizerMetrics:
     """The tokenizer metric group of `registry`, created once."""
     return _group(TokenizerMetrics, registry)
+
+
+def stage_auth_metrics(registry: CollectorRegistry | None = None) -> StageAuthMetrics:
+    """The stage-credential metric group of `registry`, created once."""
+    return _group(StageAuthMetrics, registry)
 
 
 

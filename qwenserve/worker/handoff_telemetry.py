@@ -19,7 +19,9 @@ from qwenserve.kv_transfer.errors import (
     KVTransportUnavailable,
 )
 from qwenserve.kv_transfer.grpc_transport import CHANNEL_OPTIONS
-from qwenserve.kv_transfer.importer import KVImporter
+from qwenserve.kv_transfer.importer import ImporterConfig, KVImporter
+from qwenserve.stage_auth import credential_interceptors
+from qwenserve.stage_secret import StageSecret
 from qwenserve.telemetry.tracing import client_interceptors
 from qwenserve.v1 import common_pb2
 
@@ -53,7 +55,13 @@ def failure_reason(error: BaseException) -> str:
 
 
 class TracedKVImporter(KVImporter):
-    """A KVImporter whose gRPC channels (Fetch, Release) carry trace context and the request id."""
+    """A KVImporter whose gRPC channels (Fetch, Release) carry trace context and the request id, and the
+    deployment's stage credential when it has one (the exporter's KVTransfer asks for it)."""
+
+    def __init__(self, config: ImporterConfig | None = None, *, stage_secret: StageSecret | None = None) -> None:
+        super().__init__(config)
+        self._credential = credential_interceptors(stage_secret)
 
     def _new_channel(self, endpoint: str) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
+        return grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS,
+                                         interceptors=[*self._credential, *client_interceptors()])

@@ -15,6 +15,7 @@ from qwenserve.engine.engine import LLMEngine
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.kv_transfer.importer import ImporterConfig
 from qwenserve.rpc_errors import abort
+from qwenserve.stage_auth import guarding_secret
 from qwenserve.stages.common import argv_or_sys, checked, run_checked
 from qwenserve.stages.decode import DecodeServiceConfig, check, parse_config
 from qwenserve.telemetry.metrics import handoff_metrics
@@ -64,12 +65,13 @@ IMPORT_TRANSPORTS: dict[str | None, frozenset[int]] = {
 
 async def run(config: DecodeServiceConfig) -> None:
     assert config.model is not None, "check() resolves the model"
+    secret = guarding_secret(config.stage_secret_file, "decode")
     engine = LLMEngine.from_pretrained(config.model, config.engine)
     # The transports prefill workers hand off over; a Mooncake handle is refused unless the deployment chose
     # Mooncake, not a reason to start a Transfer Engine.
     importer = TracedKVImporter(ImporterConfig(
         transports=IMPORT_TRANSPORTS[config.kv_transfer], mooncake_host=config.advertise_host or "127.0.0.1",
-    ))
+    ), stage_secret=secret)  # prefill's KVTransfer asks decode for the deployment's credential too
     steps = observe_engine_steps(engine)
     worker = DecodeWorker(
         engine, importer, steps=steps, handoff=handoff_metrics(),
@@ -83,7 +85,8 @@ async def run(config: DecodeServiceConfig) -> None:
         publish_engine_metrics(engine, None, steps=steps, model_name=config.served_model_name)
     )
     server_config = GrpcServerConfig(
-        host=config.host, port=config.port, grace_s=config.grace_s, metrics_port=config.metrics_port
+        host=config.host, port=config.port, grace_s=config.grace_s, metrics_port=config.metrics_port,
+        stage_secret=secret,
     )
     try:
         await serve(server_config, "decode", SERVICES, register, warm_up=lambda: warm_up_engine(engine),

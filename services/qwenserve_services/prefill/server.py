@@ -18,6 +18,7 @@ from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.kv_transfer.exporter import ExporterConfig, KVExporter, MiB
 from qwenserve.kv_transfer.grpc_transport import add_kv_transfer_service
 from qwenserve.rpc_errors import abort
+from qwenserve.stage_auth import guarding_secret
 from qwenserve.stages.common import argv_or_sys, checked, run_checked
 from qwenserve.stages.prefill import PrefillServiceConfig, check, parse_config
 from qwenserve.telemetry.metrics import handoff_metrics
@@ -80,7 +81,8 @@ async def run(config: PrefillServiceConfig) -> None:
     engine = LLMEngine.from_pretrained(config.model, config.engine)
     transport = TRANSPORTS[config.kv_transfer]
     server_config = GrpcServerConfig(
-        host=config.host, port=config.port, grace_s=config.grace_s, metrics_port=config.metrics_port
+        host=config.host, port=config.port, grace_s=config.grace_s, metrics_port=config.metrics_port,
+        stage_secret=guarding_secret(config.stage_secret_file, "prefill"),
     )
     # Every address in a handle is one decode workers dial: the advertised one, never the bind address.
     exporter = KVExporter(ExporterConfig(

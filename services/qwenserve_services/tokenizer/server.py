@@ -23,6 +23,7 @@ from opentelemetry.trace import StatusCode
 
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.rpc_errors import abort
+from qwenserve.stage_auth import guarding_secret
 from qwenserve.stages.common import argv_or_sys, checked, run_checked
 from qwenserve.stages.tokenizer import TokenizerServiceConfig, check, parse_config
 from qwenserve.telemetry.metrics import tokenizer_metrics
@@ -145,7 +146,7 @@ async def run(config: TokenizerServiceConfig) -> None:
 
     server_config = GrpcServerConfig(
         host=config.host, port=config.port, max_message_bytes=config.max_message_bytes, grace_s=config.grace_s,
-        metrics_port=config.metrics_port,
+        metrics_port=config.metrics_port, stage_secret=guarding_secret(config.stage_secret_file, "tokenizer"),
     )
     try:
         await serve(
