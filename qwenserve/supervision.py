@@ -1,10 +1,12 @@
 """A stage started by a launcher (`qwen-serve up`, LocalCluster) dies with it and runs at the priority it was given.
 
-The launcher passes `QWENSERVE_SUPERVISOR=PID:NICE`; the stage applies it first thing (`apply()`, from the
-command line's entry): the kernel sends it SIGTERM when the launcher dies (PR_SET_PDEATHSIG), and its CPU
-priority is lowered by NICE before any thread starts. Done in the stage rather than between fork and exec: in
-a launcher whose gRPC threads run (it probes the stages' health), a fork that runs Python code runs gRPC's fork
-handlers too, which were seen aborting the child (out of threads) about one start in five.
+The launcher passes `QWENSERVE_SUPERVISOR=PID:NICE:RESTARTS`; the stage applies it first thing (`apply()`, from
+the command line's entry): the kernel sends it SIGTERM when the launcher dies (PR_SET_PDEATHSIG), its CPU
+priority is lowered by NICE before any thread starts, and its /metrics shows how many times the launcher has
+restarted it (`qwenserve_stage_restarts`, as a kubelet's restart count: qwenserve/restarts.py). Done in the
+stage rather than between fork and exec: in a launcher whose gRPC threads run (it probes the stages' health), a
+fork that runs Python code runs gRPC's fork handlers too, which were seen aborting the child (out of threads)
+about one start in five.
 """
 
 from __future__ import annotations
@@ -12,14 +14,19 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prometheus_client import Gauge
 
 ENV = "QWENSERVE_SUPERVISOR"
 PR_SET_PDEATHSIG = 1
 
 
-def child_env(nice: int = 0) -> dict[str, str]:
-    """The variable a launcher gives each child: this process is its supervisor."""
-    return {ENV: f"{os.getpid()}:{nice}"}
+def child_env(nice: int = 0, restarts: int = 0) -> dict[str, str]:
+    """The variable a launcher gives each child: this process is its supervisor, which started it `restarts`
+    times before."""
+    return {ENV: f"{os.getpid()}:{nice}:{restarts}"}
 
 
 def apply() -> None:
@@ -27,9 +34,18 @@ def apply() -> None:
     raw = os.environ.pop(ENV, "")  # not inherited further: a stage's own children have no such supervisor
     if not raw:
         return
-    pid, _, nice = raw.partition(":")
+    pid, nice, restarts = (raw.split(":") + ["0", "0"])[:3]
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(pid):  # the launcher died before the signal was armed
         os.kill(os.getpid(), signal.SIGTERM)
     if int(nice or 0):
         os.nice(int(nice))
+    _restarts_gauge().set(int(restarts or 0))
+
+
+def _restarts_gauge() -> Gauge:
+    """The stage's restart count on its /metrics (the default registry, which every stage serves)."""
+    from prometheus_client import Gauge
+
+    return Gauge("qwenserve_stage_restarts",
+                 "Times the launcher (qwen-serve up) restarted this stage after it exited, before this process.")

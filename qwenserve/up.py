@@ -5,8 +5,10 @@
 the stage's strict parser and runs the stage's start-up checks, so a mistake is one line and nothing starts.
 
 Once every child is healthy it prints one line containing `ready` with the router's addresses, then one line
-per service with its gRPC and metrics addresses, and on Ctrl-C / SIGTERM (or when any child dies: it names the
-child and its last line of output) stops them all.
+per service with its gRPC and metrics addresses, and on Ctrl-C / SIGTERM stops them all. A child that exits
+meanwhile is restarted on its ports after a backoff, as a kubelet would (qwenserve/restarts.py; the log says
+which, why and when; the router answers retryably or routes around it meanwhile). Only a child that keeps
+failing at start stops `up`, with one line naming it and its last lines of output.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from qwenserve.flags import (
     option,
     option_specs,
 )
-from qwenserve.launcher import LocalCluster, stage_configs
+from qwenserve.launcher import Child, LocalCluster, serving, stage_configs
 from qwenserve.preflight import StartupError, check_model_folder, check_port_free, one_line
 from qwenserve.presets import preset_defaults, preset_named
+from qwenserve.restarts import GiveUp, RestartPolicy, StageExit, after_exit
 from qwenserve.stage_secret import per_run_secret_file
 from qwenserve.stages.common import stage_module
 from qwenserve.telemetry.logs import console
@@ -58,6 +61,11 @@ class UpConfig:
     prefill_nice: int = option(
         10, help="lower prefill processes' CPU priority by this much, so that on shared cores their long prompt "
                  "steps yield to decode steps and the router's relay (0: equal priority)")
+    restart_backoff_s: float = option(
+        1.0, help="wait this long before restarting a stage that exited, doubling with each exit in a row "
+                  "(at most 30 s)")
+    max_start_failures: int = option(
+        3, help="stop when a stage exits this many times in a row before it becomes ready")
     print_config: bool = option(False, env=False,
                                 help="print every stage's configuration as it would start (preset applied), then exit")
 
@@ -86,6 +94,8 @@ def main(argv: list[str]) -> int:
         parser.error(str(e))
     if up.prefill < 0 or up.decode < 1:
         parser.error("need --decode >= 1 and --prefill >= 0")
+    if up.restart_backoff_s < 0 or up.max_start_failures < 1:
+        parser.error("need --restart-backoff-s >= 0 and --max-start-failures >= 1")
     given = vars(args)
     stage_values = {spec.dest: given[spec.dest] for specs in routed.values() for spec in specs if spec.dest in given}
     if not stage_values.get("stage_secret_file") and not os.environ.get("QWENSERVE_STAGE_SECRET_FILE"):
@@ -127,15 +137,64 @@ def main(argv: list[str]) -> int:
     for line in cluster.addresses():
         console("%s", line)
     code = 0
+    policy = RestartPolicy(initial_backoff_s=up.restart_backoff_s,
+                           max_backoff_s=max(up.restart_backoff_s, RestartPolicy.max_backoff_s),
+                           max_start_failures=up.max_start_failures)
+    watches = [StageWatch(child) for child in cluster.children]
     while not stop["signal"]:
-        if (how := cluster.dead_child()) is not None:
-            console("qwen-serve up: %s; stopping the others", how, level=logging.ERROR, stderr=True)
+        failed = next((why for watch in watches if (why := watch.tick(cluster, policy, time.monotonic()))), None)
+        if failed is not None:
+            console("qwen-serve up: %s; stopping the others", failed, level=logging.ERROR, stderr=True)
             code = 1
             break
         time.sleep(0.2)
     cluster.stop()
     console("qwen-serve stopped")
     return code
+
+
+class StageWatch:
+    """One child as `up` watches it: started at, ready yet, its exits, the restart it waits for."""
+
+    def __init__(self, child: Child) -> None:
+        self.child = child
+        self.started_at = time.monotonic()
+        self.ready = True  # the cluster started only once every child was serving
+        self.exits: list[StageExit] = []
+        self.restart_at: float | None = None
+
+    def tick(self, cluster: LocalCluster, policy: RestartPolicy, now: float) -> str | None:
+        """Act on the child's state now: note an exit and schedule its restart, restart it when due, notice it
+        serving again. Returns why `up` must stop (the child keeps failing at start), else None."""
+        child = self.child
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.restart_at = None
+                cluster.restart(child)
+                self.started_at, self.ready = now, False
+                console("qwen-serve up: restarted %s on %s (restart %d, pid %s)", child.name, child.address,
+                        child.restarts, child.process.pid if child.process else "-", level=logging.WARNING,
+                        stderr=True, stage=child.name, restarts=child.restarts)
+            return None
+        how = child.died()
+        if how is None:
+            if not self.ready and serving(child.address):
+                self.ready = True
+                console("qwen-serve up: %s is serving again (restart %d, %.1f s after it started)", child.name,
+                        child.restarts, now - self.started_at, stderr=True, stage=child.name,
+                        restarts=child.restarts)
+            return None
+        self.exits.append(StageExit(ran_s=now - self.started_at, ready=self.ready))
+        decision = after_exit(self.exits, policy)
+        if isinstance(decision, GiveUp):
+            lines = " | ".join(child.last_lines) or "no output"
+            return (f"{child.name} failed to start {decision.start_failures} times in a row (last: {how}); "
+                    f"its last lines: {lines}")
+        self.restart_at = now + decision.delay_s
+        console("qwen-serve up: %s; restarting it on %s in %.1f s (restart %d)", how, child.address,
+                decision.delay_s, child.restarts + 1, level=logging.WARNING, stderr=True, stage=child.name,
+                restarts=child.restarts + 1)
+        return None
 
 
 def _checked_model(model: str | None) -> str:
