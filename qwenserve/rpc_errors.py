@@ -20,6 +20,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from qwenserve.untrusted_input import MAX_FIELD_CHARS, MAX_MESSAGE_CHARS, bounded
 from qwenserve.v1 import common_pb2
 
 #: Codes that say "the same request may succeed later or elsewhere" unless the error says otherwise.
@@ -43,8 +44,12 @@ def error_detail(
     code: str, message: str, *, field: str = "", retryable: bool = False
 ) -> common_pb2.ErrorDetail:
     """Our ErrorDetail: a stable snake_case `code`, a `message` a user can act on, the request `field`
-    at fault (a dotted path, or "") and whether the same request may succeed if retried."""
-    return common_pb2.ErrorDetail(code=code, message=message, field=field, retryable=retryable)
+    at fault (a dotted path, or "") and whether the same request may succeed if retried.
+
+    Message and field are bounded: they may repeat what the client sent, and gRPC carries them in trailing
+    metadata, whose size is limited (a client over it sees RESOURCE_EXHAUSTED instead of this error)."""
+    return common_pb2.ErrorDetail(code=code, message=bounded(message, MAX_MESSAGE_CHARS),
+                                  field=bounded(field, MAX_FIELD_CHARS), retryable=retryable)
 
 
 def rich_status(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qwenserve.engine.errors import RequestError
+from qwenserve.untrusted_input import JsonRefused, read_json
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
 MAX_SPEC_CHARS = 1 << 20  # a schema or grammar larger than this is a mistake (and costly to compile)
@@ -113,7 +114,8 @@ def check_grammar(structured: StructuredOutput) -> Any:
 
     try:
         if structured.kind == "json_schema":
-            schema = json.loads(structured.spec)
+            # The bounded reader first: xgrammar's own parser recurses once per level of nesting.
+            schema = read_json(structured.spec, "the JSON schema", max_bytes=MAX_SPEC_CHARS)
             if not isinstance(schema, dict | bool):
                 raise StructuredOutputError("a JSON schema must be an object (or true / false)")
             return xgrammar.Grammar.from_json_schema(structured.spec, **COMPACT)
@@ -122,6 +124,8 @@ def check_grammar(structured: StructuredOutput) -> Any:
         if structured.kind == "regex":
             return xgrammar.Grammar.from_regex(structured.spec)
         return xgrammar.Grammar.from_ebnf(structured.ebnf())
+    except JsonRefused as e:
+        raise StructuredOutputError(e.message) from None
     except ValueError as e:
         raise StructuredOutputError(f"the {structured.what} is not valid JSON: {e}") from None
     except RuntimeError as e:  # xgrammar's parse errors: keep the message, drop its source location

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from qwenserve.router.errors import InvalidRequest
 from qwenserve.router.reasoning import ReasoningSplitter, thinking_open_in_prompt
 from qwenserve.router.tool_calls import TOOL_START, ToolCallParser
+from qwenserve.untrusted_input import JsonRefused, echo, read_json
 from qwenserve.v1 import common_pb2, router_pb2
 
 TOOL_CHOICES = ("auto", "none", "required", "function")
@@ -48,23 +50,44 @@ def tool_choice_of(req: router_pb2.GenerateRequest, tool_call_parser: str) -> tu
         return "none", ""
     choice = req.chat.tool_choice or "auto"
     if choice not in TOOL_CHOICES:
-        raise InvalidRequest(f"chat.tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {choice!r}",
+        raise InvalidRequest(f"chat.tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {echo(choice)}",
                              "chat.tool_choice")
     if choice == "none":
         return choice, ""
     if tool_call_parser == "none":
         raise InvalidRequest("tools are turned off on this server (--tool-call-parser none)", "chat.tools_json")
     names = set()
-    for raw in req.chat.tools_json:
-        try:
-            names.add(json.loads(raw).get("function", {}).get("name"))
-        except (ValueError, AttributeError):
-            raise InvalidRequest("chat.tools_json holds a tool that is not a JSON object", "chat.tools_json") \
-                from None
+    for i, raw in enumerate(req.chat.tools_json):
+        function = json_object(raw, f"chat.tools_json[{i}]").get("function")
+        names.add(function.get("name") if isinstance(function, dict) else None)
     if choice == "function" and req.chat.tool_choice_name not in names:
-        raise InvalidRequest(f"chat.tool_choice_name {req.chat.tool_choice_name!r} is not one of the tools",
+        raise InvalidRequest(f"chat.tool_choice_name {echo(req.chat.tool_choice_name)} is not one of the tools",
                              "chat.tool_choice_name")
     return choice, forced_prefix(choice, req.chat.tool_choice_name)
+
+
+def check_chat_json(chat: common_pb2.ChatInput) -> None:
+    """Every JSON field of a chat (tools, template variables, earlier tool calls) read as an HTTP body's JSON is:
+    bounded in size and nesting, valid Unicode, an object. Raises InvalidRequest naming the field, before the
+    tokenizer (which parses them again) is called."""
+    for i, raw in enumerate(chat.tools_json):
+        json_object(raw, f"chat.tools_json[{i}]")
+    if chat.chat_template_kwargs_json:
+        json_object(chat.chat_template_kwargs_json, "chat.chat_template_kwargs_json")
+    for i, message in enumerate(chat.messages):
+        for j, raw in enumerate(message.tool_calls_json):
+            json_object(raw, f"chat.messages[{i}].tool_calls_json[{j}]")
+
+
+def json_object(raw: str, field: str) -> dict[str, Any]:
+    """`raw` read by the bounded JSON reader, which must find an object there; InvalidRequest naming `field`."""
+    try:
+        value = read_json(raw, field)
+    except JsonRefused as e:
+        raise InvalidRequest(e.message, e.field) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{field} must be a JSON object", field)
+    return value
 
 
 def chat_shape_of(req: router_pb2.GenerateRequest, prompt_ids: list[int], tools: tuple[str, str],

@@ -38,6 +38,7 @@ from typing import Any
 from qwenserve.config_file import read_yaml
 from qwenserve.router.errors import ModelNotAllowed, UnknownModel
 from qwenserve.v1 import common_pb2, router_pb2
+from qwenserve.untrusted_input import echo
 
 
 class ModelsConfigError(ValueError):
@@ -145,11 +146,11 @@ class ModelRoutes:
         limited to `allowed` (None: any), split by `key` for canaries."""
         name = self.default if requested is None else requested
         if name not in self.routers:
-            raise UnknownModel(f"the model {name!r} does not exist; this server serves {', '.join(self.routers)}",
+            raise UnknownModel(f"the model {echo(name)} does not exist; this server serves {', '.join(self.routers)}",
                                "model")
         allowed_set = None if allowed is None else set(allowed)
         if allowed_set is not None and name not in allowed_set:
-            raise ModelNotAllowed(f"this API key may not use the model {name!r}", "model")
+            raise ModelNotAllowed(f"this API key may not use the model {echo(name)}", "model")
         entry = self.entries.get(name)
         if entry is not None and entry.canary and canary_share(key, name) < entry.canary_percent:
             if allowed_set is None or entry.canary in allowed_set:

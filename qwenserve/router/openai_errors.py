@@ -19,6 +19,7 @@ from qwenserve.router.errors import (
     RouterError,
     error_headers,
 )
+from qwenserve.untrusted_input import MAX_FIELD_CHARS, MAX_MESSAGE_CHARS, bounded
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,11 @@ def error_response(error: RouterError, param: str | None = None) -> web.Response
 
 
 def error_json(status: int, message: str, code: str, param: str | None, kind: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind or error_type(status), "param": param, "code": code}}
+    """OpenAI's error body; its message and param bounded, as they may repeat what the client sent."""
+    if param is not None:
+        param = bounded(param, MAX_FIELD_CHARS)
+    body = {"error": {"message": bounded(message, MAX_MESSAGE_CHARS), "type": kind or error_type(status),
+                      "param": param, "code": code}}
     return web.json_response(body, status=status)
 
 

@@ -8,10 +8,8 @@ import math
 from typing import Any
 
 from qwenserve.router.errors import InvalidRequest
+from qwenserve.untrusted_input import MAX_BODY_DEPTH, MAX_JSON_DEPTH, JsonRefused, check_json_value, read_json
 
-# Nesting allowed in free-form JSON we pass on (tool calls, chat_template_kwargs): the tokenizer
-# service parses it again and renders it in a template, which recurses once per level.
-MAX_JSON_DEPTH = 32
 UINT32_MAX = 2**32 - 1
 
 
@@ -20,21 +18,14 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise InvalidRequest("the request body is empty; send a JSON object", "body")
     try:
-        # JSON over HTTP is UTF-8 (RFC 8259); json.loads(bytes) would guess UTF-16/32 instead of refusing.
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except UnicodeDecodeError as e:
-        raise InvalidRequest(f"the request body is not valid UTF-8: {e.reason} at byte {e.start}", "body") from e
-    except ValueError as e:
-        raise InvalidRequest(f"the request body is not valid JSON: {e}", "body") from e
-    except RecursionError as e:  # the C parser recurses once per level: "[[[[...]]]]" runs out of stack
-        raise InvalidRequest("the request body is not valid JSON: it is nested too deeply", "body") from e
+        # Its size was bounded as it was read. Its strings are checked where each field is read
+        # (checked_text, checked_json), which names the parameter at fault.
+        body = read_json(raw, "body", max_depth=MAX_BODY_DEPTH, max_bytes=None, check_strings=False)
+    except JsonRefused as e:
+        raise InvalidRequest(f"the request body {e.reason}", "body") from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type_name(body)}", "body")
     return body
-
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a valid JSON number")
 
 
 def is_token_id(value: Any) -> bool:
@@ -101,25 +92,24 @@ def checked_text(value: str, where: str) -> str:
 
 
 def checked_json(value: Any, where: str) -> str:
-    """Free-form JSON passed on as text: nesting bounded, every string (keys too) valid Unicode.
+    """Free-form JSON passed on as text: nesting bounded (MAX_JSON_DEPTH), every string (keys too) valid Unicode.
 
     json.dumps would escape a lone surrogate as "\\ud800", and the tokenizer service would then
     fail on it after parsing it back; so it is refused here, naming the field.
     """
-    pending: list[tuple[Any, str, int]] = [(value, where, 1)]
-    while pending:
-        item, at, depth = pending.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise InvalidRequest(f"{where} is nested more than {MAX_JSON_DEPTH} levels deep", where)
-        if isinstance(item, str):
-            checked_text(item, at)
-        elif isinstance(item, dict):
-            for key, inner in item.items():
-                checked_text(key, at)
-                pending.append((inner, f"{at}.{key}", depth + 1))
-        elif isinstance(item, list):
-            pending.extend((inner, f"{at}[{i}]", depth + 1) for i, inner in enumerate(item))
+    try:
+        check_json_value(value, where, max_depth=MAX_JSON_DEPTH)
+    except JsonRefused as e:
+        raise InvalidRequest(e.message, e.field) from None
     return json.dumps(value)
+
+
+def read_json_field(text: str, where: str) -> Any:
+    """A field whose value is JSON text (guided_json as a string): read by the bounded reader."""
+    try:
+        return read_json(text, where, max_depth=MAX_JSON_DEPTH)
+    except JsonRefused as e:
+        raise InvalidRequest(e.message, e.field) from None
 
 
 def kind_name(kind: type) -> str:

@@ -59,7 +59,7 @@ from qwenserve.router.grpc_generate import outcome_for
 from qwenserve.router.models import ModelRoutes
 from qwenserve.router.openai_answer import Answer, Generations, TokenBytes, ends_badly, relay, send_chunk
 from qwenserve.router.openai_errors import MAX_BODY_KEY, error_middleware, retry_after, with_openai_param
-from qwenserve.router.openai_fields import parse_json_body
+from qwenserve.router.openai_fields import optional, parse_json_body
 from qwenserve.router.openai_request import (
     parse_chat,
     parse_completion,
@@ -71,6 +71,7 @@ from qwenserve.router.request_ids import valid_request_id
 from qwenserve.telemetry.metrics import StreamTimer, metrics_page
 from qwenserve.telemetry.tracing import Attr, get_tracer, server_span
 from qwenserve.tenancy.tenants import Tenant
+from qwenserve.untrusted_input import echo
 
 log = logging.getLogger(__name__)
 tracer = get_tracer("qwenserve.router")
@@ -185,7 +186,7 @@ class OpenAIFront:
         """The router of the model a request names (no canary or fallback: tokens are a model's own)."""
         name = model or self.routes.default
         if name not in self.routes.routers:
-            raise ModelNotFound(f"the model {name!r} does not exist; this server serves "
+            raise ModelNotFound(f"the model {echo(name)} does not exist; this server serves "
                                 f"{', '.join(self.routes.names)}", "model")
         return self.routes.routers[name]
 
@@ -218,8 +219,10 @@ class OpenAIFront:
     async def detokenize(self, request: web.Request) -> web.Response:
         """`POST /detokenize` (vLLM's): the text of token ids."""
         self._tenant(request)
-        model, ids = parse_detokenize(parse_json_body(await self._read_body(request)))
-        return web.json_response({"prompt": self._named(model).detokenize(ids)})
+        body = parse_json_body(await self._read_body(request))
+        router = self._named(optional(body, "model", str, None))
+        ids = parse_detokenize(body, max_ids=router.config.max_model_len or 0)
+        return web.json_response({"prompt": router.detokenize(ids)})
 
     # -- completions -----------------------------------------------------------------------------
 

@@ -11,12 +11,11 @@ refused with a 400 rather than silently dropped.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from qwenserve.router.errors import InvalidRequest
+from qwenserve.router.errors import BodyTooLarge, InvalidRequest
 from qwenserve.router.openai_fields import (
     UINT32_MAX,
     checked_json,
@@ -25,9 +24,11 @@ from qwenserve.router.openai_fields import (
     is_token_id,
     optional,
     optional_number,
+    read_json_field,
     stop_strings,
     type_name,
 )
+from qwenserve.untrusted_input import echo
 from qwenserve.v1 import common_pb2, router_pb2
 
 MAX_N = 16  # answers per request (n)
@@ -129,12 +130,16 @@ def parse_tokenize(body: dict[str, Any]) -> tuple[str | None, router_pb2.Generat
     return model, req, optional(body, "return_token_strs", bool, False)
 
 
-def parse_detokenize(body: dict[str, Any]) -> tuple[str | None, list[int]]:
-    """`POST /detokenize`: the model named and the token ids."""
+def parse_detokenize(body: dict[str, Any], max_ids: int) -> list[int]:
+    """`POST /detokenize`: the token ids, at most `max_ids` of them (the model's context length: text the model
+    could have seen or written; more would hold the router's event loop for seconds)."""
     tokens = body.get("tokens")
+    if isinstance(tokens, list) and len(tokens) > max_ids:  # before any id is looked at
+        raise BodyTooLarge(f"tokens holds {len(tokens)} ids, more than the limit of {max_ids} (the model's "
+                           "context length); detokenize them in parts", "tokens")
     if not isinstance(tokens, list) or not all(is_token_id(t) and 0 <= t <= UINT32_MAX for t in tokens):
         raise InvalidRequest("tokens must be an array of token ids", "tokens")
-    return optional(body, "model", str, None), tokens
+    return tokens
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
@@ -167,14 +172,14 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> tuple[str, str]:
         return ("auto" if tools else "none"), ""
     if choice in ("none", "auto", "required"):
         if choice != "none" and not tools:
-            raise InvalidRequest(f"tool_choice {choice!r} needs tools", "tool_choice")
+            raise InvalidRequest(f"tool_choice {echo(choice)} needs tools", "tool_choice")
         return choice, ""
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise InvalidRequest('tool_choice must be "none", "auto", "required" or '
                              '{"type": "function", "function": {"name": ...}}', "tool_choice")
     if name not in {t["function"]["name"] for t in tools}:
-        raise InvalidRequest(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
+        raise InvalidRequest(f"tool_choice names {echo(name)}, which is not one of the tools", "tool_choice")
     return "function", name
 
 
@@ -354,10 +359,7 @@ def _structured(body: dict[str, Any]) -> common_pb2.StructuredOutput | None:
         return common_pb2.StructuredOutput(json_object=True)
     if field == "json_schema":
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise InvalidRequest(f"{name} is not valid JSON: {e}", name) from None
+            value = read_json_field(value, name)
         if not isinstance(value, dict | bool):
             raise InvalidRequest(f"{name} must be a JSON schema object", name)
         return common_pb2.StructuredOutput(json_schema=checked_json(value, name))
@@ -387,7 +389,7 @@ def _chat_message(out: common_pb2.ChatMessage, message: Any, where: str) -> None
         raise InvalidRequest(f"{where}.role is required and must be a string", f"{where}.role")
     role = ROLE_ALIASES.get(role, role)
     if role not in CHAT_ROLES:
-        raise InvalidRequest(f"{where}.role must be one of {', '.join(CHAT_ROLES)} or developer, got {role!r}",
+        raise InvalidRequest(f"{where}.role must be one of {', '.join(CHAT_ROLES)} or developer, got {echo(role)}",
                              f"{where}.role")
     out.role = role
     content = message.get("content")
@@ -419,7 +421,7 @@ def _content(content: Any, where: str) -> str:
     for i, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type_name(part)
-            raise InvalidRequest(f"{where}[{i}]: only text content parts are supported, got {kind!r}",
+            raise InvalidRequest(f"{where}[{i}]: only text content parts are supported, got {echo(kind)}",
                                  f"{where}[{i}]")
         text = part.get("text")
         if not isinstance(text, str):

@@ -8,13 +8,13 @@ and scripts such as Persian and the Indic ones need them.
 
 from __future__ import annotations
 
-import json
 import re
 import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
 from qwenserve.tokenizer.errors import InvalidInput
+from qwenserve.untrusted_input import JsonRefused, read_json
 
 # Every character hygiene deletes: C0 controls but tab, newline and CR; DEL and C1; ZWSP; BOM.
 # (A regex scan is cheaper than str.translate on text with nothing to strip, the usual case: it copies nothing.)
@@ -73,13 +73,12 @@ def decode_utf8(data: bytes, field: str = "text_bytes") -> str:
 
 
 def parse_json_object(raw: str, field: str) -> dict[str, Any]:
-    """Parse a JSON text that must hold one object."""
+    """Parse a JSON text that must hold one object, with the bounded reader every JSON input goes through
+    (size, nesting, no lone surrogates): the template renders it recursively."""
     try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise InvalidInput(
-            field, f"is not valid JSON ({err.msg} at line {err.lineno} column {err.colno})"
-        ) from None
+        value = read_json(raw, field)
+    except JsonRefused as err:
+        raise InvalidInput(err.field, err.reason) from None
     if not isinstance(value, dict):
         raise InvalidInput(field, f"must be a JSON object, got {type(value).__name__}")
     return value

@@ -177,6 +177,32 @@ BAD_REQUESTS = {
         tokenizer_pb2.TokenizeRequest(text="a b c d", max_length=2, reject_if_longer=True),
         "more than 2",
     ),
+    # JSON fields are read with the router's bounded reader: no RecursionError, no lone surrogate in a template.
+    "deep_tools_json": (
+        tokenizer_pb2.TokenizeRequest(
+            chat=common_pb2.ChatInput(
+                messages=[common_pb2.ChatMessage(role="user", content="x")], tools_json=["[" * 100_000]
+            )
+        ),
+        "nested too deeply",
+    ),
+    "lone_surrogate_in_tools_json": (
+        tokenizer_pb2.TokenizeRequest(
+            chat=common_pb2.ChatInput(
+                messages=[common_pb2.ChatMessage(role="user", content="x")],
+                tools_json=['{"type": "function", "function": {"name": "\\ud800"}}'],
+            )
+        ),
+        "tools_json[0].function.name",
+    ),
+    "deep_tool_calls_json": (
+        tokenizer_pb2.TokenizeRequest(
+            chat=common_pb2.ChatInput(
+                messages=[common_pb2.ChatMessage(role="assistant", tool_calls_json=['{"a":' * 50_000 + "}" * 50_000])]
+            )
+        ),
+        "nested too deeply",
+    ),
 }
 
 
