@@ -1,6 +1,6 @@
 """Token-level rate limits per tenant: requests and tokens per sliding window.
 
-    limiter = make_rate_limiter(RateLimiterConfig.from_env())
+    limiter = make_rate_limiter(RateLimiterConfig(redis_url="redis://...", window_s=60.0))
     admission = await limiter.admit(tenant, prompt_tokens + max_tokens, request_id)  # may raise
     ...generate...
     await limiter.settle(admission, prompt_tokens + completion_tokens)

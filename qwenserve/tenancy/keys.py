@@ -1,4 +1,4 @@
-"""API keys -> tenants: loading the key file and environment, and authenticating a request.
+"""API keys -> tenants: loading the key files and the keys given beside them, and authenticating a request.
 
 The key file (YAML or JSON, same schema; a Kubernetes Secret mounted as a file works as is):
 
@@ -84,7 +84,7 @@ def bearer_token(authorization: str | None) -> str | None:
 
 @dataclass
 class KeyFileContents:
-    """What one key file (or the environment) declares, before merging."""
+    """What one key file declares, before merging."""
 
     tenants: dict[str, Tenant] = field(default_factory=dict)
     keys: list[tuple[bytes, str]] = field(default_factory=list)  # (sha256 digest, tenant id)

@@ -13,7 +13,7 @@ LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_tokens")
 
 
 class TenancyConfigError(ValueError):
-    """The API-key file or environment is malformed; the message says where."""
+    """The API-key file or the key settings are malformed; the message says where."""
 
 
 @dataclass(frozen=True, slots=True)
