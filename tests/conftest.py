@@ -1,15 +1,21 @@
 """Fixtures every test folder may use: the processes this test session started (whose shared-memory segments
-the leak checks count; tests/support/processes.py says why), and the tiny checkpoint most tests serve."""
+the leak checks count; tests/support/processes.py says why), the tiny checkpoint most tests serve, and the traced
+cluster of the observability and load-generator tests; and the markers and xdist groups of every test."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 
+from qwenserve.launcher import LocalCluster
 from tests.support.checkpoints import tiny_checkpoint
+from tests.support.clusters import make_cluster
 from tests.support.processes import SessionProcesses
+from tests.support.spans import SpanReceiver
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +29,38 @@ def session_processes() -> Iterator[SessionProcesses]:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3 (tests/support/checkpoints.py), written once per session."""
     return tiny_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-tiny")
+
+
+@pytest.fixture(scope="session")
+def span_receiver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SpanReceiver, int]]:
+    """An OTLP/gRPC collector in its own process, and the port it listens on."""
+    path = tmp_path_factory.mktemp("otlp") / "spans.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.otlp_receiver", str(path)],
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        yield SpanReceiver(path), port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def traced_cluster(tiny_model: Path, span_receiver: tuple[SpanReceiver, int],
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One tokenizer, prefill, decode and router on the tiny model; every service exports spans over OTLP to the
+    receiver. Shared by the observability and load-generator tests (in one xdist group), whose checks read
+    counters as deltas and spans by request id, so they need no cluster of their own."""
+    _, port = span_receiver
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    with make_cluster(tiny_model, tmp_path_factory.mktemp("traced"), prefill=1, decode=1, env=env) as cluster:
+        yield cluster
 
 
 # -- markers and xdist groups, by where a test lives ----------------------------------------------------------
@@ -45,13 +83,14 @@ SLOW_TESTS = (
     "engine/test_grammar_limits.py", "engine/test_hybrid_models.py", "engine/test_linear_attention_gpu.py",
     "tokenizer/test_builtin_vocab.py",
 )
-# With pytest-xdist (`--dist loadgroup`, scripts/test.sh) a module's tests stay on one worker, so a
+# With pytest-xdist (scripts/test.sh: `-n 2 --dist loadgroup`) a module's tests stay on one worker, so a
 # module-scoped cluster starts once. These share a worker wider than a module: one dev cluster runs on a
 # machine at a time (its lock and network namespaces); a package- or session-scoped cluster, and a session's
 # whole-vocabulary tokenizers, would otherwise start once per worker that uses them.
 SHARED_WORKER = {
     "devcluster/": "devcluster", "chaos/": "chaos", "fuzz/": "fuzz", "tokenizer/": "tokenizer",
     "http/test_billing.py": "http-cluster", "http/test_openai_cluster.py": "http-cluster",
+    "observability/test_service_telemetry.py": "traced-cluster", "loadgen/test_cluster.py": "traced-cluster",
 }
 
 
@@ -59,14 +98,31 @@ def _matches(path: str, patterns: Iterable[str]) -> str | None:
     return next((p for p in patterns if path == p or (p.endswith("/") and path.startswith(p))), None)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks `cluster` and `slow` tests, and puts each test in its xdist group (its module's, or a shared one)."""
-    root = Path(__file__).parent
-    for item in items:
-        path = item.path.relative_to(root).as_posix()
-        if _matches(path, CLUSTER_TESTS):
-            item.add_marker(pytest.mark.cluster)
-        if _matches(path, SLOW_TESTS):
-            item.add_marker(pytest.mark.slow)
-        shared = _matches(path, SHARED_WORKER)
-        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER[shared] if shared else path))
+def worker_group(path: str) -> str:
+    """The xdist group of the tests in `path` (relative to tests/): its shared group, or the module itself."""
+    shared = _matches(path, SHARED_WORKER)
+    return SHARED_WORKER[shared] if shared else path
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Marks `cluster` and `slow` tests by where they live."""
+    path = item.path.relative_to(Path(__file__).parent).as_posix()
+    if _matches(path, CLUSTER_TESTS):
+        item.add_marker(pytest.mark.cluster)
+    if _matches(path, SLOW_TESTS):
+        item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadgroup` with the groups above. (xdist's own loadgroup reads `xdist_group` markers into the
+    node ids, which pytest 9 no longer lets a plugin rewrite, so every test became a group of its own.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid.split("::")[0].removeprefix("tests/"))
+
+    return GroupScheduling(config, log)  # type: ignore[arg-type]

@@ -84,18 +84,22 @@ def _cluster(model: Path, tmp: Path, dtype: str) -> LocalCluster:
     return make_cluster(model, tmp, prefill=1, decode=1, env=env)
 
 
+def _write_apart(folder: Path, dtype: str) -> Path:
+    """The 0.6B-shaped checkpoint, written by a process of its own: its weights (GBs) and the buffers that
+    serialise them would otherwise stay in this test process for the rest of the session, beside whatever
+    another xdist worker runs meanwhile."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(write_checkpoint, folder, QWEN3_0_6B_CONFIG, seed=5, dtype=dtype).result(timeout=900)
+
+
 @pytest.fixture(scope="module")
 def fp32_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = write_checkpoint(tmp_path_factory.mktemp("q06") / "qwen3-0.6b-fp32", QWEN3_0_6B_CONFIG, seed=5)
-    yield path
+    yield _write_apart(tmp_path_factory.mktemp("q06") / "qwen3-0.6b-fp32", "float32")
 
 
 @pytest.fixture(scope="module")
 def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = write_checkpoint(
-        tmp_path_factory.mktemp("q06") / "qwen3-0.6b-bf16", QWEN3_0_6B_CONFIG, seed=5, dtype="bfloat16"
-    )
-    yield path
+    yield _write_apart(tmp_path_factory.mktemp("q06") / "qwen3-0.6b-bf16", "bfloat16")
 
 
 def _handoff_bytes(port: int) -> float:

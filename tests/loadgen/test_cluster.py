@@ -1,5 +1,5 @@
-"""A short bounded run against a real `qwen-serve up` (tiny model): the report's token counts are the
-server's own usage, over gRPC and over the OpenAI HTTP front."""
+"""A short bounded run against a real cluster (the session's traced cluster of the tiny model, as `qwen-serve up`
+runs it): the report's token counts are the server's own usage, over gRPC and over the OpenAI HTTP front."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ def _config(target: str, tokenizer: Path, **kw: object) -> BenchConfig:
     return BenchConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 
-async def test_grpc_run_token_counts_equal_the_servers_usage(loadgen_cluster: LocalCluster, loadgen_model: Path,
+async def test_grpc_run_token_counts_equal_the_servers_usage(traced_cluster: LocalCluster, tiny_model: Path,
                                                              tmp_path: Path) -> None:
-    target = f"grpc://127.0.0.1:{loadgen_cluster.router_port}"
+    target = f"grpc://127.0.0.1:{traced_cluster.router_port}"
     t0 = time.monotonic()
-    [run] = await asyncio.wait_for(bench(_config(target, loadgen_model, rates=[4.0], num_requests=10,
+    [run] = await asyncio.wait_for(bench(_config(target, tiny_model, rates=[4.0], num_requests=10,
                                                  out_dir=tmp_path)), 90)
     assert time.monotonic() - t0 < 90
     s, recs = run.summary, run.result.records
@@ -38,10 +38,10 @@ async def test_grpc_run_token_counts_equal_the_servers_usage(loadgen_cluster: Lo
     assert (tmp_path / "report.json").exists() and (tmp_path / "latency_cdf.png").exists()
 
 
-async def test_http_run_token_counts_equal_the_servers_usage(loadgen_cluster: LocalCluster,
-                                                             loadgen_model: Path) -> None:
-    target = f"http://127.0.0.1:{loadgen_cluster.http_port}"
-    [run] = await asyncio.wait_for(bench(_config(target, loadgen_model, concurrencies=[2], num_requests=6)), 90)
+async def test_http_run_token_counts_equal_the_servers_usage(traced_cluster: LocalCluster,
+                                                             tiny_model: Path) -> None:
+    target = f"http://127.0.0.1:{traced_cluster.http_port}"
+    [run] = await asyncio.wait_for(bench(_config(target, tiny_model, concurrencies=[2], num_requests=6)), 90)
     s = run.summary
     assert s.requests == s.successes == 6, s.errors
     for r in run.result.records:
