@@ -30,6 +30,7 @@ BUILTIN: dict[str, tuple[type, str]] = {
     "Pod": (client.CoreV1Api, "pod"),
     "Deployment": (client.AppsV1Api, "deployment"),
     "NetworkPolicy": (client.NetworkingV1Api, "network_policy"),
+    "Secret": (client.CoreV1Api, "secret"),  # created only: the operator never reads one
 }
 
 

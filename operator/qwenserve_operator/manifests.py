@@ -6,7 +6,10 @@ Every function takes the QwenDeployment (name, namespace, uid and a spec already
 Children of a QwenDeployment `NAME`:
 - one Deployment and one Service per stage, both named `NAME-<stage>`;
 - a ConfigMap `NAME-config` with the router's generated configuration;
-- one NetworkPolicy per stage, also `NAME-<stage>` (see `network_policy`).
+- one NetworkPolicy per stage, also `NAME-<stage>` (see `network_policy`);
+- a Secret `NAME-stage-secret` (see `stage_secret`): the stages serve only callers that know it. Its value is
+  random, so it is not among `children` (which are reconciled to a fixed desired state): the reconciler creates
+  it once and never reads or rewrites it. Deleting it makes a new one; restart the stages then.
 
 Where the parts live: naming.py (names, labels, ports), router_config.py (the ConfigMap), pod_template.py
 (a stage's pods); this module makes the objects and lists them (`children`).
@@ -39,6 +42,7 @@ hostPath and spreads each stage across nodes instead.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from qwenserve_operator.crd import AUTOSCALED_STAGES, STAGES
@@ -50,6 +54,7 @@ from qwenserve_operator.naming import (
     METRICS_PORT,
     OPERATOR_POD_LABELS,
     ROUTES_TO,
+    STAGE_SECRET_KEY,
     STAGES_WITH_MODEL,
     Manifest,
     Spec,
@@ -58,6 +63,7 @@ from qwenserve_operator.naming import (
     labels,
     routed_to,
     selector_labels,
+    stage_secret_name,
 )
 from qwenserve_operator.pod_template import (
     model_fetch_container,
@@ -173,6 +179,18 @@ def network_policy(name: str, namespace: str, uid: str, stage: str, spec: Spec) 
         "metadata": child_metadata(name, namespace, uid, child_name(name, stage), stage),
         "spec": {"podSelector": {"matchLabels": selector_labels(name, stage)}, "policyTypes": ["Ingress"],
                  "ingress": rules},
+    }
+
+
+def stage_secret(name: str, namespace: str, uid: str, value: str) -> Manifest:
+    """The Secret with the deployment's stage secret `value` (the reconciler draws it at random, once), mounted
+    by every stage as its --stage-secret-file."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": child_metadata(name, namespace, uid, stage_secret_name(name), None),
+        "data": {STAGE_SECRET_KEY: base64.b64encode(value.encode()).decode()},
     }
 
 

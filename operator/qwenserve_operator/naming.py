@@ -24,6 +24,10 @@ SHM_DIR = "/dev/shm"
 MODELS_DIR = "/models"
 API_KEYS_DIR = "/etc/qwen-serve/api-keys"
 ROUTES_DIR = "/etc/qwen-serve/routes"  # the router's models file, when it also routes to other deployments
+# Each deployment's stage secret (the key STAGE_SECRET_KEY of its Secret), in a folder named after the deployment:
+# every stage mounts its own, a router that routes to other deployments theirs too.
+STAGE_SECRETS_DIR = "/etc/qwen-serve/stage-secrets"
+STAGE_SECRET_KEY = "secret"
 # A router pod that may call another QwenDeployment's stages (its fallback, its canary) carries this label
 # with the other's name; that deployment's NetworkPolicies admit it.
 ROUTES_TO = "routes-to.qwenserve.io/"
@@ -41,6 +45,17 @@ OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "qwen-serve", "app.kubernetes.i
 def child_name(name: str, stage: str) -> str:
     """The Deployment and Service name of one stage."""
     return f"{name}-{stage}"
+
+
+def stage_secret_name(name: str) -> str:
+    """The Secret holding a deployment's stage secret (the operator makes it once; its stages only serve callers
+    that know it)."""
+    return f"{name}-stage-secret"
+
+
+def stage_secret_file(name: str) -> str:
+    """Where a pod finds deployment `name`'s stage secret (its `--stage-secret-file`)."""
+    return f"{STAGE_SECRETS_DIR}/{name}/{STAGE_SECRET_KEY}"
 
 
 def config_map_name(name: str) -> str:

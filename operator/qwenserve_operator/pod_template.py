@@ -17,12 +17,15 @@ from qwenserve_operator.naming import (
     ROUTES_DIR,
     RUN_AS,
     SHM_DIR,
+    STAGE_SECRETS_DIR,
     STAGES_WITH_MODEL,
     Spec,
     config_map_name,
     model_dir,
     routed_to,
     selector_labels,
+    stage_secret_file,
+    stage_secret_name,
 )
 
 
@@ -84,7 +87,8 @@ def drain_seconds(stage_spec: dict[str, Any]) -> int:
 def stage_args(name: str, namespace: str, stage: str, spec: Spec) -> list[str]:
     """The container arguments after the `qwen-serve` entrypoint (flags of `qwen-serve serve STAGE`)."""
     args = ["serve", stage, "--host", "0.0.0.0", "--port", str(GRPC_PORTS[stage]),
-            "--metrics-port", str(METRICS_PORT), "--grace-s", str(drain_seconds(spec["stages"][stage]))]
+            "--metrics-port", str(METRICS_PORT), "--grace-s", str(drain_seconds(spec["stages"][stage])),
+            "--stage-secret-file", stage_secret_file(name)]
     mode = spec["kvTransfer"]["mode"]
     if stage == "tokenizer":
         args += ["--model", model_dir(spec)]
@@ -212,6 +216,13 @@ def stage_volumes(name: str, stage: str, spec: Spec) -> tuple[list[dict[str, Any
             # A private tmpfs: the default 64 MiB /dev/shm is too small for torch's workers.
             volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "shm", "mountPath": SHM_DIR})
+    # The deployment's stage secret; a router also gets the secrets of the deployments it routes to (its models
+    # file names each). Readable by the pods' group (fsGroup), never by others.
+    secrets = [name, *(other for other in routed_to(spec) if other != name)] if stage == "router" else [name]
+    for i, deployment in enumerate(secrets):
+        volume = "stage-secret" if i == 0 else f"stage-secret-{i}"
+        volumes.append({"name": volume, "secret": {"secretName": stage_secret_name(deployment), "defaultMode": 0o440}})
+        mounts.append({"name": volume, "mountPath": f"{STAGE_SECRETS_DIR}/{deployment}", "readOnly": True})
     if stage == "router" and spec.get("apiKeysSecret"):
         volumes.append({"name": "api-keys", "secret": {"secretName": spec["apiKeysSecret"]["name"]}})
         mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})

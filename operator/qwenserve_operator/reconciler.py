@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,7 +108,9 @@ class Reconciler:
             if autoscale:
                 current, scale_notes = await self._autoscale(body, spec, current, memory)
             desired = {stage: manifests.spec_replicas(spec, stage, current) for stage in STAGES}
-            errors, deployments = await self._apply(manifests.children(name, namespace, uid, spec, desired))
+            errors = await self._ensure_stage_secret(name, namespace, uid)
+            applied, deployments = await self._apply(manifests.children(name, namespace, uid, spec, desired))
+            errors += applied
         self._report_problems(body, memory, errors)
         new_status = status.compute_status(name, namespace, spec, desired, deployments, old_status, errors,
                                            meta.get("generation"), _now())
@@ -126,6 +129,17 @@ class Reconciler:
             elif stored.get("autoscaled") and stored.get("desiredReplicas") is not None:
                 current[stage] = int(stored["desiredReplicas"])
         return current
+
+    async def _ensure_stage_secret(self, name: str, namespace: str, uid: str) -> list[str]:
+        """Create the deployment's stage Secret, with a fresh random value, unless it exists (409). The operator
+        never reads it: creating is all its RBAC allows."""
+        try:
+            await self.kube.create(manifests.stage_secret(name, namespace, uid, secrets.token_hex(32)))
+            log.info("created the stage secret of %s/%s", namespace, name)
+        except KubeError as exc:
+            if exc.status != 409:
+                return [f"Secret {naming.stage_secret_name(name)}: {exc}"]
+        return []
 
     async def _apply(self, children: list[dict[str, Any]]) -> tuple[list[str], dict[str, dict[str, Any] | None]]:
         errors: list[str] = []

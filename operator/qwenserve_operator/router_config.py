@@ -25,6 +25,7 @@ from qwenserve_operator.naming import (
     model_dir,
     routed_to,
     service_host,
+    stage_secret_file,
 )
 
 
@@ -79,7 +80,8 @@ def models_file(name: str, namespace: str, spec: Spec) -> dict[str, Any] | None:
             return f"{service_host(deployment, namespace, stage)}:{GRPC_PORTS[stage]}"
 
         return {"name": served, "model": model_dir(spec), "tokenizer": address("tokenizer"),
-                "prefill": [address("prefill")], "decode": [address("decode")], **more}
+                "prefill": [address("prefill")], "decode": [address("decode")],
+                "stage_secret_file": stage_secret_file(deployment), **more}
 
     more: dict[str, Any] = {}
     if spec.get("fallback"):

@@ -22,6 +22,7 @@ The models file (`--models-file`):
         decode: [qwen3-8b-decode:50053]
         fallback: qwen3-1.7b           # optional
         canary: {model: qwen3-8b-next, percent: 10}   # optional
+        stage_secret_file: /etc/qwen-serve/stage-secrets/qwen3-8b/secret   # optional; default --stage-secret-file
       - name: qwen3-1.7b
         ...
 """
@@ -57,6 +58,7 @@ class ModelEntry:
     fallback: str | None = None
     canary: str | None = None
     canary_percent: float = 0.0
+    stage_secret_file: str | None = None  # its stages' deployment secret, when not the router's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +81,7 @@ def parse_models(data: object, where: str) -> ModelsConfig:
     if set(data) - {"models", "default"}:
         raise ModelsConfigError(f"{where}: unknown field(s) {sorted(set(data) - {'models', 'default'})}")
     entries: list[ModelEntry] = []
-    known = {"name", "model", "tokenizer", "prefill", "decode", "fallback", "canary"}
+    known = {"name", "model", "tokenizer", "prefill", "decode", "fallback", "canary", "stage_secret_file"}
     for i, raw in enumerate(data["models"]):
         here = f"{where}: models[{i}]"
         if not isinstance(raw, Mapping) or set(raw) - known:
@@ -100,9 +102,12 @@ def parse_models(data: object, where: str) -> ModelsConfig:
         model = raw.get("model")
         if model is not None and not isinstance(model, str):
             raise ModelsConfigError(f"{here}.model: expected a checkpoint folder")
+        secret_file = raw.get("stage_secret_file")
+        if secret_file is not None and not isinstance(secret_file, str):
+            raise ModelsConfigError(f"{here}.stage_secret_file: expected a file path")
         entries.append(ModelEntry(name, tokenizer, _addresses(raw.get("decode"), f"{here}.decode"),
                                   _addresses(raw.get("prefill") or [], f"{here}.prefill"), model, fallback, canary,
-                                  percent))
+                                  percent, secret_file))
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         raise ModelsConfigError(f"{where}: a model name appears twice")

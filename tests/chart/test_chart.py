@@ -69,7 +69,8 @@ def test_rbac_is_least_privilege(render) -> None:
     verbs = {(group, resource): set(rule["verbs"]) for rule in role["rules"]
              for group in rule["apiGroups"] for resource in rule["resources"]}
     assert all("delete" not in v and "*" not in v and "update" not in v for v in verbs.values())
-    assert not any(resource == "secrets" or "*" in (group, resource) for group, resource in verbs)
+    assert not any("*" in (group, resource) for group, resource in verbs)
+    assert verbs[("", "secrets")] == {"create"}  # each deployment's stage secret, made once; never read
     assert verbs[("qwenserve.io", "qwendeployments/status")] == {"get", "patch"}
     assert verbs[("", "events")] == {"create"}
     assert verbs[("", "pods")] == {"get", "list"}

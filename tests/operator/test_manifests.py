@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from qwenserve.router.models import parse_models
 from qwenserve_operator import manifests, naming, pod_template, router_config
 from qwenserve_operator.crd import STAGES
 
@@ -69,7 +71,8 @@ def test_stage_arguments_follow_the_container_contract(make_spec) -> None:
     spec = make_spec(kvTransfer={"mode": "shm"})
     assert pod_template.stage_args("demo", "ns1", "tokenizer", spec) == [
         "serve", "tokenizer", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090",
-        "--grace-s", str(spec["stages"]["tokenizer"]["terminationGracePeriodSeconds"] - 7), "--model", "/models/model"]
+        "--grace-s", str(spec["stages"]["tokenizer"]["terminationGracePeriodSeconds"] - 7),
+        "--stage-secret-file", "/etc/qwen-serve/stage-secrets/demo/secret", "--model", "/models/model"]
     assert pod_template.stage_args("demo", "ns1", "prefill", spec)[-8:] == [
         "--model", "/models/model", "--kv-transfer", "shm", "--served-model-name", "Qwen/Qwen3-0.6B",
         "--advertise-host", "$(POD_IP)"]
@@ -406,3 +409,39 @@ def test_a_stage_that_may_scale_to_zero_makes_the_router_hold_its_requests(make_
     spec = make_spec(stages={"decode": {"autoscaling": {"enabled": True, "minReplicas": 0}}},
                      coldStartTimeoutSeconds=90)
     assert router_environment("q", "ns", spec)["QWENSERVE_COLD_START_WAIT_S"] == "90"
+
+
+def test_every_stage_mounts_the_deployments_stage_secret_and_is_told_the_file(make_spec) -> None:
+    secret = manifests.stage_secret("demo", "ns1", UID, "a" * 64)
+    kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+    assert secret["metadata"]["name"] == "demo-stage-secret"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == UID  # goes with its QwenDeployment
+    assert base64.b64decode(secret["data"][naming.STAGE_SECRET_KEY]).decode() == "a" * 64
+    children = _children(make_spec())
+    for stage in STAGES:
+        pod = _by(children, "Deployment", stage)["spec"]["template"]["spec"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "stage-secret")
+        assert volume["secret"]["secretName"] == "demo-stage-secret"
+        assert volume["secret"]["defaultMode"] & 0o007 == 0  # not readable by others
+        container = pod["containers"][0]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "stage-secret")
+        assert mount["readOnly"] and mount["mountPath"] == "/etc/qwen-serve/stage-secrets/demo"
+        args = container["args"]
+        assert args[args.index("--stage-secret-file") + 1] == f"/etc/qwen-serve/stage-secrets/demo/{naming.STAGE_SECRET_KEY}"
+    assert all(c["kind"] != "Secret" for c in children)  # its value is drawn once by the reconciler
+
+
+def test_a_router_that_routes_to_other_deployments_holds_their_stage_secrets(make_spec) -> None:
+    children = _children(make_spec(fallback="backup"))
+    router = _by(children, "Deployment", "router")["spec"]["template"]["spec"]
+    secrets = {v["secret"]["secretName"] for v in router["volumes"] if "secret" in v}
+    assert {"demo-stage-secret", "backup-stage-secret"} <= secrets
+    models = yaml.safe_load(next(c for c in children if c["kind"] == "ConfigMap")["data"]["models.yaml"])
+    files = {m["name"]: m["stage_secret_file"] for m in models["models"]}
+    assert files["backup"] == naming.stage_secret_file("backup") != files[make_spec()["model"]["name"]]
+    parsed = parse_models(models, "models.yaml")  # the router reads each model's secret file
+    assert {e.name: e.stage_secret_file for e in parsed.entries} == files
+    mounts = {m["mountPath"] for m in router["containers"][0]["volumeMounts"]}
+    assert "/etc/qwen-serve/stage-secrets/backup" in mounts
+    decode = _by(children, "Deployment", "decode")["spec"]["template"]["spec"]
+    assert "backup-stage-secret" not in {v["secret"]["secretName"] for v in decode["volumes"] if "secret" in v}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 NAMESPACE = "ns1"  # the namespace the `run_operator` fixture watches
@@ -11,6 +12,7 @@ SERVICES = "v1/services"
 CONFIGMAPS = "v1/configmaps"
 PODS = "v1/pods"
 NETWORK_POLICIES = "networking.k8s.io/v1/networkpolicies"
+SECRETS = "v1/secrets"
 
 STAGES = ("tokenizer", "prefill", "decode", "router")
 SPEC = {"model": {"name": "Qwen/Qwen3-0.6B"}}
@@ -103,6 +105,22 @@ async def test_spec_change_patches_the_children(k8s, run_operator, live, eventua
         "image"].endswith(":0.2.0")
     await eventually(lambda: live(QD, "demo")["status"]["stages"]["decode"]["desiredReplicas"] == 3,
                      what="status follows the new replicas")
+
+
+async def test_the_stage_secret_is_made_once_and_never_read(k8s, run_operator, live, eventually, qwendeployment):
+    k8s.objects[QD, NAMESPACE, "demo"] = qwendeployment("demo", SPEC)
+    await run_operator()
+    await _all_children(live, eventually)
+    secret = live(SECRETS, "demo-stage-secret")
+    assert secret["metadata"]["ownerReferences"][0]["name"] == "demo"
+    value = secret["data"]["secret"]
+    assert len(base64.b64decode(value)) >= 32
+
+    await _patch(k8s, QD, "demo", {"spec": {"stages": {"decode": {"replicas": 2}}}})
+    await eventually(lambda: live(DEPLOYMENTS, "demo-decode")["spec"]["replicas"] == 2, what="another pass")
+    assert live(SECRETS, "demo-stage-secret")["data"]["secret"] == value  # a later pass keeps the value
+    secret_calls = {r.method.value for r in list(k8s) if "/secrets" in str(r.url.path)}
+    assert secret_calls == {"POST"}  # created only: the operator neither reads nor lists Secrets
 
 
 async def test_children_deleted_or_edited_by_hand_are_restored(k8s, run_operator, live, eventually, qwendeployment):

@@ -55,7 +55,7 @@ capabilities:
   drop: ["ALL"]
 {{- end -}}
 
-{{/* RBAC rules: exactly what the operator calls; no delete (owner references cascade), no secrets. */}}
+{{/* RBAC rules: exactly what the operator calls; no delete (owner references cascade), no reading secrets. */}}
 {{- define "qwen-serve.rules" }}
 rules:
   - apiGroups: ["qwenserve.io"]
@@ -70,6 +70,10 @@ rules:
   - apiGroups: [""]
     resources: ["services", "configmaps"]
     verbs: ["get", "list", "watch", "create", "patch"]
+  # One stage-credential Secret per QwenDeployment, created once; the operator never reads or lists Secrets.
+  - apiGroups: [""]
+    resources: ["secrets"]
+    verbs: ["create"]
   # One NetworkPolicy per stage; like every child it goes with its QwenDeployment (owner references).
   - apiGroups: ["networking.k8s.io"]
     resources: ["networkpolicies"]

@@ -148,9 +148,10 @@ def _think_token_ids(tokenizer: Tokenizer) -> tuple[int, int] | None:
 
 
 def _router(config: RouterServiceConfig, metrics: RouterMetrics, name: str, model: str | None, tokenizer: str,
-            prefill: list[str], decode: list[str]) -> Router:
+            prefill: list[str], decode: list[str], stage_secret_file: str | None = None) -> Router:
     """One model's Router: the flags' settings (config.router) with the model's wiring, its vocabulary and
-    sampling defaults from its checkpoint."""
+    sampling defaults from its checkpoint; its stages' secret is `stage_secret_file` (another deployment's), else
+    --stage-secret-file."""
     vocabulary, model_len, folder_name = _load_tokenizer(model)
     defaults = load_generation_defaults(config.generation_config, model)
     if defaults:
@@ -161,7 +162,7 @@ def _router(config: RouterServiceConfig, metrics: RouterMetrics, name: str, mode
             config.router, tokenizer_address=tokenizer, prefill_addresses=prefill, decode_addresses=decode,
             model_name=name or folder_name, max_model_len=config.router.max_model_len or model_len,
             think_token_ids=_think_token_ids(vocabulary), sampling_defaults=defaults,
-            stage_secret=load_stage_secret(config.stage_secret_file),
+            stage_secret=load_stage_secret(stage_secret_file or config.stage_secret_file),
         ),
         lambda skip: IncrementalDetokenizer(vocabulary, skip_special_tokens=skip),
         metrics,
@@ -176,8 +177,8 @@ def build_routes(config: RouterServiceConfig, metrics: RouterMetrics) -> ModelRo
                          config.decode)
         return ModelRoutes({router.config.model_name: router}, router.config.model_name)
     models = load_models_file(config.models_file)
-    routers = {e.name: _router(config, metrics, e.name, e.model, e.tokenizer, list(e.prefill), list(e.decode))
-               for e in models.entries}
+    routers = {e.name: _router(config, metrics, e.name, e.model, e.tokenizer, list(e.prefill), list(e.decode),
+                               e.stage_secret_file) for e in models.entries}
     return ModelRoutes(routers, models.default, {e.name: e for e in models.entries},
                        on_fallback=lambda model, fallback: metrics.fallbacks.labels(model, fallback).inc())
 
