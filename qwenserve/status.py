@@ -11,11 +11,14 @@ and the operator do). This module holds both halves: `probe_stage` (what the rou
 worker) and the command that prints the table. A stage given to the router as a name (a headless
 Service) has a row per pod; a pod gone from DNS whose streams are still finishing is DRAINING:
 
-    STAGE      ADDRESS          STATE        RUN/WAIT  KV USE  TOK/S
-    router     127.0.0.1:50050  SERVING      1/0       -      41.7
-    prefill    10.0.0.7:50052   SERVING      0/0       3.1%   182.0
-    decode     10.0.0.8:50053   SERVING      2/0       9.4%   35.0
-    decode     10.0.0.9:50053   DRAINING     1/0       4.0%   12.5
+    STAGE      ADDRESS          STATE        RUN/WAIT  KV USE  TOK/S  RESTARTS
+    router     127.0.0.1:50050  SERVING      1/0       -      41.7   0
+    prefill    10.0.0.7:50052   SERVING      0/0       3.1%   182.0  0
+    decode     10.0.0.8:50053   SERVING      2/0       9.4%   35.0   1
+    decode     10.0.0.9:50053   DRAINING     1/0       4.0%   12.5   0
+
+RESTARTS is how many times `qwen-serve up` restarted the process after it exited (its /metrics gauge
+qwenserve_stage_restarts; 0 in a cluster, where the pod's restart count says it).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ RUNNING = "qwenserve_engine_running_requests"
 WAITING = "qwenserve_engine_waiting_requests"
 KV_USAGE = "qwenserve_kv_blocks_usage_ratio"
 THROUGHPUT = "qwenserve_engine_throughput_tokens_per_second"
+# How many times `qwen-serve up` restarted the process (qwenserve/supervision.py), on every stage's page.
+RESTARTS = "qwenserve_stage_restarts"
 
 
 def parse_gauges(text: str, names: Iterable[str]) -> dict[str, float]:
@@ -83,7 +88,8 @@ async def probe_stage(
         text = await asyncio.to_thread(scrape, metrics_address)
     except (OSError, urllib.error.URLError):
         return row
-    gauges = parse_gauges(text, (RUNNING, WAITING, KV_USAGE, THROUGHPUT))
+    gauges = parse_gauges(text, (RUNNING, WAITING, KV_USAGE, THROUGHPUT, RESTARTS))
+    row.restarts = int(gauges.get(RESTARTS, 0))
     if stage in ("prefill", "decode") and RUNNING in gauges:
         row.load_known = True
         row.running = int(gauges[RUNNING])
@@ -95,7 +101,7 @@ async def probe_stage(
 
 def format_table(stages: Iterable[router_pb2.StageStatus]) -> str:
     """The compact table `qwen-serve status` prints; "-" where a value is not known."""
-    header = ("STAGE", "ADDRESS", "STATE", "RUN/WAIT", "KV USE", "TOK/S")
+    header = ("STAGE", "ADDRESS", "STATE", "RUN/WAIT", "KV USE", "TOK/S", "RESTARTS")
     rows = [header]
     for s in stages:
         load = s.load_known
@@ -106,6 +112,7 @@ def format_table(stages: Iterable[router_pb2.StageStatus]) -> str:
             f"{s.running}/{s.waiting}" if load else "-",
             f"{100 * s.kv_usage:.1f}%" if load and s.stage != "router" else "-",
             f"{s.tokens_per_second:.1f}" if load else "-",
+            str(s.restarts),
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 ENV = "QWENSERVE_SUPERVISOR"
 PR_SET_PDEATHSIG = 1
+# Times the launcher restarted this process before it started (apply() sets it).
+_restarts = 0
 
 
 def child_env(nice: int = 0, restarts: int = 0) -> dict[str, str]:
@@ -40,7 +42,14 @@ def apply() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     if int(nice or 0):
         os.nice(int(nice))
-    _restarts_gauge().set(int(restarts or 0))
+    global _restarts
+    _restarts = int(restarts or 0)
+    _restarts_gauge().set(_restarts)
+
+
+def restarts() -> int:
+    """Times the launcher restarted this process after it exited (0 when not started by one)."""
+    return _restarts
 
 
 def _restarts_gauge() -> Gauge:

@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from qwenserve.router.openai_errors import RETRYABLE_CODES
 from qwenserve.status import parse_gauges
 from tests.support.answers import Answer, http_post
 from tests.support.checkpoints import tiny_checkpoint
@@ -45,6 +46,7 @@ class Up:
 
     process: subprocess.Popen[str]
     http_port: int
+    grpc_port: int
     metrics: dict[str, str]  # child name -> its metrics host:port
     stderr_path: Path
 
@@ -88,12 +90,12 @@ def restart_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def up(restart_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     """`qwen-serve up` of the tiny model, one prefill and one decode, a short restart backoff."""
     tmp = tmp_path_factory.mktemp("up-restarts")
-    http_port = free_port()
+    http_port, grpc_port = free_port(), free_port()
     stderr_path = tmp / "up.stderr"
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "qwenserve.cli", "up", str(restart_model), "--port", str(http_port),
-             "--grpc-port", str(free_port()), "--log-dir", str(tmp / "logs"), "--restart-backoff-s", str(BACKOFF_S)],
+             "--grpc-port", str(grpc_port), "--log-dir", str(tmp / "logs"), "--restart-backoff-s", str(BACKOFF_S)],
             stdout=subprocess.PIPE, stderr=stderr, text=True,
             env={**os.environ, **WORKER_ENV, "QWENSERVE_PROGRESS": "off"},
         )
@@ -106,7 +108,7 @@ def up(restart_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         for _ in range(4):  # one line per service: name, gRPC address, metrics URL
             name, _grpc, url = lines.get(timeout=10).split()
             metrics[name] = url.removeprefix("metrics=http://").removesuffix("/metrics")
-        yield Up(process, http_port, metrics, stderr_path)
+        yield Up(process, http_port, grpc_port, metrics, stderr_path)
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -153,8 +155,11 @@ def _restarts_shown(up: Up, name: str) -> float:
 
 
 def _retryable(answer: Answer) -> bool:
-    """An error a client may retry: the server's fault or unavailability (5xx, 429), never the client's."""
-    return answer.clean_error and (answer.http_status >= 500 or answer.http_status in (200, 429))
+    """An error a client may retry: a 503 (or 429) before the stream began, or, once it began, an error event whose
+    code says "try again" (no_decode_worker while the only decode worker restarts); never a 500 or a 4xx."""
+    if answer.http_status in (429, 503):
+        return answer.clean_error
+    return answer.http_status == 200 and answer.clean_error and answer.error_code in RETRYABLE_CODES
 
 
 async def test_a_killed_stage_is_restarted_on_its_port_and_serves_while_every_request_gets_one_answer(
@@ -189,6 +194,11 @@ async def test_a_killed_stage_is_restarted_on_its_port_and_serves_while_every_re
     assert not broken, f"{len(broken)} of {len(answers)} answers broke the rules ({dict(kinds)}): {broken[:5]}"
     assert kinds["ok"] > 0, dict(kinds)
     assert up.process.poll() is None, "up stopped after a stage was killed"
+    status = subprocess.run([sys.executable, "-m", "qwenserve.cli", "status", "--router", f"127.0.0.1:{up.grpc_port}",
+                             "--json"], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stdout + status.stderr
+    shown = {row["stage"]: row["restarts"] for row in json.loads(status.stdout)}
+    assert shown == {"router": 0, "tokenizer": 1, "prefill": 1, "decode": 1}, status.stdout
 
 
 def test_a_stage_that_keeps_failing_at_start_stops_up_with_one_line_naming_it(up: Up, restart_model: Path) -> None:

@@ -252,12 +252,12 @@ def test_status_prints_one_row_per_process(traced_cluster: LocalCluster) -> None
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
-    assert lines[0].split() == ["STAGE", "ADDRESS", "STATE", "RUN/WAIT", "KV", "USE", "TOK/S"]
+    assert lines[0].split() == ["STAGE", "ADDRESS", "STATE", "RUN/WAIT", "KV", "USE", "TOK/S", "RESTARTS"]
     rows = {line.split()[1]: line.split() for line in lines[1:]}
     assert set(rows) == {c.address for c in traced_cluster.children}
     for child in traced_cluster.children:
-        stage, _, state, run_wait, kv, tok_s = rows[child.address]
-        assert stage == child.name.split("-")[0] and state == "SERVING"
+        stage, _, state, run_wait, kv, tok_s, restarts = rows[child.address]
+        assert stage == child.name.split("-")[0] and state == "SERVING" and restarts == "0"
         if stage in ("prefill", "decode"):
             running, waiting = run_wait.split("/")
             assert int(running) >= 0 and int(waiting) >= 0 and float(tok_s) >= 0

@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 from prometheus_client import Gauge
 
+from qwenserve import supervision
 from qwenserve.checkpoint_config import checkpoint_limits
 from qwenserve.grpc_server import GrpcServerConfig, serve
 from qwenserve.router import grpc_generate
@@ -101,7 +102,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             stage="router", address=f"{c.host}:{c.port}", state="SERVING", load_known=True,
             metrics_address=f"{c.host}:{c.metrics_port}" if c.metrics_port else "",
             running=int(_gauge_value(self.metrics.in_flight)),
-            tokens_per_second=self.metrics.completion_rate.per_second(),
+            tokens_per_second=self.metrics.completion_rate.per_second(), restarts=supervision.restarts(),
         )
         rows = []
         for router in self.routes.routers.values():
