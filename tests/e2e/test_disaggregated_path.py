@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,16 @@ from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.launcher import LocalCluster
-from qwenserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
+from qwenserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+)
 from tests.support.clusters import router_stub
 from tests.support.metrics import metric
 from tests.support.ports import free_port
@@ -244,6 +254,10 @@ def test_qwen_serve_up_prints_ready_and_stops_every_child(tiny_model: Path) -> N
     try:
         line = proc.stdout.readline()
         assert "ready" in line and f":{env_port}" in line, line
+        rows = re.findall(r"^\s+(\S+)\s+grpc=(\S+)\s+metrics=http://[^:]+:(\d+)",
+                          "".join(proc.stdout.readline() for _ in range(4)), re.MULTILINE)
+        _stages_refuse_strangers_while_the_router_serves({name: (address, int(port)) for name, address, port in rows},
+                                                         f"127.0.0.1:{env_port}")
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 4
         proc.terminate()
@@ -253,3 +267,33 @@ def test_qwen_serve_up_prints_ready_and_stops_every_child(tiny_model: Path) -> N
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _stages_refuse_strangers_while_the_router_serves(stages: dict[str, tuple[str, int]], router: str) -> None:
+    """Under `qwen-serve up` (its per-run stage secret) a direct call to a stage is UNAUTHENTICATED, while the
+    router's requests are served and decode's releases reach prefill (no lease is left held)."""
+    assert {"tokenizer", "prefill-0", "decode-0"} <= set(stages), stages
+    (prefill_address, prefill_metrics), (decode_address, _) = stages["prefill-0"], stages["decode-0"]
+    with grpc.insecure_channel(prefill_address) as prefill, grpc.insecure_channel(decode_address) as dec:
+        request = prefill_pb2.PrefillRequest(request_id="stranger", prompt_token_ids=[1, 2, 3])
+        calls = [
+            lambda: prefill_pb2_grpc.PrefillStub(prefill).Prefill(request, timeout=10),
+            lambda: list(kv_transfer_pb2_grpc.KVTransferStub(prefill).Fetch(
+                kv_transfer_pb2.FetchRequest(handoff_id="someone.else"), timeout=10)),
+            lambda: kv_transfer_pb2_grpc.KVTransferStub(prefill).Release(
+                kv_transfer_pb2.ReleaseRequest(handoff_id="someone.else"), timeout=10),
+            lambda: list(decode_pb2_grpc.DecodeStub(dec).Decode(
+                decode_pb2.DecodeRequest(request_id="stranger", prompt_token_ids=[1, 2, 3]), timeout=10)),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    tokens, _ = asyncio.run(_generate(router, list(range(10, 60))))
+    assert len(tokens) == MAX_TOKENS  # the router proves it is one of the stages'
+    deadline = time.monotonic() + 5  # up's leases last 30 s: only decode's Release frees one sooner
+    while metric(prefill_metrics, "qwenserve_handoff_leases_outstanding") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(prefill_metrics, "qwenserve_handoff_leases_outstanding") == 0
+    assert metric(prefill_metrics, "qwenserve_handoff_bytes_total") > 0  # the request was handed off
+    assert metric(prefill_metrics, "qwenserve_stage_auth_refusals_total") >= 3
