@@ -16,6 +16,7 @@ from qwenserve.engine.structured import (
     compiled_grammar,
 )
 from qwenserve.kv_layout import KVLayout
+from qwenserve.untrusted_input import JsonRefused, check_nesting
 from qwenserve.v1 import common_pb2
 
 FINISH_REASONS: dict[str, int] = {
@@ -88,6 +89,10 @@ def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
             structured = StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind))
         if len(structured.spec) <= EDGE_PARSE_MAX_CHARS:
             compiled_grammar(structured)
+        elif kind == "json_schema":  # counted, not parsed: a schema nested too deeply is refused before any stream
+            check_nesting(structured.spec, "the JSON schema")
+    except JsonRefused as e:
+        raise InvalidSamplingParams("structured", e.message) from None
     except StructuredOutputError as e:
         raise InvalidSamplingParams("structured", str(e)) from None
     return structured

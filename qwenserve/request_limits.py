@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 from qwenserve.engine.sampling_params import SamplingParams
 
+#: The longest prefix-cache salt a request may carry: the salt is hashed into every block's key, and an unbounded
+#: one is a memory sink on every stage that holds it.
+MAX_CACHE_SALT_CHARS = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
@@ -104,6 +108,14 @@ def check_request(
         raise NothingLeftToGenerate(
             f"{len(resume_ids)} tokens were already generated; max_tokens is {budget}", "resume_token_ids")
     return budget
+
+
+def check_cache_salt(salt: str) -> str | None:
+    """The prefix-cache salt, or None for none; RequestOutOfLimits when it is longer than MAX_CACHE_SALT_CHARS."""
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise RequestOutOfLimits(f"cache_salt has {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS}",
+                                 "cache_salt")
+    return salt or None
 
 
 def _check_vocabulary(ids: Sequence[int], vocab_size: int, what: str, field: str) -> None:

@@ -95,3 +95,13 @@ def test_the_check_imports_neither_torch_nor_grpc() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_cache_salt_past_its_bound_is_refused_naming_the_field_and_an_empty_one_is_none() -> None:
+    from qwenserve.request_limits import MAX_CACHE_SALT_CHARS, check_cache_salt
+
+    assert check_cache_salt("") is None
+    assert check_cache_salt("s" * MAX_CACHE_SALT_CHARS) == "s" * MAX_CACHE_SALT_CHARS
+    with pytest.raises(RequestOutOfLimits) as refused:
+        check_cache_salt("s" * (MAX_CACHE_SALT_CHARS + 1))
+    assert refused.value.field == "cache_salt" and "at most 1024" in refused.value.message

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from qwenserve.engine.sampling_params import InvalidSamplingParams
 from qwenserve.engine.structured import ReasoningFirst
 from qwenserve.protocol import sampling_from_proto
-from qwenserve.request_limits import ModelLimits, RequestOutOfLimits, check_request
+from qwenserve.request_limits import ModelLimits, RequestOutOfLimits, check_cache_salt, check_request
 from qwenserve.router.chat_output import ChatOutput, chat_shape_of, check_chat_json, tool_choice_of
 from qwenserve.router.config import RouterConfig
 from qwenserve.router.discovery import Resolver, system_resolver
@@ -113,6 +113,10 @@ class Router:
         request_id = req.request_id or new_request_id()
         if not valid_request_id(request_id):
             raise InvalidRequest(f"request_id must be {REQUEST_ID_RULE}", "request_id")
+        try:
+            check_cache_salt(req.cache_salt)
+        except RequestOutOfLimits as e:
+            raise InvalidRequest(e.message, e.field) from e
         if len(req.stop) > MAX_STOP_STRINGS:
             raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
         if any(not s for s in req.stop):

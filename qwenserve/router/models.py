@@ -38,8 +38,8 @@ from typing import Any
 
 from qwenserve.config_file import read_yaml
 from qwenserve.router.errors import ModelNotAllowed, UnknownModel
-from qwenserve.v1 import common_pb2, router_pb2
 from qwenserve.untrusted_input import echo
+from qwenserve.v1 import common_pb2, router_pb2
 
 
 class ModelsConfigError(ValueError):

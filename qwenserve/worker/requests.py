@@ -16,13 +16,12 @@ from typing import Any
 
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from qwenserve.protocol import sampling_from_proto
-from qwenserve.request_limits import ModelLimits, check_request
+from qwenserve.request_limits import ModelLimits, RequestOutOfLimits, check_cache_salt, check_request
 from qwenserve.v1 import common_pb2
 from qwenserve.worker.errors import BadRequest
 
 #: Visible ASCII only: the id goes into logs, spans, metadata and handoff ids, where anything else breaks.
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
-MAX_CACHE_SALT_CHARS = 1024
 
 
 def checked_request(
@@ -64,6 +63,7 @@ def checked_request_id(request_id: str, prefix: str) -> str:
 
 def checked_cache_salt(salt: str) -> str | None:
     """The prefix-cache salt, or None for none; bounded so that a salt cannot be a memory sink."""
-    if len(salt) > MAX_CACHE_SALT_CHARS:
-        raise BadRequest(f"cache_salt has {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
-    return salt or None
+    try:
+        return check_cache_salt(salt)
+    except RequestOutOfLimits as e:
+        raise BadRequest(e.message) from None

@@ -11,6 +11,8 @@ import grpc
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from qwenserve.rpc_errors import detail_of
+from qwenserve.untrusted_input import MAX_MESSAGE_CHARS
 from qwenserve.v1 import common_pb2, router_pb2
 from tests.fuzz.client import (
     REQUEST_BOUND_S,
@@ -134,4 +136,55 @@ def test_list_models_and_get_status_need_a_valid_api_key(client: FuzzClient, ser
         assert status == expected, f"{method} with metadata {metadata} answered {status}"
 
     check_key()
+    assert_still_serving(serving)
+
+
+def _nested(depth: int) -> str:
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+def _chat(**fields: object) -> router_pb2.GenerateRequest:
+    request = router_pb2.GenerateRequest(chat=common_pb2.ChatInput(
+        messages=[common_pb2.ChatMessage(role="user", content="hi")], add_generation_prompt=True, **fields))
+    request.sampling.max_tokens = 4
+    return request
+
+
+def _json_field_cases() -> dict[str, router_pb2.GenerateRequest]:
+    """The issue's gRPC reproducers: a lone surrogate in tools_json (was UNAVAILABLE, marked retryable), *_json
+    nested 100,000 deep (UNKNOWN / UNAVAILABLE from a RecursionError), a megabyte model name (its echo overflowed
+    the status metadata: RESOURCE_EXHAUSTED)."""
+    tool_call = _chat()
+    tool_call.chat.messages.add(role="assistant", tool_calls_json=[_nested(100_000)])
+    schema = _request()
+    schema.sampling.structured.json_schema = _nested(100_000)  # too large to parse at the router, not to measure
+    return {
+        "tools_json with a lone surrogate": _chat(tools_json=['{"type": "function", "function": {"name": "\\ud800"}}']),
+        "tools_json nested 100k deep": _chat(tools_json=[_nested(100_000)]),
+        "chat_template_kwargs_json nested 100k deep": _chat(chat_template_kwargs_json=_nested(100_000)),
+        "tool_calls_json nested 100k deep": tool_call,
+        "json_schema nested 100k deep": schema,
+        "a 1 MB model name": _request(model="m" * (1 << 20)),
+    }
+
+
+def test_json_fields_past_the_limits_and_huge_names_are_invalid_argument_never_retryable(
+    client: FuzzClient, serving: Deployment
+) -> None:
+    async def refusal(request: router_pb2.GenerateRequest) -> grpc.aio.AioRpcError | None:
+        try:
+            async for _ in client.stub.Generate(request, metadata=GOOD_METADATA, timeout=REQUEST_BOUND_S):
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e
+        return None
+
+    for case, request in _json_field_cases().items():
+        error = client.run(refusal(request))
+        assert error is not None, f"{case}: served"
+        detail = detail_of(error)
+        shown = f"{case}: {error.code().name} {(error.details() or '')[:300]}"
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and detail is not None, shown
+        assert not detail.retryable and len(detail.message) <= MAX_MESSAGE_CHARS, shown
+        assert sum(len(k) + len(v) for k, v in error.trailing_metadata() or ()) < 8192, shown
     assert_still_serving(serving)

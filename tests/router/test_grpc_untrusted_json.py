@@ -102,8 +102,10 @@ CASES = {
     "tools_json_not_an_object": (chat(tools_json=["[1]"]), "chat.tools_json[0]", "JSON object"),
     "kwargs_not_json": (chat(chat_template_kwargs_json="{nope"), "chat.chat_template_kwargs_json",
                         "not valid JSON"),
-    # Small enough to be parsed at the router (a larger one is parsed only where it is compiled).
+    # Small enough to be parsed at the router; a larger one is parsed only where it is compiled, but its nesting
+    # is counted at the router all the same.
     "deep_json_schema": (with_schema(nested(2_000)), "sampling.structured", "nested too deeply"),
+    "large_deep_json_schema": (with_schema(nested(100_000)), "sampling.structured", "nested too deeply"),
 }
 
 
