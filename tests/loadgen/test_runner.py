@@ -70,7 +70,9 @@ async def test_duration_bound_stops_sending_and_cancels_after_the_drain() -> Non
     target = SyntheticTarget(ttft_s=0.05, itl_s=0.5)  # each request would take seconds
     t0 = time.monotonic()
     [run] = await bench(_config(rates=[20.0], duration_s=1.0, drain_s=0.5, scale=0.1), target=target)
-    assert time.monotonic() - t0 < 4.0
+    # 1.5 s of sending and draining; the rest is room for a machine busy with other tests (4 s was missed by
+    # 0.4-1 s under pytest-xdist). The cancellation itself is what the records and the error count show.
+    assert time.monotonic() - t0 < 8.0
     assert run.result.stopped_by == "duration"
     assert all(r.start < 1.0 + 0.1 for r in run.result.records)
     assert run.summary.errors.get("incomplete", 0) >= 1
