@@ -12,8 +12,9 @@ warning at start.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 CREDENTIAL_METADATA_KEY = "x-qwenserve-stage-credential"
 #: Methods any caller may use: health checking (probes, `qwen-serve up`) and reflection (grpcurl).
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+#: A refused call that streams requests is read (never parsed) up to this long and this many messages first.
+REFUSED_STREAM_DRAIN_S = 0.5
+REFUSED_STREAM_DRAIN_MESSAGES = 16
 
 
 def credential_interceptors(secret: StageSecret | None) -> list[aio.ClientInterceptor]:
@@ -84,13 +88,28 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str, reason: str) -> grpc.
         await abort(context, grpc.StatusCode.UNAUTHENTICATED,
                     error_detail(f"stage_credential_{reason}", message))
 
+    async def refuse_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        # A client still writing when the status arrives gets INTERNAL from its own failed write (grpc.aio),
+        # not our UNAUTHENTICATED: let a short request stream finish first. No deserializer is set, so the
+        # bytes are never parsed, and a stream that goes on is cut off by count and time.
+        try:
+            async with asyncio.timeout(REFUSED_STREAM_DRAIN_S):
+                count = 0
+                async for _ in requests:
+                    count += 1
+                    if count >= REFUSED_STREAM_DRAIN_MESSAGES:
+                        break
+        except TimeoutError:
+            pass
+        await refuse(None, context)
+
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(refuse)
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(refuse)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    return grpc.stream_stream_rpc_method_handler(refuse)
+        return grpc.stream_unary_rpc_method_handler(refuse_stream)
+    return grpc.stream_stream_rpc_method_handler(refuse_stream)
 
 
 class _AddsCredential:

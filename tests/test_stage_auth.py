@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import stat
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -200,3 +202,23 @@ def test_a_run_secret_is_random_and_readable_by_its_owner_only() -> None:
     assert stat.S_IMODE(first.stat().st_mode) == 0o600
     assert stat.S_IMODE(first.parent.stat().st_mode) == 0o700
     assert StageSecret.from_file(first).credential != first.read_text()
+
+
+async def test_a_refused_request_stream_that_never_ends_is_cut_off(secret: StageSecret) -> None:
+    server = await _started(secret)
+
+    async def endless() -> AsyncIterator[bytes]:
+        while True:
+            yield b"z" * 1024
+            await asyncio.sleep(0)
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await channel.stream_unary(f"/{SERVICE}/ClientStream")(endless(), timeout=20)
+            # The client may see its own failed write (INTERNAL) rather than the status: it was still writing.
+            assert refused.value.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL)
+            assert time.monotonic() - t0 < 5.0
+    finally:
+        await server.stop()

@@ -15,6 +15,7 @@ from qwenserve import cli, up
 from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 from qwenserve.launcher import LocalCluster
 from qwenserve.stages import tokenizer as tokenizer_stage
+from qwenserve.telemetry import logs
 
 
 class ReadOnlyEnviron(dict[str, str]):
@@ -85,6 +86,8 @@ def test_serve_refuses_a_failed_check_in_one_line_without_importing_the_server(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(cli.supervision, "apply", lambda: None)
     monkeypatch.setattr(cli, "_call", lambda *args: pytest.fail("the server was started"))
+    # As in a fresh process: an earlier test in this one may have set up logging onto its own captured stderr.
+    monkeypatch.setattr(logs, "_console_handlers", [])
     assert cli.main(["serve", "tokenizer", str(tmp_path / "missing"), "--port", "0"]) == 1
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "tokenizer: cannot start" in line
