@@ -132,12 +132,20 @@ def test_handed_off_hybrid_sequences_preempted_on_a_small_decode_pool_recompute_
     state_bytes, block_bytes = 4 * 6400, 2 * 2 * 16 * 2 * 16 * 4
     env = {"QWENSERVE_DTYPE": "float32", "QWENSERVE_MAX_NUM_SEQS": "4", "QWENSERVE_STATE_SNAPSHOT_TOKENS": "0",
            "QWENSERVE_KV_CACHE_GB": f"{(state_bytes + 9 * block_bytes + 64) / 2**30:.10f}"}
+    want = _reference(hybrid_model, new_tokens)
     with make_cluster(hybrid_model, tmp_path, prefill=1, decode=1, env=env) as cluster:
-        served, _ = asyncio.run(_served(f"{cluster.host}:{cluster.router_port}", new_tokens=new_tokens))
-        preempted = total(scrape(cluster.child("decode-0").metrics_port), "qwenserve_engine_preemptions_total")
-        failed = total(scrape(cluster.child("decode-0").metrics_port), "qwenserve_handoff_failures_total")
+        # The three overlap in decode only if their handoffs arrive close together; on a machine busy with other
+        # tests one may finish first, and then nothing needs preempting: the batch is sent again (every answer
+        # is checked), at most three times.
+        for _ in range(3):
+            served, _ = asyncio.run(_served(f"{cluster.host}:{cluster.router_port}", new_tokens=new_tokens))
+            assert served == want
+            metrics = scrape(cluster.child("decode-0").metrics_port)
+            if total(metrics, "qwenserve_engine_preemptions_total") > 0:
+                break
+        preempted = total(metrics, "qwenserve_engine_preemptions_total")
+        failed = total(metrics, "qwenserve_handoff_failures_total")
     assert preempted > 0, "the decode pool was large enough for the whole batch: nothing was preempted"
     assert failed == 0
-    assert served == _reference(hybrid_model, new_tokens)
 
 

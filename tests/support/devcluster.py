@@ -35,10 +35,13 @@ def netns_unavailable() -> str | None:
     """Why this machine cannot run a dev cluster (root and `ip netns` are needed), or None when it can."""
     if os.geteuid() != 0:
         return "needs root (network namespaces and a bridge)"
-    probe = subprocess.run(["ip", "netns", "add", "qsprobe-devcluster"], capture_output=True, text=True)
+    # A name of this process's own: every xdist worker probes while collecting, at the same moment, and a shared
+    # name made one of them fail ("File exists") and skip the dev-cluster tests it then ran.
+    name = f"qsprobe-{os.getpid()}"
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"`ip netns add` is not permitted here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "qsprobe-devcluster"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
 
 
