@@ -83,7 +83,7 @@ SLOW_TESTS = (
     "engine/test_grammar_limits.py", "engine/test_hybrid_models.py", "engine/test_linear_attention_gpu.py",
     "tokenizer/test_builtin_vocab.py",
 )
-# With pytest-xdist (scripts/test.sh: `-n 2 --dist loadgroup`) a module's tests stay on one worker, so a
+# With pytest-xdist (scripts/test.sh: `-n 3 --dist loadgroup`) a module's tests stay on one worker, so a
 # module-scoped cluster starts once. These share a worker wider than a module: one dev cluster runs on a
 # machine at a time (its lock and network namespaces); a package- or session-scoped cluster, and a session's
 # whole-vocabulary tokenizers, would otherwise start once per worker that uses them.

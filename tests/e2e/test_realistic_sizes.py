@@ -1,8 +1,9 @@
 """A model of realistic size through the disaggregated path: Qwen3-0.6B's shape with random weights.
 
-Tiny models hide what only size shows: a 2k-token prompt's KV (~470 MB in fp32, ~235 MB in bf16) does not fit
+Tiny models hide what only size shows: a 1,280-token prompt's KV (~294 MB in fp32, ~147 MB in bf16) does not fit
 the handoff pool these clusters are given, so the handoff takes the overflow path that once failed every prompt
-over ~1,180 tokens. Each test compares the tokens the cluster streams with an in-process engine's.
+over ~1,180 tokens (~258 MiB of fp32 KV at this shape). Each test compares the tokens the cluster streams with an
+in-process engine's.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.support.clusters import make_cluster
 
-# Minutes, not seconds: a 0.6B-shaped prefill of 2k tokens, in a reference engine and in the cluster. (8k took
-# 5.5 of CI's 30 minutes on a 2-core AVX2 machine, 4k then three; 2k's ~470 MB of fp32 KV overflows the 64 MiB
-# pool seven times over, which is the path these tests are for.)
+# A minute, not seconds: a 0.6B-shaped prefill of 1,280 tokens, in a reference engine and in the cluster. (8k took
+# 5.5 of CI's 30 minutes on a 2-core AVX2 machine, 4k then three, 2k one and a half; 1,280 tokens are past the
+# ~1,180 where the old failure began, and their ~294 MB of fp32 KV overflow the 64 MiB pool four times over,
+# which is the path these tests are for.)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # Smaller than any handoff below: every one of them overflows the pool.
 POOL_MIB = 64
+PROMPT_TOKENS = 1280
 OUTPUT_TOKENS = 6
 
 
@@ -117,9 +120,9 @@ def _assert_served_by_handoff(cluster: LocalCluster, tokens: list[int], last: ro
     assert _handoff_bytes(cluster.child("decode-0").metrics_port) > 0
 
 
-def test_fp32_prompt_of_2k_tokens_hands_off_through_a_pool_smaller_than_its_kv(fp32_model: Path,
-                                                                                  tmp_path: Path) -> None:
-    prompts = [_prompt(2048, 1)]
+def test_fp32_prompt_past_the_old_limit_hands_off_through_a_pool_smaller_than_its_kv(fp32_model: Path,
+                                                                                      tmp_path: Path) -> None:
+    prompts = [_prompt(PROMPT_TOKENS, 1)]
     expected = _reference(fp32_model, "float32", prompts)
     with _cluster(fp32_model, tmp_path, "float32") as cluster:
         for prompt, want in zip(prompts, expected, strict=True):
@@ -139,7 +142,7 @@ def _fast_bf16() -> bool:
                     "(a 768-token bf16 prefill took minutes), so this machine serves fp32; the fp32 test covers the "
                     "handoff's overflow path, the bf16 layout is covered by tests/kv_transfer")
 def test_bf16_prompt_larger_than_the_pool_hands_off_exactly(bf16_model: Path, tmp_path: Path) -> None:
-    prompts = [_prompt(2048, 3)]  # ~235 MB of bf16 KV: overflows the pool
+    prompts = [_prompt(PROMPT_TOKENS, 3)]  # ~147 MB of bf16 KV: overflows the pool
     expected = _reference(bf16_model, "bfloat16", prompts)
     with _cluster(bf16_model, tmp_path, "bfloat16") as cluster:
         tokens, last = asyncio.run(_generate(cluster, prompts[0]))

@@ -284,7 +284,7 @@ def test_engine_tokens_equal_with_and_without_kernels(checkpoint) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     runs = []
     for switch in (True, False):
-        engine = LLMEngine.from_pretrained(folder, EngineConfig(block_size=4, num_threads=2, cpu_kernel=switch))
+        engine = LLMEngine.from_pretrained(folder, EngineConfig(block_size=4, num_kv_blocks=256, num_threads=2, cpu_kernel=switch))
         try:
             assert (engine.runner.backend.cpu_kernels is not None) is switch
             assert engine.stats().cpu_kernels is switch

@@ -19,7 +19,8 @@ async def meter(request: pytest.FixtureRequest):
     if request.param == "memory":
         made: UsageMeter = InProcessUsageMeter()
     else:
-        made = RedisUsageMeter(connect(request.getfixturevalue("redis_url")))
+        # Sixty records connect at once: on a machine busy with other tests 0.25 s (the request path's) is too short.
+        made = RedisUsageMeter(connect(request.getfixturevalue("redis_url"), timeout_s=5.0))
     yield made
     await made.close()
 
