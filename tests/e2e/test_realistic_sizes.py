@@ -96,12 +96,9 @@ def _write_apart(folder: Path, dtype: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fp32_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    yield _write_apart(tmp_path_factory.mktemp("q06") / "qwen3-0.6b-fp32", "float32")
-
-
-@pytest.fixture(scope="module")
-def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One bf16 checkpoint for both tests (as Qwen ships them): served with --dtype float32 its weights are widened
+    and its KV, prefill and handoff are fp32; half the bytes of an fp32 checkpoint to draw and write."""
     yield _write_apart(tmp_path_factory.mktemp("q06") / "qwen3-0.6b-bf16", "bfloat16")
 
 
@@ -120,11 +117,11 @@ def _assert_served_by_handoff(cluster: LocalCluster, tokens: list[int], last: ro
     assert _handoff_bytes(cluster.child("decode-0").metrics_port) > 0
 
 
-def test_fp32_prompt_past_the_old_limit_hands_off_through_a_pool_smaller_than_its_kv(fp32_model: Path,
+def test_fp32_prompt_past_the_old_limit_hands_off_through_a_pool_smaller_than_its_kv(model: Path,
                                                                                       tmp_path: Path) -> None:
     prompts = [_prompt(PROMPT_TOKENS, 1)]
-    expected = _reference(fp32_model, "float32", prompts)
-    with _cluster(fp32_model, tmp_path, "float32") as cluster:
+    expected = _reference(model, "float32", prompts)
+    with _cluster(model, tmp_path, "float32") as cluster:
         for prompt, want in zip(prompts, expected, strict=True):
             tokens, last = asyncio.run(_generate(cluster, prompt))
             _assert_served_by_handoff(cluster, tokens, last, want)
@@ -141,9 +138,9 @@ def _fast_bf16() -> bool:
 @pytest.mark.skipif(not _fast_bf16(), reason="no AMX on this CPU: bf16 products run ~6x slower than fp32 here "
                     "(a 768-token bf16 prefill took minutes), so this machine serves fp32; the fp32 test covers the "
                     "handoff's overflow path, the bf16 layout is covered by tests/kv_transfer")
-def test_bf16_prompt_larger_than_the_pool_hands_off_exactly(bf16_model: Path, tmp_path: Path) -> None:
+def test_bf16_prompt_larger_than_the_pool_hands_off_exactly(model: Path, tmp_path: Path) -> None:
     prompts = [_prompt(PROMPT_TOKENS, 3)]  # ~147 MB of bf16 KV: overflows the pool
-    expected = _reference(bf16_model, "bfloat16", prompts)
-    with _cluster(bf16_model, tmp_path, "bfloat16") as cluster:
+    expected = _reference(model, "bfloat16", prompts)
+    with _cluster(model, tmp_path, "bfloat16") as cluster:
         tokens, last = asyncio.run(_generate(cluster, prompts[0]))
         _assert_served_by_handoff(cluster, tokens, last, expected[0])

@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from engine_checkpoints import SPECS, load_reference, reference_greedy, write_checkpoint
 
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
+from tests.support.engine_checkpoints import SPECS, load_reference, reference_greedy, write_checkpoint
 
 # Hand-written transformers-4.x style configs (as found on the hub) for the same weights.
 CONFIG_4X: dict[str, dict] = {

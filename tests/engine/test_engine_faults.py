@@ -7,13 +7,13 @@ import asyncio
 import threading
 
 import pytest
-from engine_checkpoints import random_prompts
 
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.errors import EngineDeadError
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from qwenserve.request_limits import TokenOutsideVocabulary
+from tests.support.engine_checkpoints import random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_checkpoints import random_prompts
 
 from qwenserve.engine.kv_handoff import KVImport
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.kv_layout import KVLayout, KVLayoutMismatch
 from qwenserve.kv_transfer import ExporterConfig, KVExporter, KVTransport, compute_checksum
+from tests.support.engine_checkpoints import random_prompts
 
 
 @pytest.mark.parametrize("sampling", [

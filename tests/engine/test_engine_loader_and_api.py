@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from engine_checkpoints import SPECS, random_prompts, write_checkpoint
 from safetensors.torch import load_file, save_file
 
 from qwenserve.engine.config import EngineConfig
@@ -16,6 +15,7 @@ from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.errors import CheckpointError
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.request_limits import ContextLengthExceeded, EmptyPrompt, TokenOutsideVocabulary
+from tests.support.engine_checkpoints import SPECS, random_prompts, write_checkpoint
 
 TINY = EngineConfig(num_kv_blocks=32, block_size=8, num_threads=2)
 

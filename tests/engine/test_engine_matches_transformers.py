@@ -6,9 +6,9 @@ import asyncio
 import json
 
 import pytest
-from engine_checkpoints import random_prompts
 
 from qwenserve.engine.sampling_params import SamplingParams
+from tests.support.engine_checkpoints import random_prompts
 
 FAMILIES = ["qwen3_gqa4", "qwen3_untied", "qwen2_bias", "qwen3_moe"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

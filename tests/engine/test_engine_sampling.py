@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_checkpoints import random_prompts
 
 from qwenserve.engine.sampler import Sampler, SamplingRow
 from qwenserve.engine.sampling_params import SamplingParams
+from tests.support.engine_checkpoints import random_prompts
 
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
 
@@ -96,7 +96,7 @@ def _fields(p: SamplingParams) -> dict:
 
 
 def test_prompt_logprobs_match_transformers_across_chunks_and_skip_the_prefix_cache(make_engine, checkpoint):
-    from engine_checkpoints import load_reference
+    from tests.support.engine_checkpoints import load_reference
 
     name = "qwen3_untied"
     engine = make_engine(name, max_num_batched_tokens=16)  # a 61-token prompt takes four chunks

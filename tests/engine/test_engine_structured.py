@@ -11,12 +11,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from qwenserve.engine.structured import StructuredOutput, StructuredOutputError
 from qwenserve.tokenizer import Tokenizer
+from tests.support.checkpoints import tiny_checkpoint
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "ok": {"type": "boolean"}},
@@ -26,8 +26,7 @@ JSON = StructuredOutput("json_schema", json.dumps(SCHEMA))
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-grammar",
-                            {**TINY_CONFIG, "max_position_embeddings": 512}, seed=31)
+    return tiny_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-grammar", seed=31, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")

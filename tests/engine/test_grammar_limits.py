@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qwenserve.default_model import TINY_CONFIG, write_checkpoint
+from qwenserve.default_model import TINY_CONFIG
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.grammar import GrammarBackend
@@ -25,6 +25,7 @@ from qwenserve.engine.structured import (
     StructuredOutput,
     StructuredOutputError,
 )
+from tests.support.checkpoints import tiny_checkpoint
 
 
 def _choices(count: int) -> StructuredOutput:
@@ -34,8 +35,8 @@ def _choices(count: int) -> StructuredOutput:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-grammar-limits",
-                            {**TINY_CONFIG, "max_position_embeddings": 512}, seed=37)
+    return tiny_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-grammar-limits", seed=37,
+                           max_position_embeddings=512)
 
 
 def _backend(model: Path, limits: GrammarLimits) -> GrammarBackend:

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from engine_checkpoints import random_prompts
 
 from qwenserve.engine.kv_handoff import KVImport
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.kv_layout import KVLayout, KVLayoutMismatch, LinearState
 from qwenserve.kv_transfer import ExporterConfig, KVExporter, KVTransport, compute_checksum
 from qwenserve.protocol import kv_layout_from_proto, kv_layout_to_proto
+from tests.support.engine_checkpoints import random_prompts
 
 HYBRIDS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 TOKENS = 10

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from engine_checkpoints import random_prompts
 from safetensors.torch import load_file, save_file
 
 from qwenserve.engine.config import EngineConfig
@@ -17,6 +16,7 @@ from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.models import ModelConfig
 from qwenserve.models.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_step
 from qwenserve.models.ops import TORCH_OPS
+from tests.support.engine_checkpoints import random_prompts
 
 HYBRIDS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

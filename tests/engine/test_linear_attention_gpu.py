@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_checkpoints import random_prompts
 
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
@@ -28,6 +27,7 @@ from qwenserve.models import gated_delta
 from qwenserve.models import linear_attention_gpu as gpu
 from qwenserve.models.gated_delta import PrefillChunks
 from qwenserve.models.ops import TORCH_OPS
+from tests.support.engine_checkpoints import random_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).with_name("fla_interpreted.py")

@@ -75,7 +75,7 @@ def check(answer: Answer, request: router_pb2.GenerateRequest, metadata: tuple[t
 def test_any_generate_request_ends_with_ok_or_a_client_error(client: FuzzClient, serving: Deployment) -> None:
     tally = Tally()
 
-    @fuzz_settings(ci_examples=150)
+    @fuzz_settings(ci_examples=100)
     @given(request=generate_requests(), metadata=grpc_metadata)
     # The reproducers, tried first on every run.
     @example(request=_request(min_tokens=2, stop_token_ids=[2**32 - 1]), metadata=GOOD_METADATA)

@@ -64,7 +64,7 @@ def test_any_completions_body_gets_a_2xx_or_4xx_with_one_terminal_event(
 ) -> None:
     tally = Tally()
 
-    @fuzz_settings(ci_examples=120)
+    @fuzz_settings(ci_examples=80)
     @given(sent=encoded(completion_bodies), headers=http_headers)
     # The reproducers, tried first on every run.
     @example(sent=({"max_tokens": 4, "min_tokens": 2, "stop_token_ids": [2**32 - 1]},
@@ -90,7 +90,7 @@ def test_any_chat_body_gets_a_2xx_or_4xx_with_one_terminal_event(
     tally = Tally()
     tool_call = {"id": "1", "type": "function", "function": {"name": "\ud800", "arguments": "{}"}}
 
-    @fuzz_settings(ci_examples=120)
+    @fuzz_settings(ci_examples=80)
     @given(sent=encoded(chat_bodies), headers=http_headers)
     @example(sent=({}, json.dumps({"messages": HI}).encode()), headers=GOOD_HEADERS)
     @example(sent=({"max_tokens": 4}, json.dumps({"messages": [

@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from qwenserve.default_model import GENERATION_CONFIG, TINY_CONFIG, write_checkpoint
+from qwenserve.default_model import GENERATION_CONFIG
 from qwenserve.launcher import LocalCluster
 from qwenserve.router.generation_defaults import (
     GenerationConfigError,
@@ -18,6 +18,7 @@ from qwenserve.router.generation_defaults import (
     with_defaults,
 )
 from qwenserve.v1 import common_pb2
+from tests.support.checkpoints import tiny_checkpoint
 
 ASK = [{"role": "user", "content": "Tell me a story about the sea."}]
 
@@ -25,10 +26,9 @@ ASK = [{"role": "user", "content": "Tell me a story about the sea."}]
 @pytest.fixture(scope="module")
 def greedy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model whose own defaults are greedy and 6 tokens long (as a checkpoint's file can say)."""
-    return write_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-greedy",
-                            {**TINY_CONFIG, "max_position_embeddings": 1024}, seed=21,
-                            generation_config={**GENERATION_CONFIG, "temperature": 0.0, "top_k": 20,
-                                               "max_new_tokens": 6})
+    return tiny_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-greedy", seed=21,
+                           generation_config={**GENERATION_CONFIG, "temperature": 0.0, "top_k": 20,
+                                              "max_new_tokens": 6})
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 from qwenserve.launcher import LocalCluster
+from tests.support.checkpoints import tiny_checkpoint
 from tests.support.ports import free_port
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -74,7 +74,7 @@ def _chat(http_port: int) -> tuple[int, dict]:
 def test_a_dead_redis_follows_the_failure_mode_and_the_router_stays_up(
     redis_process: RedisProcess, tmp_path: Path, mode: str
 ) -> None:
-    model = write_checkpoint(tmp_path / "qwen3-outage", TINY_CONFIG, seed=5)
+    model = tiny_checkpoint(tmp_path / "qwen3-outage", seed=5)
     router_args = ["--redis-url", redis_process.url, "--ratelimit-failure-mode", mode, "--no-auth"]
     env = {"QWENSERVE_KV_CACHE_GB": "0.05", "QWENSERVE_THREADS": "1",
            "QWENSERVE_DEFAULT_TOKENS_PER_MINUTE": "1000000", "QWENSERVE_DEFAULT_REQUESTS_PER_MINUTE": "10000"}

@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 from qwenserve.launcher import LocalCluster
+from tests.support.checkpoints import tiny_checkpoint
 
 # <|object_ref_start|> and <|object_ref_end|>: special, never end a request, never shown as text.
 SILENT_TOKENS = (151646, 151647)
@@ -33,10 +33,9 @@ PROMPT = [{"role": "user", "content": "Say something."}]
 
 
 def silent_checkpoint(path: Path) -> Path:
-    """TINY_CONFIG whose logits are 0 everywhere but +-h[0] on the two silent tokens, so greedy
+    """The tiny checkpoint whose logits are 0 everywhere but +-h[0] on the two silent tokens, so greedy
     decoding always picks one of them (h is the final norm's output, kept only in dimension 0)."""
-    config = {**TINY_CONFIG, "max_position_embeddings": CONTEXT, "tie_word_embeddings": False}
-    write_checkpoint(path, config, seed=5)
+    tiny_checkpoint(path, seed=5, max_position_embeddings=CONTEXT, tie_word_embeddings=False)
     weights = load_file(str(path / "model.safetensors"))
     head = torch.zeros_like(weights["lm_head.weight"])
     head[SILENT_TOKENS[0], 0], head[SILENT_TOKENS[1], 0] = 1.0, -1.0

@@ -8,7 +8,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from ratelimit_checks import max_window_sum, tenant
 
 from qwenserve.ratelimit import (
     RateLimiter,
@@ -18,6 +17,7 @@ from qwenserve.ratelimit import (
     make_rate_limiter,
     rate_limit_headers,
 )
+from tests.support.ratelimit_checks import max_window_sum, tenant
 
 MakeLimiter = Callable[..., RateLimiter]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from ratelimit_checks import tenant
 
 from qwenserve.ratelimit import (
     InProcessRateLimiter,
@@ -13,6 +12,7 @@ from qwenserve.ratelimit import (
     grpc_rate_limit_metadata,
     rate_limit_headers,
 )
+from tests.support.ratelimit_checks import tenant
 
 
 @pytest.mark.parametrize(

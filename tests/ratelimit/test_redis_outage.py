@@ -8,7 +8,6 @@ import time
 
 import pytest
 from prometheus_client import REGISTRY
-from ratelimit_checks import tenant
 
 from qwenserve.ratelimit import (
     RateLimiterConfig,
@@ -19,6 +18,7 @@ from qwenserve.ratelimit import (
 )
 from qwenserve.ratelimit.redis_client import connect
 from qwenserve.tenancy import RedisUsageMeter, UsageMeterUnavailable, UsageRecord
+from tests.support.ratelimit_checks import tenant
 
 TIMEOUT_S = 0.2
 RETRY_S = 0.3

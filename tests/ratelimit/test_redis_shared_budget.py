@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ratelimit_checks import max_window_sum
+from tests.support.ratelimit_checks import max_window_sum
 
 WORKER = Path(__file__).with_name("shared_budget_worker.py")
 

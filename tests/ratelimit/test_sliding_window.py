@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from ratelimit_checks import max_window_sum, tenant
 
 from qwenserve.ratelimit import InProcessRateLimiter, RateLimitExceeded
 from qwenserve.ratelimit.window import RateLimits, SlidingLog, WindowUsage, decide, seconds_until_fits
+from tests.support.ratelimit_checks import max_window_sum, tenant
 
 
 def test_decision_is_all_or_nothing_over_both_limits() -> None:

@@ -11,6 +11,8 @@ from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 TINY: dict[str, Any] = {**TINY_CONFIG, "max_position_embeddings": 1024}
 
 
-def tiny_checkpoint(folder: Path, seed: int = 11, **config: Any) -> Path:
-    """TINY with `config`'s keys replaced, written to `folder` with weights drawn from `seed`."""
-    return write_checkpoint(folder, {**TINY, **config}, seed=seed)
+def tiny_checkpoint(folder: Path, seed: int = 11, generation_config: dict[str, Any] | None = None,
+                    **config: Any) -> Path:
+    """TINY with `config`'s keys replaced, written to `folder` with weights drawn from `seed` (and
+    `generation_config` as its generation_config.json, where given)."""
+    return write_checkpoint(folder, {**TINY, **config}, seed=seed, generation_config=generation_config)

@@ -11,9 +11,8 @@ from functools import partial
 
 import pytest
 
-from qwenserve.default_model import write_checkpoint
 from qwenserve.launcher import LocalCluster
-from tests.support.checkpoints import TINY
+from tests.support.checkpoints import tiny_checkpoint
 from tests.support.clusters import make_cluster
 from tests.support.metrics import Samples, scrape, total
 
@@ -28,7 +27,7 @@ OTHER = "A different prompt about disaggregated prefill and decode."
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Tokenizer, prefill, decode and router, every stage told the served model name."""
-    model = write_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-vllm-names", TINY, seed=5)
+    model = tiny_checkpoint(tmp_path_factory.mktemp("models") / "qwen3-vllm-names", seed=5)
     with make_cluster(
         model, tmp_path_factory.mktemp("vllm-names"), prefill=1, decode=1,
         extra_router_args=["--model-name", SERVED], extra_worker_args=["--served-model-name", SERVED],

@@ -9,7 +9,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from qwenserve.default_model import TINY_CONFIG, write_checkpoint
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.errors import EngineDeadError
@@ -17,14 +16,14 @@ from qwenserve.kv_transfer import ExporterConfig, KVExporter
 from qwenserve.v1 import common_pb2, prefill_pb2
 from qwenserve.worker.errors import Overloaded, PrefillFailed, grpc_status
 from qwenserve.worker.prefill_worker import PrefillWorker
+from tests.support.checkpoints import tiny_checkpoint
 
-TINY = {**TINY_CONFIG, "max_position_embeddings": 512}
 MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLMEngine]:
-    path = write_checkpoint(tmp_path_factory.mktemp("m") / "tiny", TINY, seed=3)
+    path = tiny_checkpoint(tmp_path_factory.mktemp("m") / "tiny", seed=3, max_position_embeddings=512)
     engine = LLMEngine.from_pretrained(Path(path), EngineConfig(kv_cache_memory_gb=0.02, num_threads=1))
     yield engine
     engine.shutdown()
