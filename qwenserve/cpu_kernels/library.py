@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from qwenserve.cpu_kernels.packed_weight import PANEL, PackedWeight
+from qwenserve.cpu_kernels.packed_weight import PANEL, PANEL_DTYPES, PackedWeight
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -19,6 +19,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_float, i64]
     lib.linear_packed.restype = None
     lib.linear_packed.argtypes = [pointer] * 3 + [i64] * 4
+    lib.linear_packed_bf16.restype = None
+    lib.linear_packed_bf16.argtypes = [pointer] * 3 + [i64] * 4
     lib.kv_checksum_chunks.restype = None
     lib.kv_checksum_chunks.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] + [i64] * 2
     lib.kv_checksum_combine.restype = ctypes.c_uint64
@@ -84,10 +86,13 @@ class CpuKernels:
             raise MemoryError("paged_decode_attention could not allocate its scratch")
 
     def linear_packed(self, x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [m, k] @ Wᵀ -> [m, n], contiguous fp32 CPU tensors, written into `out` [m, n] when given. The GIL is
-        released while it runs."""
+        """x [m, k] @ Wᵀ -> [m, n], x and `out` contiguous fp32 CPU tensors, the panels fp32 or bf16 (widened to
+        fp32 as they are read: the fp32 product of the bf16 weights), written into `out` [m, n] when given. The GIL
+        is released while it runs."""
         packed = weight.panels
-        _check_cpu_fp32("linear_packed", x, packed)
+        _check_cpu_fp32("linear_packed", x)
+        if packed.dtype not in PANEL_DTYPES or not packed.is_contiguous() or packed.device.type != "cpu":
+            raise ValueError(f"linear_packed wants contiguous fp32 or bf16 CPU panels, got {packed.dtype}")
         if x.dim() != 2 or packed.dim() != 3:
             raise ValueError("linear_packed wants x [m, k] and one packed matrix")
         m, k = x.shape
@@ -99,7 +104,8 @@ class CpuKernels:
         elif out.shape != (m, n):
             raise ValueError(f"linear_packed: out must have shape {(m, n)}")
         _check_cpu_fp32("linear_packed", out)
-        self.lib.linear_packed(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n, torch.get_num_threads())
+        product = self.lib.linear_packed if packed.dtype == torch.float32 else self.lib.linear_packed_bf16
+        product(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n, torch.get_num_threads())
         return out
 
     def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:

@@ -1,10 +1,14 @@
-/* y = x · Wᵀ (a linear layer without bias), fp32 on CPU, against W packed in panels.
+/* y = x · Wᵀ (a linear layer without bias) on CPU, x and y fp32, against W packed in panels of fp32 or bf16.
  *
  * PackedWeight.pack stores W [n, k] as [n / 16][k][16]: panel q holds, for every column i of x, the 16 weights of
  * output columns 16q..16q+15 side by side. A tile then keeps rows of x × panels of y in accumulators and,
  * at each i, broadcasts x[r][i] against whole panel vectors: no horizontal sums, y stored a vector at a
  * time, and both FMA pipes full at the CPU's widest vectors (bench/kernels_bench.py measures it against
- * PyTorch's BLAS). */
+ * PyTorch's BLAS).
+ *
+ * bf16 panels (linear_packed_bf16) halve the bytes a decode step streams; each panel vector is widened to fp32 in
+ * registers (a bf16 is the high half of an fp32) and the arithmetic is the fp32 kernel's, so the result is the
+ * fp32 product of the bf16 weights up to summation order. The tiles are written once, in linear_tiles.h. */
 
 #include <stdint.h>
 #include <string.h>
@@ -59,126 +63,60 @@ static inline vecp loadp(const float *p) {
 #define PANEL_IN_REGISTER(v) IN_REGISTER(v)
 #endif
 
-/* Rows [m0, m0 + rows) of x against panels [q, q + panels) of wp, over all k; constant rows and panels
- * (always inlined into a switch) let the accumulators live in registers. */
-static inline __attribute__((always_inline)) void panel_tile(const float *x, const float *wp, float *y, int64_t k,
-                                                             int64_t n, int64_t m0, int64_t q, const int rows,
-                                                             const int panels) {
-    const int vecs = panels * PER_PANEL;
-    vecp acc[TILE_ROWS][TILE_VECS];
-    for (int r = 0; r < rows; r++)
-        for (int v = 0; v < vecs; v++) acc[r][v] = SPLAT(0.0f);
-    const float *xr = x + m0 * k, *wq = wp + q * k * PANEL;
-    for (int64_t i = 0; i < k; i++) {
-        vecp b[TILE_VECS];
-        for (int v = 0; v < vecs; v++) {
-            b[v] = loadp(wq + (v / PER_PANEL) * k * PANEL + i * PANEL + (v % PER_PANEL) * PLANES);
-            PANEL_IN_REGISTER(b[v]);
-        }
-        for (int r = 0; r < rows; r++) {
-            const float s = xr[r * k + i];
-            const vecp a = SPLAT(s);
-            for (int v = 0; v < vecs; v++) acc[r][v] += a * b[v];
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int v = 0; v < vecs; v++) memcpy(y + (m0 + r) * n + q * PANEL + v * PLANES, &acc[r][v], sizeof(vecp));
+/* A bf16 is the upper 16 bits of an fp32: widening is a zero-extension to 32 bits and a shift. On x86 the
+ * intrinsics give one vpmovzxwd and one vpslld; the portable form below made GCC split a 512-bit widening in
+ * halves (five instructions). */
+#if defined(__AVX512F__) && PLANES == 16
+#include <immintrin.h>
+static inline vecp loadp_bf16(const uint16_t *p) {
+    const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    return (vecp)_mm512_castsi512_ps(u);
 }
-
-#define PANEL_TILE(r, p) panel_tile(x, wp, y, k, n, m0, q, r, p)
-#define TILE_OF_ROWS(p)                                                                                     \
-    switch (rows) {                                                                                         \
-    case 6: PANEL_TILE(6, p); break;                                                                        \
-    case 5: PANEL_TILE(5, p); break;                                                                        \
-    case 4: PANEL_TILE(4, p); break;                                                                        \
-    case 3: PANEL_TILE(3, p); break;                                                                        \
-    case 2: PANEL_TILE(2, p); break;                                                                        \
-    default: PANEL_TILE(1, p); break;                                                                       \
-    }
-
-static void any_panel_tile(const float *x, const float *wp, float *y, int64_t k, int64_t n, int64_t m0, int64_t q,
-                           int rows, int panels) {
-#if TILE_PANELS == 4
-    if (panels >= 4) { TILE_OF_ROWS(4) }
-    else if (panels == 3) { TILE_OF_ROWS(3) }
-    else if (panels == 2) { TILE_OF_ROWS(2) }
-    else { TILE_OF_ROWS(1) }
+#elif defined(__AVX2__) && PLANES == 8
+#include <immintrin.h>
+static inline vecp loadp_bf16(const uint16_t *p) {
+    const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    return (vecp)_mm256_castsi256_ps(u);
+}
 #else
-    (void)panels;
-    TILE_OF_ROWS(1)
-#endif
+typedef uint16_t vech __attribute__((vector_size(PLANES * 2)));
+typedef uint32_t vecu __attribute__((vector_size(PLANES * 4)));
+static inline vecp loadp_bf16(const uint16_t *p) {
+    vech h;
+    memcpy(&h, p, sizeof h);
+    const vecu u = __builtin_convertvector(h, vecu) << 16;
+    vecp v;
+    memcpy(&v, &u, sizeof v);
+    return v;
 }
+#endif
 
 #if TILE_PANELS == 4
-/* Few rows of x (m <= 16) against short panels (k <= 512, so a panel stays in L1): each panel is streamed from
- * memory once, for up to 12 rows at a time (passes over the same panel hit L1), with a software prefetch 16 KiB
- * ahead, since the 6-row tiles left the memory idle while they computed on cached panels. */
+/* Few rows of x (m <= 16) against short panels (up to 32 KiB, so a panel stays in L1: k <= 512 in fp32): each
+ * panel is streamed from memory once, for up to 12 rows at a time (passes over the same panel hit L1), with a
+ * software prefetch 16 KiB ahead, since the 6-row tiles left the memory idle while they computed on cached
+ * panels. */
 #define TALL_ROWS 12
 #define TALL_MAX_M 16
-#define TALL_MAX_K 512
-#define TALL_PREFETCH_STEPS 256
-
-static inline __attribute__((always_inline)) void tall_tile(const float *x, const float *wp, float *y, int64_t k,
-                                                            int64_t n, int64_t q, const int rows) {
-    vecp acc[TALL_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = SPLAT(0.0f);
-    const float *wq = wp + q * k * PANEL;
-    for (int64_t i = 0; i < k; i++) {
-        __builtin_prefetch(wq + (i + TALL_PREFETCH_STEPS) * PANEL);
-        vecp b = loadp(wq + i * PANEL);
-        PANEL_IN_REGISTER(b);
-        for (int r = 0; r < rows; r++) {
-            const float s = x[r * k + i];
-            acc[r] += SPLAT(s) * b;
-        }
-    }
-    for (int r = 0; r < rows; r++) memcpy(y + r * n + q * PANEL, &acc[r], sizeof(vecp));
-}
-
-#define TALL(r) case r: tall_tile(x, wp, y, k, n, q, r); break
-static void any_tall_tile(const float *x, const float *wp, float *y, int64_t k, int64_t n, int64_t q, int rows) {
-    switch (rows) {
-    TALL(12); TALL(11); TALL(10); TALL(9); TALL(8); TALL(7); TALL(6); TALL(5); TALL(4); TALL(3); TALL(2); default: TALL(1);
-    }
-}
-
-/* Panels [q_lo, q_hi) for all m rows, in passes of at most TALL_ROWS rows of equal size. */
-static void tall_panels(const float *x, const float *wp, float *y, int64_t m, int64_t k, int64_t n, int64_t q_lo,
-                        int64_t q_hi) {
-    const int64_t passes = (m + TALL_ROWS - 1) / TALL_ROWS, per = (m + passes - 1) / passes;
-    for (int64_t q = q_lo; q < q_hi; q++)
-        for (int64_t m0 = 0; m0 < m; m0 += per)
-            any_tall_tile(x + m0 * k, wp, y + m0 * n, k, n, q, (int)(m - m0 < per ? m - m0 : per));
-}
+#define TALL_MAX_PANEL_BYTES (32 * 1024)
+#define TALL_PREFETCH_BYTES (16 * 1024)
 #else
 #define TALL_MAX_M 0
-#define TALL_MAX_K 0
-static void tall_panels(const float *x, const float *wp, float *y, int64_t m, int64_t k, int64_t n, int64_t q_lo,
-                        int64_t q_hi) {
-    (void)x, (void)wp, (void)y, (void)m, (void)k, (void)n, (void)q_lo, (void)q_hi;
-}
 #endif
+#define GROUP_BYTES (256 * 1024) /* a thread's group of panels, sized for L2 */
 
-/* x [m, k], wp [n / 16][k][16] (n a multiple of 16), y [m, n]; all contiguous. Threads take groups of panels
- * small enough to stay in L2 while every tile of x's rows passes over them. */
-void linear_packed(const float *x, const float *wp, float *y, int64_t m, int64_t k, int64_t n,
-                   int64_t num_threads) {
-    if (num_threads < 1) num_threads = 1;
-    const int64_t panels = n / PANEL;
-    int64_t group = (256 * 1024) / (k * PANEL * (int64_t)sizeof(float));
-    group = group < TILE_PANELS ? TILE_PANELS : group - group % TILE_PANELS;
-    const int64_t groups = (panels + group - 1) / group;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t q_lo = g * group, q_hi = q_lo + group < panels ? q_lo + group : panels;
-        if (m <= TALL_MAX_M && k <= TALL_MAX_K) {
-            tall_panels(x, wp, y, m, k, n, q_lo, q_hi);
-            continue;
-        }
-        for (int64_t m0 = 0; m0 < m; m0 += TILE_ROWS) {
-            const int rows = m - m0 >= TILE_ROWS ? TILE_ROWS : (int)(m - m0);
-            for (int64_t q = q_lo; q < q_hi; q += TILE_PANELS)
-                any_panel_tile(x, wp, y, k, n, m0, q, rows, q_hi - q >= TILE_PANELS ? TILE_PANELS : (int)(q_hi - q));
-        }
-    }
-}
+#define WEIGHT float
+#define LOAD_PANEL(p) loadp(p)
+#define TILED(name) name
+#include "linear_tiles.h"
+#undef WEIGHT
+#undef LOAD_PANEL
+#undef TILED
+
+#define WEIGHT uint16_t
+#define LOAD_PANEL(p) loadp_bf16(p)
+#define TILED(name) name##_bf16
+#include "linear_tiles.h"
+#undef WEIGHT
+#undef LOAD_PANEL
+#undef TILED

@@ -1,15 +1,17 @@
-"""A linear layer's weight packed in panels of PANEL output columns, the layout linear.c's product reads."""
+"""A linear layer's weight packed in panels of PANEL output columns, the layout linear.c's product reads, in fp32
+or in bf16 (half the bytes a decode step streams; the product widens them to fp32)."""
 
 from __future__ import annotations
 
 import torch
 
 PANEL = 16  # output columns per panel of a packed weight (linear.c's PANEL)
+PANEL_DTYPES = (torch.float32, torch.bfloat16)  # what linear.c's products read
 
 
 def packable(weight: torch.Tensor) -> bool:
-    """Whether `weight` [..., n, k] can be packed: fp32 on CPU with n a multiple of PANEL."""
-    return (weight.dim() >= 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    """Whether `weight` [..., n, k] can be packed: fp32 or bf16 on CPU with n a multiple of PANEL."""
+    return (weight.dim() >= 2 and weight.dtype in PANEL_DTYPES and weight.device.type == "cpu"
             and weight.shape[-2] % PANEL == 0)
 
 
@@ -24,18 +26,28 @@ class PackedWeight:
         self.panels = panels
 
     @classmethod
-    def pack(cls, weight: torch.Tensor) -> PackedWeight:
-        if not packable(weight):
-            raise ValueError(f"PackedWeight.pack wants fp32 CPU weights with rows a multiple of {PANEL}, got "
-                             f"{tuple(weight.shape)} {weight.dtype}")
+    def pack(cls, weight: torch.Tensor, dtype: torch.dtype | None = None) -> PackedWeight:
+        """`weight` packed with panels in `dtype` (fp32 or bf16; default: the weight's own). fp32 to bf16 rounds to
+        nearest even, as `weight.to(torch.bfloat16)`."""
+        dtype = dtype or weight.dtype
+        if not packable(weight) or dtype not in PANEL_DTYPES:
+            raise ValueError(f"PackedWeight.pack wants fp32 or bf16 CPU weights with rows a multiple of {PANEL}, "
+                             f"packed as fp32 or bf16, got {tuple(weight.shape)} {weight.dtype} as {dtype}")
         *lead, n, k = weight.shape
-        return cls(weight.reshape(*lead, n // PANEL, PANEL, k).transpose(-1, -2).contiguous())
+        panels = weight.reshape(*lead, n // PANEL, PANEL, k).transpose(-1, -2)
+        # Rounded before the copy that lays out the panels, so a large fp32 matrix is never copied whole in fp32.
+        return cls(panels.to(dtype).contiguous())
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The unpacked shape [..., n, k]."""
         *lead, panels, k, width = self.panels.shape
         return (*lead, panels * width, k)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The panels' element type: torch.float32 or torch.bfloat16."""
+        return self.panels.dtype
 
     @property
     def nbytes(self) -> int:
@@ -46,5 +58,5 @@ class PackedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the unpacked matrix (an embedding lookup in a tied, packed LM head): row v is column
-        v % PANEL of panel v // PANEL."""
-        return self.panels[ids // PANEL, :, ids % PANEL]
+        v % PANEL of panel v // PANEL. fp32 whatever the panels hold: the hidden states they start are fp32."""
+        return self.panels[ids // PANEL, :, ids % PANEL].float()

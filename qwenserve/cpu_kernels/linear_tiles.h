@@ -1,0 +1,136 @@
+/* The packed product's tiles and entry point for one panel element type, included by linear.c once per type
+ * (fp32 and bf16 panels), so both run the same tiling. The includer defines:
+ *   WEIGHT          the panel element type (float, or uint16_t holding bf16 bits);
+ *   LOAD_PANEL(p)   one vecp of fp32 from PLANES consecutive WEIGHTs at p;
+ *   TILED(name)     the name of this type's copy of a function (name, name##_bf16).
+ * Sizes that were tuned in bytes (a panel in L1, a group in L2, the prefetch distance) are kept in bytes, so a
+ * bf16 panel covers twice the k of an fp32 one. */
+
+#define PANEL_BYTES ((int64_t)(PANEL * sizeof(WEIGHT))) /* one k step of a panel */
+
+/* Rows [m0, m0 + rows) of x against panels [q, q + panels) of wp, over all k; constant rows and panels
+ * (always inlined into a switch) let the accumulators live in registers. */
+static inline __attribute__((always_inline)) void TILED(panel_tile)(const float *x, const WEIGHT *wp, float *y,
+                                                                    int64_t k, int64_t n, int64_t m0, int64_t q,
+                                                                    const int rows, const int panels) {
+    const int vecs = panels * PER_PANEL;
+    vecp acc[TILE_ROWS][TILE_VECS];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vecs; v++) acc[r][v] = SPLAT(0.0f);
+    const float *xr = x + m0 * k;
+    const WEIGHT *wq = wp + q * k * PANEL;
+    for (int64_t i = 0; i < k; i++) {
+        vecp b[TILE_VECS];
+        for (int v = 0; v < vecs; v++) {
+            b[v] = LOAD_PANEL(wq + (v / PER_PANEL) * k * PANEL + i * PANEL + (v % PER_PANEL) * PLANES);
+            PANEL_IN_REGISTER(b[v]);
+        }
+        for (int r = 0; r < rows; r++) {
+            const float s = xr[r * k + i];
+            const vecp a = SPLAT(s);
+            for (int v = 0; v < vecs; v++) acc[r][v] += a * b[v];
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vecs; v++) memcpy(y + (m0 + r) * n + q * PANEL + v * PLANES, &acc[r][v], sizeof(vecp));
+}
+
+#define PANEL_TILE(r, p) TILED(panel_tile)(x, wp, y, k, n, m0, q, r, p)
+#define TILE_OF_ROWS(p)                                                                                     \
+    switch (rows) {                                                                                         \
+    case 6: PANEL_TILE(6, p); break;                                                                        \
+    case 5: PANEL_TILE(5, p); break;                                                                        \
+    case 4: PANEL_TILE(4, p); break;                                                                        \
+    case 3: PANEL_TILE(3, p); break;                                                                        \
+    case 2: PANEL_TILE(2, p); break;                                                                        \
+    default: PANEL_TILE(1, p); break;                                                                       \
+    }
+
+static void TILED(any_panel_tile)(const float *x, const WEIGHT *wp, float *y, int64_t k, int64_t n, int64_t m0,
+                                  int64_t q, int rows, int panels) {
+#if TILE_PANELS == 4
+    if (panels >= 4) { TILE_OF_ROWS(4) }
+    else if (panels == 3) { TILE_OF_ROWS(3) }
+    else if (panels == 2) { TILE_OF_ROWS(2) }
+    else { TILE_OF_ROWS(1) }
+#else
+    (void)panels;
+    TILE_OF_ROWS(1)
+#endif
+}
+
+#undef PANEL_TILE
+#undef TILE_OF_ROWS
+
+#if TILE_PANELS == 4
+#define TALL_MAX_K (TALL_MAX_PANEL_BYTES / PANEL_BYTES)
+
+static inline __attribute__((always_inline)) void TILED(tall_tile)(const float *x, const WEIGHT *wp, float *y,
+                                                                   int64_t k, int64_t n, int64_t q, const int rows) {
+    vecp acc[TALL_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = SPLAT(0.0f);
+    const WEIGHT *wq = wp + q * k * PANEL;
+    for (int64_t i = 0; i < k; i++) {
+        __builtin_prefetch(wq + (i + TALL_PREFETCH_BYTES / PANEL_BYTES) * PANEL);
+        vecp b = LOAD_PANEL(wq + i * PANEL);
+        PANEL_IN_REGISTER(b);
+        for (int r = 0; r < rows; r++) {
+            const float s = x[r * k + i];
+            acc[r] += SPLAT(s) * b;
+        }
+    }
+    for (int r = 0; r < rows; r++) memcpy(y + r * n + q * PANEL, &acc[r], sizeof(vecp));
+}
+
+#define TALL(r) case r: TILED(tall_tile)(x, wp, y, k, n, q, r); break
+static void TILED(any_tall_tile)(const float *x, const WEIGHT *wp, float *y, int64_t k, int64_t n, int64_t q,
+                                 int rows) {
+    switch (rows) {
+    TALL(12); TALL(11); TALL(10); TALL(9); TALL(8); TALL(7); TALL(6); TALL(5); TALL(4); TALL(3); TALL(2); default: TALL(1);
+    }
+}
+#undef TALL
+
+/* Panels [q_lo, q_hi) for all m rows, in passes of at most TALL_ROWS rows of equal size. */
+static void TILED(tall_panels)(const float *x, const WEIGHT *wp, float *y, int64_t m, int64_t k, int64_t n,
+                               int64_t q_lo, int64_t q_hi) {
+    const int64_t passes = (m + TALL_ROWS - 1) / TALL_ROWS, per = (m + passes - 1) / passes;
+    for (int64_t q = q_lo; q < q_hi; q++)
+        for (int64_t m0 = 0; m0 < m; m0 += per)
+            TILED(any_tall_tile)(x + m0 * k, wp, y + m0 * n, k, n, q, (int)(m - m0 < per ? m - m0 : per));
+}
+#else
+#define TALL_MAX_K 0
+static void TILED(tall_panels)(const float *x, const WEIGHT *wp, float *y, int64_t m, int64_t k, int64_t n,
+                               int64_t q_lo, int64_t q_hi) {
+    (void)x, (void)wp, (void)y, (void)m, (void)k, (void)n, (void)q_lo, (void)q_hi;
+}
+#endif
+
+/* x [m, k], wp [n / 16][k][16] (n a multiple of 16), y [m, n]; all contiguous. Threads take groups of panels
+ * small enough to stay in L2 while every tile of x's rows passes over them. */
+void TILED(linear_packed)(const float *x, const WEIGHT *wp, float *y, int64_t m, int64_t k, int64_t n,
+                          int64_t num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    const int64_t panels = n / PANEL;
+    int64_t group = GROUP_BYTES / (k * PANEL_BYTES);
+    group = group < TILE_PANELS ? TILE_PANELS : group - group % TILE_PANELS;
+    const int64_t groups = (panels + group - 1) / group;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t q_lo = g * group, q_hi = q_lo + group < panels ? q_lo + group : panels;
+        if (m <= TALL_MAX_M && k <= TALL_MAX_K) {
+            TILED(tall_panels)(x, wp, y, m, k, n, q_lo, q_hi);
+            continue;
+        }
+        for (int64_t m0 = 0; m0 < m; m0 += TILE_ROWS) {
+            const int rows = m - m0 >= TILE_ROWS ? TILE_ROWS : (int)(m - m0);
+            for (int64_t q = q_lo; q < q_hi; q += TILE_PANELS)
+                TILED(any_panel_tile)(x, wp, y, k, n, m0, q, rows,
+                                      q_hi - q >= TILE_PANELS ? TILE_PANELS : (int)(q_hi - q));
+        }
+    }
+}
+
+#undef TALL_MAX_K
+#undef PANEL_BYTES

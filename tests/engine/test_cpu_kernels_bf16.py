@@ -1,0 +1,125 @@
+"""bf16 weights in the packed product: panels held in bf16 (half the bytes a decode step streams), widened to fp32
+as the kernel reads them, so the product is the fp32 product of the bf16-rounded weights at every instruction-set
+level this CPU runs."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from qwenserve.cpu_kernels import builder, loader
+from qwenserve.cpu_kernels.library import CpuKernels
+from qwenserve.cpu_kernels.packed_weight import PackedWeight, packable
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                    reason="no C compiler: the kernels cannot be built here")
+
+ROWS = (1, 2, 5, 7, 13, 17, 40)
+# k not a power of two, on both sides of the 1024-column bf16 panel the few-row tiles take; n = 16 * odd, so the
+# 4-panel tiles leave tails of 1 and 3 panels.
+SHAPES = ((37, 48), (200, 80), (1000, 16), (1500, 208))
+
+
+@pytest.fixture(scope="module")
+def variant_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, CpuKernels]]:
+    """Every variant this CPU runs, built into a folder of their own and each opened explicitly, by name."""
+    folder = tmp_path_factory.mktemp("variants")
+    built = set(builder.build_variants(folder))
+    opened = {}
+    for variant in builder.supported_variants():
+        path = builder.variant_path(variant, folder)
+        assert path in built, f"{variant.name} did not build"
+        lib = loader._open(path, "test")
+        assert lib is not None, f"{variant.name} did not load"
+        opened[variant.name] = CpuKernels(lib, variant.name)
+    yield opened
+
+
+def reference(x: torch.Tensor, weight_bf16: torch.Tensor) -> torch.Tensor:
+    return x.float() @ weight_bf16.float().T
+
+
+def summation_bound(x: torch.Tensor, weight_bf16: torch.Tensor) -> torch.Tensor:
+    """How far two fp32 sums of the same k products differ by their order alone: rounding errors of u = 2^-24
+    relative that add up like a random walk, 4 sqrt(k) u |x|·|w|ᵀ (the kernel stays under a tenth of it here). A
+    product that rounded x to bf16 misses by ~2^-9 relative, 25x or more outside it at these k."""
+    k = x.shape[1]
+    return 4 * k**0.5 * 2.0**-24 * (x.abs() @ weight_bf16.float().abs().T) + 1e-30
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("variant", [v.name for v in builder.machine_variants()])
+def test_every_variant_multiplies_bf16_panels_as_fp32_of_the_rounded_weights(
+        variant: str, threads: int, variant_kernels: dict[str, CpuKernels]) -> None:
+    if variant not in variant_kernels:
+        pytest.skip(f"this CPU cannot run {variant}")
+    kernels = variant_kernels[variant]
+    gen = torch.Generator().manual_seed(29)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k, n in SHAPES:
+            weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+            packed = PackedWeight.pack(weight)
+            for rows in ROWS:
+                x = torch.randn(rows, k, generator=gen)
+                y = kernels.linear_packed(x, packed)
+                error = (y - reference(x, weight)).abs()
+                worst = (error / summation_bound(x, weight)).max().item()
+                assert worst <= 1.0, f"{variant} rows={rows} k={k} n={n}: {worst:.2f}x the summation bound"
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_bf16_panels_round_to_nearest_even_and_keep_every_row() -> None:
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(48, 24, generator=gen)
+    # Values halfway between two bf16s: round to nearest even, as torch's conversion does.
+    weight[0, :4] = torch.tensor([1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8), 2.0**-7 + 2.0**-15])
+    rounded = weight.to(torch.bfloat16)
+    packed = PackedWeight.pack(weight, torch.bfloat16)
+    assert packed.dtype == torch.bfloat16 and packed.panels.shape == (3, 24, 16) and packed.shape == (48, 24)
+    assert packed.nbytes == weight.nbytes // 2
+    assert torch.equal(packed.panels, PackedWeight.pack(rounded).panels)  # packed from bf16 weights: the same
+    assert torch.equal(packed.panels.float(), PackedWeight.pack(rounded.float()).panels)
+    # rows(): the embeddings of a tied, packed head, fp32 for the hidden states they start.
+    ids = torch.tensor([0, 47, 16, 5, 5])
+    rows = packed.rows(ids)
+    assert rows.dtype == torch.float32 and torch.equal(rows, rounded.float()[ids])
+    assert torch.equal(PackedWeight.pack(weight).rows(ids), weight[ids])  # fp32 panels keep fp32 rows
+    # Stacked experts pack each matrix on its own, in bf16 as in fp32.
+    experts = torch.randn(3, 32, 8, generator=gen)
+    stacked = PackedWeight.pack(experts, torch.bfloat16)
+    assert torch.equal(stacked[1].panels, PackedWeight.pack(experts[1].to(torch.bfloat16)).panels)
+
+
+def test_what_cannot_be_packed_or_multiplied_is_refused() -> None:
+    assert packable(torch.randn(32, 8).to(torch.bfloat16))
+    assert not packable(torch.randn(32, 8).half())
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        PackedWeight.pack(torch.randn(32, 8), torch.float16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        PackedWeight.pack(torch.randn(24, 8).to(torch.bfloat16))
+
+
+@needs_compiler
+def test_the_product_refuses_wrong_dtypes_and_shapes() -> None:
+    kernels = loader.load()
+    assert kernels is not None
+    packed = PackedWeight.pack(torch.randn(32, 8), torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        kernels.linear_packed(torch.randn(2, 8).to(torch.bfloat16), packed)  # x stays fp32
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        kernels.linear_packed(torch.randn(2, 8), packed, out=torch.empty(2, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="columns"):
+        kernels.linear_packed(torch.randn(2, 9), packed)
+    with pytest.raises(ValueError, match="fp32 or bf16 CPU panels"):
+        kernels.linear_packed(torch.randn(2, 8), PackedWeight(packed.panels.half()))
+    with pytest.raises(ValueError, match="fp32 or bf16 CPU panels"):
+        kernels.linear_packed(torch.randn(2, 8), PackedWeight(packed.panels.transpose(0, 1)))
+    with pytest.raises(ValueError, match="one packed matrix"):
+        kernels.linear_packed(torch.randn(2, 8), PackedWeight.pack(torch.randn(2, 16, 8), torch.bfloat16))
