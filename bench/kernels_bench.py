@@ -7,6 +7,11 @@ Prints, per kernel and size, the median time of both paths and their ratio (PyTo
 wins), and the kernel's saving as a share of one whole decode step of that batch (28 layers' work, measured
 here with PyTorch's ops), which is what decides whether a kernel earns its C. For the ops whose kernels were
 deleted (RMSNorm, rotary, argmax) it prints PyTorch's share of a step: the most a kernel could give back.
+
+The bf16-weights section (alone with --bf16-weights-only) times the packed product on fp32 and bf16 panels against
+F.linear in fp32 and bf16, with each layer cycled through enough copies to overflow the last-level cache (as a
+whole model's weights do at decode), and prints the weight bytes read per second at one row next to this machine's
+memory bandwidth, measured in the same run.
 """
 
 from __future__ import annotations
@@ -169,10 +174,58 @@ def bench_gated_delta(rows: int, repeat: int) -> None:
         median_s(lambda: loader.load().gated_delta_step(q, k, v, g, beta, states, slots), repeat), 0, None)
 
 
+def memory_bandwidth_gbs(megabytes: int, repeat: int) -> float:
+    """Bytes read plus bytes written per second by a large tensor copy: what a memory-bound kernel can hope for."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / median_s(lambda: dst.copy_(src), max(3, repeat // 5)) / 1e9
+
+
+def cold_median_s(fn: Callable[[object], object], weights: list, repeat: int) -> float:
+    """fn(weight) timed with a different copy of the weight at each call, so the weights come from memory."""
+    calls = iter(range(10**9))
+    return median_s(lambda: fn(weights[next(calls) % len(weights)]), repeat)
+
+
+def bench_bf16_weights(repeat: int, cold_mb: int) -> None:
+    """The packed product on fp32 and bf16 panels and F.linear in fp32 and bf16, per layer shape and row count;
+    ratios are F.linear fp32's time over each (above 1: faster than PyTorch fp32)."""
+    kernels = loader.load()
+    kinds: dict[str, tuple[Callable[[torch.Tensor], object], Callable[[torch.Tensor, object], object]]] = {
+        "torch-fp32": (lambda w: w.clone(), lambda x, w: F.linear(x, w)),
+        "torch-bf16": (lambda w: w.to(torch.bfloat16), lambda x, w: F.linear(x.to(torch.bfloat16), w)),
+        "ours-fp32": (PackedWeight.pack, kernels.linear_packed),
+        "ours-bf16-weights": (lambda w: PackedWeight.pack(w, torch.bfloat16), kernels.linear_packed),
+    }
+    rows_list = (1, 4, 16, 64)
+    for n, k in ((3072, HIDDEN), (HIDDEN, INTER)):
+        base = torch.randn(n, k)
+        seconds: dict[str, dict[int, float]] = {}
+        weight_bytes = {}
+        for kind, (make, multiply) in kinds.items():
+            first = make(base)
+            weight_bytes[kind] = first.nbytes
+            # Copies enough to overflow the caches; built one kind at a time to bound the memory held.
+            copies = [first] + [make(base) for _ in range(-(-cold_mb * 2**20 // first.nbytes) - 1)]
+            seconds[kind] = {}
+            for rows in rows_list:
+                x = torch.randn(rows, k)
+                seconds[kind][rows] = cold_median_s(lambda w, x=x, f=multiply: f(x, w), copies, repeat)
+            del copies, first
+        print(f"-- layer {k}x{n} (x [rows, {k}] -> [rows, {n}]), weights cycled through {cold_mb} MB of copies")
+        for kind in kinds:
+            times = "  ".join(f"r{rows} {seconds[kind][rows] * 1e3:7.3f} ms ({seconds['torch-fp32'][rows] / seconds[kind][rows]:4.2f}x)"
+                              for rows in rows_list)
+            print(f"{kind:18s} {times}  1-row {weight_bytes[kind] / seconds[kind][1] / 1e9:5.1f} GB/s of weights")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--bf16-weights-only", action="store_true", help="run only the bf16-weights section")
+    parser.add_argument("--cold-mb", type=int, default=1024,
+                        help="bf16-weights section: MB of weight copies each layer cycles through (beyond the LLC)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = loader.load()
@@ -180,6 +233,11 @@ def main() -> None:
         raise SystemExit("the CPU kernels are not available here: nothing to compare")
     print(f"threads {args.threads}, torch {torch.__version__}, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, kernels {kernels.variant}")
+    print(f"-- bf16 weights: memory bandwidth (1 GB tensor copy, read + write) "
+          f"{memory_bandwidth_gbs(1024, args.repeat):.1f} GB/s")
+    bench_bf16_weights(args.repeat, args.cold_mb)
+    if args.bf16_weights_only:
+        return
     for rows in (1, 8, 64):
         step_s = decode_step_seconds(rows, 1024, args.repeat)
         print(f"-- decode batch {rows} (context 1024): one PyTorch-only step {step_s * 1e3:.1f} ms")

@@ -3,8 +3,8 @@
  *   WEIGHT          the panel element type (float, or uint16_t holding bf16 bits);
  *   LOAD_PANEL(p)   one vecp of fp32 from PLANES consecutive WEIGHTs at p;
  *   TILED(name)     the name of this type's copy of a function (name, name##_bf16).
- * Sizes that were tuned in bytes (a panel in L1, a group in L2, the prefetch distance) are kept in bytes, so a
- * bf16 panel covers twice the k of an fp32 one. */
+ * The group of panels (sized for L2) and the prefetch distance are kept in bytes, so for bf16 they cover twice
+ * the k of fp32. */
 
 #define PANEL_BYTES ((int64_t)(PANEL * sizeof(WEIGHT))) /* one k step of a panel */
 
@@ -63,8 +63,6 @@ static void TILED(any_panel_tile)(const float *x, const WEIGHT *wp, float *y, in
 #undef TILE_OF_ROWS
 
 #if TILE_PANELS == 4
-#define TALL_MAX_K (TALL_MAX_PANEL_BYTES / PANEL_BYTES)
-
 static inline __attribute__((always_inline)) void TILED(tall_tile)(const float *x, const WEIGHT *wp, float *y,
                                                                    int64_t k, int64_t n, int64_t q, const int rows) {
     vecp acc[TALL_ROWS];
@@ -100,7 +98,6 @@ static void TILED(tall_panels)(const float *x, const WEIGHT *wp, float *y, int64
             TILED(any_tall_tile)(x + m0 * k, wp, y + m0 * n, k, n, q, (int)(m - m0 < per ? m - m0 : per));
 }
 #else
-#define TALL_MAX_K 0
 static void TILED(tall_panels)(const float *x, const WEIGHT *wp, float *y, int64_t m, int64_t k, int64_t n,
                                int64_t q_lo, int64_t q_hi) {
     (void)x, (void)wp, (void)y, (void)m, (void)k, (void)n, (void)q_lo, (void)q_hi;
@@ -132,5 +129,4 @@ void TILED(linear_packed)(const float *x, const WEIGHT *wp, float *y, int64_t m,
     }
 }
 
-#undef TALL_MAX_K
 #undef PANEL_BYTES

@@ -18,8 +18,8 @@ needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which(
                                     reason="no C compiler: the kernels cannot be built here")
 
 ROWS = (1, 2, 5, 7, 13, 17, 40)
-# k not a power of two, on both sides of the 1024-column bf16 panel the few-row tiles take; n = 16 * odd, so the
-# 4-panel tiles leave tails of 1 and 3 panels.
+# k not a power of two, on both sides of the 512 columns up to which 16 rows or fewer take the one-panel tiles;
+# n = 16 * odd, so the 4-panel tiles leave tails of 1 and 3 panels.
 SHAPES = ((37, 48), (200, 80), (1000, 16), (1500, 208))
 
 
@@ -73,6 +73,19 @@ def test_every_variant_multiplies_bf16_panels_as_fp32_of_the_rounded_weights(
                 assert worst <= 1.0, f"{variant} rows={rows} k={k} n={n}: {worst:.2f}x the summation bound"
     finally:
         torch.set_num_threads(previous)
+
+
+def test_the_avx512_bf16_flag_does_not_change_the_object_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 panels are widened to fp32 at every level: vdpbf16ps (AVX512_BF16), which would also round x to bf16,
+    measured slower than widening at 8-32 rows and within noise at 1-4 on this project's Xeon, so no variant
+    needs the flag and a CPU with it loads the plain AVX-512 object."""
+    v4 = next(v for v in builder.VARIANTS["x86_64"] if v.name == "x86-64-v4")
+    for flags, best in ((v4.needs | {"avx512_bf16", "amx_bf16"}, "x86-64-v4"), (v4.needs, "x86-64-v4"),
+                        (v4.needs - {"avx512bw"} | {"avx512_bf16"}, "x86-64-v3")):
+        monkeypatch.setattr(builder, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(builder.platform, "machine", lambda: "x86_64")
+        assert builder.supported_variants()[0].name == best
+    assert not any("avx512_bf16" in v.needs for variants in builder.VARIANTS.values() for v in variants)
 
 
 def test_bf16_panels_round_to_nearest_even_and_keep_every_row() -> None:
