@@ -79,6 +79,11 @@ class EngineConfig:
     # Which kernels run is decided once per engine from these (engine/kernels.py); off, the same tokens, slower.
     cpu_kernel: bool = option(True, help="run qwenserve's C kernels for what runs on the CPU, where they load "
                                          "(off: PyTorch's ops)")
+    # bf16 halves the weight bytes a CPU decode step streams (bench/kernels_bench.py); activations and KV stay fp32.
+    cpu_weight_dtype: str = option(
+        "float32", choices=("float32", "bfloat16"),
+        help="an fp32 model on CPU with the C kernels: the linear layers' packed weights in this dtype (bfloat16: "
+             "rounded once at load, products still accumulate in fp32)")
     linear_attention_kernels: bool = option(
         True, help="hybrid models on CUDA: flash-linear-attention's and causal-conv1d's kernels where installed "
                    "and they pass their start-up check (off: PyTorch's forms)")

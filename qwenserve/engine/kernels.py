@@ -5,8 +5,8 @@ backend to the model runner, its C kernels (`cpu`) to the runner (a KV import's 
 logits' token masks). Nothing below asks again which kernels run.
 
 - The C kernels (qwenserve.cpu_kernels) unless `cpu_kernel` is off: a CPU model's products on packed weights
-  (fp32), its decode attention (fp32) and its linear-attention layers' recurrent update; on any device, the
-  grammar's masks of the logits, which are on the CPU.
+  (fp32 models; the weights packed in `cpu_weight_dtype`, fp32 or bf16), its decode attention (fp32) and its
+  linear-attention layers' recurrent update; on any device, the grammar's masks of the logits, which are on the CPU.
 - On CUDA, flash-attn's paged attention where it imports and the dtype and block size suit it, and a hybrid model's
   recurrences in flash-linear-attention's and causal-conv1d's kernels unless `linear_attention_kernels` is off
   (models/linear_attention_gpu.py: each only where installed and agreeing with PyTorch's forms on the device).
@@ -66,7 +66,7 @@ def model_ops(config: EngineConfig, device: torch.device, dtype: torch.dtype, cp
     BLAS at decode sizes, the recurrent update ~50x PyTorch's ops: bench/kernels_bench.py), the kernel packages'
     recurrences on CUDA where installed and switched on, PyTorch's everywhere else."""
     if device.type == "cpu" and cpu is not None:
-        return cpu_kernel_ops(cpu, dtype)
+        return cpu_kernel_ops(cpu, dtype, getattr(torch, config.cpu_weight_dtype))
     if device.type == "cuda" and config.linear_attention_kernels:
         return cuda_ops(device, dtype)
     return TORCH_OPS

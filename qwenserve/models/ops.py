@@ -5,7 +5,8 @@ Model files call `ops.linear(x, w)`, `ops.embedding(table, ids)` and a Gated Del
 PyTorch's ops everywhere, except:
 - on a CPU where the C kernels load: a hybrid model's recurrent update at decode runs in the C kernel (its state is
   fp32 whatever the serving dtype), and for fp32 `prepare` repacks the linear weights into `PackedWeight`s once
-  after the checkpoint is loaded, and `linear` runs the packed product;
+  after the checkpoint is loaded (in fp32, or in bf16 where the engine asks: `--cpu-weight-dtype`), and `linear`
+  runs the packed product;
 - on CUDA, the recurrences run in flash-linear-attention's and causal-conv1d's kernels where those packages are
   installed (models/linear_attention_gpu.py); each is optional.
 A model built without ops runs PyTorch's.
@@ -88,25 +89,27 @@ def _packed_embedding(table: Weight, ids: torch.Tensor) -> torch.Tensor:
     return table.rows(ids) if isinstance(table, PackedWeight) else table[ids]
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Replace the model's packable linear weights by PackedWeights (after the checkpoint is loaded:
-    checkpoint_targets describes the unpacked layout); returns how many were packed."""
+def pack_linear_weights(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Replace the model's packable linear weights by PackedWeights with panels in `dtype` (after the checkpoint
+    is loaded: checkpoint_targets describes the unpacked layout); returns how many were packed."""
     found = [(module, name) for module in model.modules() for name in PACKED_WEIGHTS
              if (param := module._parameters.get(name)) is not None and packable(param.data)]
     with progress.step("packing weights for the CPU kernels", total=len(found), unit="matrices",
                        total_bytes=sum(module._parameters[name].nbytes for module, name in found)) as step:
         for module, name in found:
-            packed = PackedWeight.pack(module._parameters.pop(name).data)
+            packed = PackedWeight.pack(module._parameters.pop(name).data, dtype)
             setattr(module, name, packed)  # a plain attribute now: nothing trains or moves it
             step.advance(1, packed.nbytes)
     return len(found)
 
 
-def cpu_kernel_ops(kernels: CpuKernels, dtype: torch.dtype) -> Ops:
+def cpu_kernel_ops(kernels: CpuKernels, dtype: torch.dtype, weight_dtype: torch.dtype = torch.float32) -> Ops:
     """The C kernels' ops for a model in `dtype` on the CPU: for fp32 the packed product (the weights packed once
-    after loading) and the recurrent update; for bf16 / fp16 PyTorch's products (the packed kernel is fp32) and the
-    C kernel's recurrent update (a hybrid model's state is fp32 in every dtype)."""
+    after loading, in `weight_dtype`: fp32, or bf16 for half the bytes per decode step with fp32 activations) and
+    the recurrent update; for bf16 / fp16 PyTorch's products (the packed kernel's activations are fp32) and the C
+    kernel's recurrent update (a hybrid model's state is fp32 in every dtype)."""
     if dtype == torch.float32:
-        return Ops("cpu_kernels", functools.partial(_packed_linear, kernels), _packed_embedding, pack_linear_weights,
-                   kernels.gated_delta_step)
+        name = "cpu_kernels" if weight_dtype == torch.float32 else "cpu_kernels+bf16_weights"
+        return Ops(name, functools.partial(_packed_linear, kernels), _packed_embedding,
+                   functools.partial(pack_linear_weights, dtype=weight_dtype), kernels.gated_delta_step)
     return dataclasses.replace(TORCH_OPS, name="torch+cpu_gated_delta", gated_delta_step=kernels.gated_delta_step)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,11 @@ import torch
 from qwenserve.cpu_kernels import builder, loader
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.packed_weight import PackedWeight, packable
+from qwenserve.engine.config import EngineConfig
+from qwenserve.engine.engine import LLMEngine
+from qwenserve.engine.kernels import model_ops
+from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.models.ops import TORCH_OPS
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler: the kernels cannot be built here")
@@ -136,3 +142,57 @@ def test_the_product_refuses_wrong_dtypes_and_shapes() -> None:
         kernels.linear_packed(torch.randn(2, 8), PackedWeight(packed.panels.transpose(0, 1)))
     with pytest.raises(ValueError, match="one packed matrix"):
         kernels.linear_packed(torch.randn(2, 8), PackedWeight.pack(torch.randn(2, 16, 8), torch.bfloat16))
+
+
+def greedy_and_teacher_forced(folder: Path, weight_dtype: str, prompts: list[list[int]],
+                              reference: list[list[int]] | None, max_tokens: int) -> list[list[int]]:
+    """An fp32 CPU engine whose packed weights are `weight_dtype`: its greedy tokens for `prompts`, or, given
+    `reference` tokens, its greedy next token after every prefix of them (teacher forcing)."""
+    engine = LLMEngine.from_pretrained(folder, EngineConfig(device="cpu", dtype="float32", block_size=4,
+                                                            num_kv_blocks=1024, num_threads=2,
+                                                            cpu_weight_dtype=weight_dtype))
+    try:
+        packed = [w for m in engine.runner.model.modules() for w in vars(m).values() if isinstance(w, PackedWeight)]
+        assert packed and {w.dtype for w in packed} == {getattr(torch, weight_dtype)}
+        if reference is None:
+            return engine.generate_sync(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                ignore_eos=True))
+        prefixes = [prompt + tokens[:j] for prompt, tokens in zip(prompts, reference, strict=True)
+                    for j in range(len(tokens))]
+        nexts = engine.generate_sync(prefixes, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        return [[token for [token] in nexts[i * max_tokens:(i + 1) * max_tokens]] for i in range(len(prompts))]
+    finally:
+        engine.shutdown()
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["qwen3_gqa4", "qwen3_untied"])
+def test_bf16_weights_engine_agrees_with_fp32_at_top1(name: str, checkpoint) -> None:
+    """--cpu-weight-dtype bfloat16: the packed weights are bf16 (activations and KV stay fp32), and after every
+    prefix of the fp32 engine's greedy tokens the next token is the fp32 engine's at least 99% of the time (a
+    tied head, whose embeddings are read from the bf16 panels, and an untied one)."""
+    folder = checkpoint(name)
+    prompts = [[(13 * i + 5 * j) % 997 + 2 for j in range(3 + 9 * i)] for i in range(4)]
+    max_tokens = 32
+    fp32 = greedy_and_teacher_forced(folder, "float32", prompts, None, max_tokens)
+    forced = greedy_and_teacher_forced(folder, "bfloat16", prompts, fp32, max_tokens)
+    agree = sum(a == b for want, got in zip(fp32, forced, strict=True) for a, b in zip(want, got, strict=True))
+    assert agree >= 0.99 * len(prompts) * max_tokens, f"top-1 agreement {agree}/{len(prompts) * max_tokens}"
+
+
+def test_the_weight_dtype_is_a_flag_honoured_only_for_fp32_on_cpu() -> None:
+    from qwenserve.flags import StrictParser, add_options
+
+    parser = StrictParser(prog="test")
+    add_options(parser, EngineConfig)
+    assert parser.parse_config(EngineConfig, []).cpu_weight_dtype == "float32"
+    assert parser.parse_config(EngineConfig, ["--cpu-weight-dtype", "bfloat16"]).cpu_weight_dtype == "bfloat16"
+    kernels = loader.load()
+    if kernels is None:
+        pytest.skip("no CPU kernels here")
+    config = EngineConfig(cpu_weight_dtype="bfloat16")
+    cpu = torch.device("cpu")
+    assert model_ops(config, cpu, torch.float32, kernels).name == "cpu_kernels+bf16_weights"
+    assert model_ops(EngineConfig(), cpu, torch.float32, kernels).name == "cpu_kernels"
+    # A bf16 or fp16 model keeps PyTorch's products: nothing is packed, whatever the flag says.
+    assert model_ops(config, cpu, torch.bfloat16, kernels).linear is TORCH_OPS.linear
