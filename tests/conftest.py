@@ -71,8 +71,8 @@ def traced_cluster(tiny_model: Path, span_receiver: tuple[SpanReceiver, int],
 CLUSTER_TESTS = (
     "chaos/", "devcluster/", "e2e/", "fuzz/", "observability/",
     "http/test_billing.py", "http/test_generation_defaults.py", "http/test_openai_cluster.py",
-    "http/test_reasoning_and_tools.py", "http/test_router_redis_outage.py", "http/test_streams_and_limits.py",
-    "http/test_structured_output.py", "http/test_tls.py",
+    "http/test_reasoning_and_tools.py", "http/test_router_privacy.py", "http/test_router_redis_outage.py",
+    "http/test_streams_and_limits.py", "http/test_structured_output.py", "http/test_tls.py",
     "kv_transfer/test_kv_cross_process.py", "loadgen/test_cluster.py", "loadgen/test_runner.py",
     "telemetry/test_vllm_metrics_cluster.py", "test_command_line.py", "test_presets.py", "test_progress.py",
     "test_stage_config_once.py", "test_startup_imports.py",
@@ -90,6 +90,7 @@ SLOW_TESTS = (
 SHARED_WORKER = {
     "devcluster/": "devcluster", "chaos/": "chaos", "fuzz/": "fuzz", "tokenizer/": "tokenizer",
     "http/test_billing.py": "http-cluster", "http/test_openai_cluster.py": "http-cluster",
+    "http/test_router_privacy.py": "http-cluster",
     "observability/test_service_telemetry.py": "traced-cluster", "loadgen/test_cluster.py": "traced-cluster",
 }
 

@@ -68,7 +68,7 @@ from qwenserve.router.openai_request import (
 )
 from qwenserve.router.prepared_request import PreparedRequest
 from qwenserve.router.request_ids import valid_request_id
-from qwenserve.telemetry.metrics import StreamTimer, metrics_page
+from qwenserve.telemetry.metrics import TENANT_LABEL, StreamTimer, WithoutLabel, metrics_page
 from qwenserve.telemetry.tracing import Attr, get_tracer, server_span
 from qwenserve.tenancy.tenants import Tenant
 from qwenserve.untrusted_input import echo
@@ -154,9 +154,10 @@ class OpenAIFront:
         return web.json_response({"status": "ok"})
 
     async def prometheus_metrics(self, request: web.Request) -> web.Response:
-        """`GET /metrics`: the router's registry, as on its --metrics-port (no auth, as vLLM's)."""
-        body, content_type = metrics_page(self.routes.routers[self.routes.default].metrics.registry,
-                                          request.headers.get("Accept", ""))
+        """`GET /metrics`: the router's registry (no auth, as vLLM's) less its tenant-labelled series, which name
+        customers and their usage; the --metrics-port, the one Prometheus scrapes, serves those too."""
+        registry = self.routes.routers[self.routes.default].metrics.registry
+        body, content_type = metrics_page(WithoutLabel(registry, TENANT_LABEL), request.headers.get("Accept", ""))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def list_models(self, request: web.Request) -> web.Response:

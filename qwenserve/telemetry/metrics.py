@@ -16,11 +16,13 @@ import collections
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from qwenserve.telemetry.series import (
     BATCH_BUCKETS,
@@ -453,10 +455,30 @@ def stage_auth_metrics(registry: CollectorRegistry | None = None) -> StageAuthMe
     return _group(StageAuthMetrics, registry)
 
 
+# The label that names a customer: series carrying it stay off pages anyone may read (the router's API port).
+TENANT_LABEL = "tenant"
 
 
-def metrics_page(registry: CollectorRegistry, accept: str = "") -> tuple[bytes, str]:
-    """`registry` in the exposition format the `Accept` header asks for, and its content type."""
+class WithoutLabel:
+    """A view of a registry that leaves out every metric with a sample labelled `label`.
+
+    The router's public HTTP `/metrics` serves its registry through `WithoutLabel(registry, TENANT_LABEL)`: a
+    caller of the API port must not learn other tenants' names and usage; the --metrics-port keeps everything.
+    """
+
+    def __init__(self, registry: Collector, label: str) -> None:
+        self.registry = registry
+        self.label = label
+
+    def collect(self) -> Iterator[Metric]:
+        """The registry's metrics, less those with a sample carrying the label."""
+        for metric in self.registry.collect():
+            if not any(self.label in sample.labels for sample in metric.samples):
+                yield metric
+
+
+def metrics_page(registry: Collector, accept: str = "") -> tuple[bytes, str]:
+    """`registry` (or a view of one) in the exposition format the `Accept` header asks for, and its content type."""
     encoder, content_type = choose_encoder(accept)
     return encoder(registry), content_type
 

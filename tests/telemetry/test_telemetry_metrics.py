@@ -278,3 +278,18 @@ def test_readiness_probe_that_raises_reports_not_ready(registry):
         assert _get(f"{server.url}/readyz")[0] == 503
     finally:
         server.close()
+
+
+def test_the_public_view_leaves_out_every_tenant_labelled_metric_and_keeps_the_rest(registry):
+    router = router_metrics(registry)
+    router.record_tokens("acme", prompt=5, completion=2)
+    router.record_finished("ok", "stop")
+    full = generate_latest(registry).decode()
+    public, _ = metrics.metrics_page(metrics.WithoutLabel(registry, metrics.TENANT_LABEL))
+    assert 'tenant="acme"' in full
+    families = {f.name: f for f in text_string_to_metric_families(public.decode())}
+    assert not any("tenant" in s.labels for f in families.values() for s in f.samples)
+    assert "qwenserve_router_tokens" not in families
+    # Tier totals name no customer and stay, as do the request counters.
+    assert families["qwenserve_router_tier_tokens"].samples
+    assert families["qwenserve_router_requests"].samples
