@@ -3,7 +3,9 @@
     qwen-serve status [--router HOST:PORT] [--api-key KEY] [--json]
 
 A router with API keys configured answers only callers with a key (`--api-key`, or
-`QWENSERVE_API_KEY`), since the table names every worker's address.
+`QWENSERVE_API_KEY`), and shows the workers' addresses only to keys of an `admin: true` tenant (key
+file); others see each row's stage, state and load with the address "-". With auth off (`qwen-serve up`
+without keys) the caller is the machine's operator and sees everything.
 
 The router answers `Router.GetStatus` by checking each stage worker's gRPC health and reading its
 Prometheus endpoint (when the router was given the stages' metrics addresses, as `qwen-serve up`
@@ -99,6 +101,18 @@ async def probe_stage(
     return row
 
 
+def without_addresses(stages: Iterable[router_pb2.StageStatus]) -> list[router_pb2.StageStatus]:
+    """The rows with their gRPC and metrics addresses blanked (state, load and counts kept), for a caller who
+    may not see where the workers are."""
+    rows = []
+    for stage in stages:
+        row = router_pb2.StageStatus()
+        row.CopyFrom(stage)
+        row.address = row.metrics_address = ""
+        rows.append(row)
+    return rows
+
+
 def format_table(stages: Iterable[router_pb2.StageStatus]) -> str:
     """The compact table `qwen-serve status` prints; "-" where a value is not known."""
     header = ("STAGE", "ADDRESS", "STATE", "RUN/WAIT", "KV USE", "TOK/S", "RESTARTS")
@@ -107,7 +121,7 @@ def format_table(stages: Iterable[router_pb2.StageStatus]) -> str:
         load = s.load_known
         rows.append((
             s.stage,
-            s.address,
+            s.address or "-",
             s.state,
             f"{s.running}/{s.waiting}" if load else "-",
             f"{100 * s.kv_usage:.1f}%" if load and s.stage != "router" else "-",

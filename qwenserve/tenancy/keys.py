@@ -17,6 +17,7 @@ The key file (YAML or JSON, same schema; a Kubernetes Secret mounted as a file w
         tokens_per_minute: 200000
         max_tokens: 4096             # cap on one request's output budget
         models: [qwen3-8b]           # optional: the models it may use (a router serving several)
+        admin: false                 # optional: true lets its keys see the deployment's topology (GetStatus)
         content_filter:              # optional: never sent; a match ends the answer (content_filter)
           words: ["secret sauce"]    # whole words, any case
           patterns: ['[0-9]{3}-[0-9]{4}']  # regexes of bounded length
@@ -60,7 +61,7 @@ from qwenserve.tenancy.tenants import (
 )
 
 DEFAULT_TENANT = "default"
-TENANT_EXTRAS = ("content_filter", "models", "tier", "priority")  # a tenant's entries besides its limits
+TENANT_EXTRAS = ("content_filter", "models", "tier", "priority", "admin")  # a tenant's entries besides its limits
 
 
 class Unauthenticated(Exception):
@@ -127,10 +128,13 @@ def parse_key_file(data: object, where: str) -> KeyFileContents:
             raise TenancyConfigError(f"{here}.tier: {tier_name!r} is not one of the tiers ({', '.join(tiers) or 'none'})")
         tier_priority, tier_limits = tiers.get(tier_name, (0, {}))
         priority = _priority(extras.get("priority", tier_priority), f"{here}.priority")
+        admin = extras.get("admin", False)
+        if not isinstance(admin, bool):
+            raise TenancyConfigError(f"{here}.admin: expected true or false, got {admin!r}")
         own = limits if isinstance(limits, Mapping) else {}
         merged = {**tier_limits, **{k: v for k, v in own.items() if v is not None}} if tier_name else limits
         out.tenants[tenant_id] = Tenant(tenant_id, parse_limits(merged, here), rules,
-                                        tuple(models) if models is not None else None, tier_name, priority)
+                                        tuple(models) if models is not None else None, tier_name, priority, admin)
     keys = data.get("keys") or []
     if not isinstance(keys, list):
         raise TenancyConfigError(f"{where}: 'keys' must be a list")
@@ -285,6 +289,11 @@ class KeyStore:
         if tenant is None:
             raise Unauthenticated("invalid API key")
         return tenant
+
+    def is_admin(self, tenant: Tenant) -> bool:
+        """Whether `tenant`'s callers may see operator-only details (the workers' addresses in GetStatus): an
+        `admin: true` tenant, or anyone when auth is off, since then the caller is the machine's operator."""
+        return self.no_auth or tenant.admin
 
     def tenant(self, tenant_id: str) -> Tenant:
         """A tenant by id (KeyError when unknown)."""

@@ -44,6 +44,8 @@ class Tenant:
     # waiting request's priority improves with time (engine/admission_policy.py), so no tier starves.
     tier: str = ""
     priority: int = 0
+    # May its keys see the deployment's topology (GetStatus's worker addresses)? Key file `admin: true`.
+    admin: bool = False
 
 
 def parse_limits(raw: object, where: str) -> TenantLimits:

@@ -28,6 +28,7 @@ API_KEYS = {
     "sk-capped": "capped",
     "sk-flags": "flags",
     "sk-billed": "billed",
+    "sk-ops": "ops",
 }
 TENANT_LIMITS = {
     "acme": {},
@@ -36,6 +37,7 @@ TENANT_LIMITS = {
     "capped": {"max_tokens": 8},
     "flags": {"tokens_per_minute": 1000},
     "billed": {},
+    "ops": {"admin": True},  # sees the workers' addresses in GetStatus
 }
 
 

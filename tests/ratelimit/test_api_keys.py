@@ -114,6 +114,7 @@ def test_no_auth_mode_maps_everything_to_the_default_tenant(tmp_path: Path) -> N
         ("tenants: {'bad tenant': {}}", "invalid tenant id"),
         ("tenants: {a: {}, b: {}}\nkeys: [{tenant: a, key: k}, {tenant: b, key: k}]", "two tenants"),
         ("keys: [oops", "not valid YAML"),
+        ("tenants: {ops: {admin: 'yes'}}", "admin: expected true or false"),
     ],
 )
 def test_malformed_key_files_say_what_is_wrong(tmp_path: Path, text: str, message: str) -> None:
@@ -158,3 +159,13 @@ def test_tiers_give_their_tenants_a_priority_and_limits_that_the_tenants_own_ref
                        ({"tiers": {"x": {"tokens_per_minute": 0}}}, "tiers.x.tokens_per_minute")):
         with pytest.raises(TenancyConfigError, match=where.replace(".", r"\.")):
             parse_key_file(bad, "keys.yaml")
+
+
+def test_only_a_tenant_marked_admin_is_an_admin_unless_auth_is_off(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text("tenants: {ops: {admin: true}, acme: {}}\n"
+                    "keys: [{tenant: ops, key: sk-ops}, {tenant: acme, key: sk-acme}]\n")
+    store = load_key_store(path)
+    assert store.is_admin(store.authenticate("sk-ops"))
+    assert not store.is_admin(store.authenticate("sk-acme"))
+    assert load_key_store(path, no_auth=True).is_admin(Tenant("default"))  # the caller is the machine's operator

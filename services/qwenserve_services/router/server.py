@@ -9,8 +9,8 @@ in the same order as their gRPC addresses; for a name, each of its pods at that 
 to, re-resolved every `--resolve-interval-s` (qwenserve/router/discovery.py); status lists every pod.
 
 When API keys are configured, every RPC needs one: `ListModels` and `GetStatus` as much as
-`Generate`. `GetStatus` names every worker's address, so only callers the deployment trusts (any
-valid key; there is no admin role yet) see its topology. On SIGTERM the router drains: streams still
+`Generate`. `GetStatus` shows the workers' addresses only to keys of an `admin: true` tenant (or to anyone
+with auth off); other keys get the rows with the addresses blanked. On SIGTERM the router drains: streams still
 running near the end of `--grace-s` end with finish reason ABORT rather than being cut off.
 """
 
@@ -43,10 +43,10 @@ from qwenserve.router.tls import TlsConfigError, grpc_server_credentials
 from qwenserve.stage_secret import load_stage_secret
 from qwenserve.stages.common import argv_or_sys, checked, run_checked
 from qwenserve.stages.router import RouterServiceConfig, check, parse_config
-from qwenserve.status import probe_stage
+from qwenserve.status import probe_stage, without_addresses
 from qwenserve.telemetry.logs import bind_request_id
 from qwenserve.telemetry.metrics import RouterMetrics, router_metrics
-from qwenserve.tenancy.tenants import TenancyConfigError
+from qwenserve.tenancy.tenants import TenancyConfigError, Tenant
 from qwenserve.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from qwenserve.v1 import router_pb2, router_pb2_grpc
 
@@ -72,10 +72,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         async for msg in grpc_generate.generate(self.routes, self.gatekeeper, request, context):
             yield msg
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
-        """Ends the call with UNAUTHENTICATED unless it carries a valid API key (or auth is off)."""
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
+        """The caller's tenant; ends the call with UNAUTHENTICATED unless it carries a valid API key (or auth is
+        off)."""
         try:
-            self.gatekeeper.authenticate(api_key_from_grpc_metadata(context.invocation_metadata()))
+            return self.gatekeeper.authenticate(api_key_from_grpc_metadata(context.invocation_metadata()))
         except RouterError as e:
             await grpc_generate.refuse(context, e)
 
@@ -91,10 +92,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def GetStatus(  # noqa: N802 - gRPC method name
         self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.GetStatusResponse:
-        await self._authenticate(context)
+        tenant = await self._authenticate(context)
         # The probes carry this id, not the caller's x-request-id (which could be up to gRPC's metadata limit).
         with bind_request_id(new_request_id("status")):
-            return await self._status()
+            status = await self._status()
+        if self.gatekeeper.keys.is_admin(tenant):
+            return status
+        return router_pb2.GetStatusResponse(stages=without_addresses(status.stages))
 
     async def _status(self) -> router_pb2.GetStatusResponse:
         c = self.config
