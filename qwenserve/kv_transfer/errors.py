@@ -43,6 +43,18 @@ class KVHandleInvalid(KVTransferError):
     code = "kv_handle_invalid"
 
 
+class KVHandoffRefused(KVTransferError):
+    """A Fetch or Release did not present the token the handoff is bound to; the handoff stays held for the
+    importer that has it (or until its lease expires)."""
+
+    code = "kv_handoff_refused"
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        #: "missing" (no token presented) or "wrong" (another one), for the refusal counter.
+        self.reason = reason
+
+
 class KVHandoffExists(KVTransferError):
     """A handoff id was reserved twice on the same exporter."""
 

@@ -8,6 +8,9 @@
 The bytes stay until `release()` (the importer's ack, via KVTransfer.Release) or until the
 lease expires, when the background sweeper reclaims them. A reservation never published is
 reclaimed after `reserve_timeout_s`, so a crashed forward pass leaks nothing either.
+
+A handoff reserved with a `binding` (binding.py) is fetched and released over KVTransfer only by a caller
+presenting that token; any other is refused (KVHandoffRefused) and the handoff stays as it was.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from qwenserve.addresses import endpoint_host, is_wildcard_host
 from qwenserve.cpu_kernels import loader
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.kv_layout import KVLayout, LinearState
+from qwenserve.kv_transfer.binding import refusal
 from qwenserve.kv_transfer.checksum import (
     DEFAULT_ALGORITHM,
     NO_CHECKSUM,
@@ -33,7 +37,7 @@ from qwenserve.kv_transfer.checksum import (
     fused_copy,
     gather_copy,
 )
-from qwenserve.kv_transfer.errors import KVHandoffExists, KVHandoffGone, KVLayoutInvalid
+from qwenserve.kv_transfer.errors import KVHandoffExists, KVHandoffGone, KVHandoffRefused, KVLayoutInvalid
 from qwenserve.kv_transfer.handle import (
     MARKER_BYTES,
     MARKER_PAGE,
@@ -108,6 +112,8 @@ class _Handoff:
     #: Set by ExportSlot.write, which hashes while copying; publish then need not read the bytes again.
     checksum: str | None = None
     handle: KVHandle | None = field(default=None, repr=False)
+    #: The token Fetch and Release must present ("": unbound); never logged.
+    binding: str = field(default="", repr=False)
 
     @property
     def data(self) -> torch.Tensor:
@@ -226,6 +232,8 @@ class KVExporter:
         # A caller that gave up may cancel a handoff by name before the engine reserves it (the release
         # overtakes a slow or stopped prefill): the name is refused when it comes, until reserve_timeout_s.
         self._cancelled: dict[str, float] = {}
+        # The same by binding token: a caller that gave up before learning the (random) handoff id.
+        self._cancelled_bindings: dict[str, float] = {}
         self._counts = {"published": 0, "released": 0, "reclaimed": 0, "aborted": 0, "bytes_published": 0}
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
@@ -266,19 +274,25 @@ class KVExporter:
 
     # --- the engine's side -----------------------------------------------------------------
 
-    def reserve(self, handoff_id: str, layout: KVLayout, num_tokens: int) -> ExportSlot:
-        """Reserve memory for `num_tokens` tokens of KV; write it through `slot.tensor`."""
+    def reserve(self, handoff_id: str, layout: KVLayout, num_tokens: int, binding: str = "") -> ExportSlot:
+        """Reserve memory for `num_tokens` tokens of KV; write it through `slot.tensor`. With `binding`, only a
+        KVTransfer caller presenting that token may fetch or release it."""
         if num_tokens < 1:
             raise KVLayoutInvalid(f"a KV handoff needs at least one token, got {num_tokens}")
         nbytes = layout.nbytes(num_tokens)
         with self._lock:
-            if self._cancelled.pop(handoff_id, 0.0) > time.monotonic():
+            now = time.monotonic()
+            cancelled = self._cancelled.pop(handoff_id, 0.0) > now
+            if binding and self._cancelled_bindings.pop(binding, 0.0) > now:
+                cancelled = True
+            if cancelled:
                 raise KVHandoffGone(f"handoff {handoff_id} was cancelled by its caller before it was made")
             if handoff_id in self._handoffs:
                 raise KVHandoffExists(f"handoff id {handoff_id!r} is already reserved on this exporter")
         extent = self._pool.allocate(MARKER_PAGE + nbytes)
         entry = _Handoff(
-            handoff_id, extent, layout, num_tokens, nbytes, time.monotonic() + self.config.reserve_timeout_s
+            handoff_id, extent, layout, num_tokens, nbytes, time.monotonic() + self.config.reserve_timeout_s,
+            binding=binding,
         )
         with self._lock:
             if handoff_id in self._handoffs:
@@ -330,11 +344,13 @@ class KVExporter:
 
     # --- the importer's side ---------------------------------------------------------------
 
-    def release(self, handoff_id: str, reason: str = "imported") -> bool:
+    def release(self, handoff_id: str, reason: str = "imported", *, token: str | None = None) -> bool:
         """Free a handoff now. Idempotent: False when it was unknown, released or expired.
 
+        `token`: what a KVTransfer caller presented ("" for nothing); None for this process's own calls, which
+        need none. Raises KVHandoffRefused, freeing nothing, when it is not the token the handoff is bound to.
         A "cancelled" release of a name not reserved yet makes a later reserve of that name fail."""
-        freed = self._free(handoff_id)
+        freed = self._free(handoff_id, presented=token)
         if freed:
             with self._lock:
                 self._counts["released"] += 1
@@ -346,11 +362,26 @@ class KVExporter:
                 self._cancelled[handoff_id] = time.monotonic() + self.config.reserve_timeout_s
         return freed
 
+    def cancel(self, token: str) -> int:
+        """Free the handoffs bound to `token`, or, when there are none yet, refuse a later reserve with it
+        (until reserve_timeout_s): for a caller that gave up on a prefill before learning the handoff's id.
+        Returns how many it freed."""
+        if not token:
+            raise ValueError("cancel needs the token a handoff is bound to")
+        with self._lock:
+            names = [e.handoff_id for e in self._handoffs.values() if e.binding and refusal(e.binding, token) is None]
+            if not names:
+                if len(self._cancelled_bindings) >= CANCELLED_NAMES_MAX:
+                    del self._cancelled_bindings[next(iter(self._cancelled_bindings))]
+                self._cancelled_bindings[token] = time.monotonic() + self.config.reserve_timeout_s
+        return sum(self.release(name, "cancelled", token=token) for name in names)
+
     @contextlib.contextmanager
-    def pinned(self, handoff_id: str) -> Iterator[memoryview]:
+    def pinned(self, handoff_id: str, *, token: str | None = None) -> Iterator[memoryview]:
         """The published bytes of a handoff, kept from being freed until the block exits.
 
-        Raises KVHandoffGone when the handoff is unknown, unpublished, released or expired.
+        Raises KVHandoffGone when the handoff is unknown, unpublished, released or expired; KVHandoffRefused when
+        `token` (as for `release`) is not the one it is bound to.
         """
         with self._lock:
             entry = self._handoffs.get(handoff_id)
@@ -359,6 +390,7 @@ class KVExporter:
                     f"handoff {handoff_id} is not available on this exporter (never published, "
                     "released, or its lease expired)"
                 )
+            _check_binding(entry, token, "fetch")
             entry.pins += 1
         try:
             yield memoryview(entry.data.numpy())
@@ -376,8 +408,9 @@ class KVExporter:
         now = time.monotonic() if now is None else now
         with self._lock:
             expired = [e for e in self._handoffs.values() if e.deadline <= now and not e.freed]
-            for name in [n for n, until in self._cancelled.items() if until <= now]:
-                del self._cancelled[name]
+            for cancelled in (self._cancelled, self._cancelled_bindings):
+                for name in [n for n, until in cancelled.items() if until <= now]:
+                    del cancelled[name]
         reclaimed = 0
         for entry in expired:
             if self._free(entry.handoff_id, expect=entry):
@@ -392,11 +425,12 @@ class KVExporter:
         while not self._stop.wait(self.config.sweep_interval_s):
             self.sweep()
 
-    def _free(self, handoff_id: str, expect: _Handoff | None = None) -> bool:
+    def _free(self, handoff_id: str, expect: _Handoff | None = None, presented: str | None = None) -> bool:
         with self._lock:
             entry = self._handoffs.get(handoff_id)
             if entry is None or entry.freed or (expect is not None and entry is not expect):
                 return False
+            _check_binding(entry, presented, "release")
             entry.freed = True
             del self._handoffs[handoff_id]
             give_back = entry.pins == 0
@@ -421,3 +455,12 @@ class KVExporter:
                 outstanding_bytes=sum(e.nbytes for e in live),
                 **self._counts,
             )
+
+
+def _check_binding(entry: _Handoff, presented: str | None, what: str) -> None:
+    """Raise KVHandoffRefused when `presented` may not touch the entry (see binding.refusal)."""
+    why = refusal(entry.binding, presented)
+    if why is not None:
+        raise KVHandoffRefused(
+            f"cannot {what} handoff {entry.handoff_id}: the token it is bound to was {why} "
+            "(only the decode worker the router sent it to may)", why)

@@ -6,6 +6,10 @@
 
 For shared memory, `fetch` returns a view of the exporter's pages (zero copy): it stays valid
 until `release` or lease expiry, so consume it first, or pass `out=` to get a private copy.
+
+`token` (PrefilledStart.handoff_token) is presented to the exporter with every Fetch and Release. Shared
+memory and Mooncake read the exporter's memory directly, where no exporter code runs to check it: there the
+segment's owner-only mode, and Mooncake's network, guard the bytes; Release is still checked.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from qwenserve.kv_transfer.errors import (
     KVEndpointUnreachable,
     KVHandleInvalid,
     KVHandoffGone,
+    KVHandoffRefused,
     KVTransportUnavailable,
 )
 from qwenserve.kv_transfer.grpc_transport import (
@@ -119,6 +124,7 @@ class KVImporter:
         expected: KVLayout,
         *,
         out: torch.Tensor | None = None,
+        token: str = "",
     ) -> torch.Tensor:
         """The handoff's KV as an [L, 2, T, H, D] tensor, after checking layout and checksum: for a model without
         linear-attention layers (a hybrid model's handoff needs fetch_payload, which returns its state too).
@@ -126,9 +132,10 @@ class KVImporter:
         Raises KVLayoutMismatch (layout or model differs), KVChecksumMismatch (bytes corrupted),
         KVHandoffGone (released, expired, exporter gone), KVHandleInvalid (a transport or address this importer
         will not use) or KVTransportUnavailable.
-        With `out` (a contiguous CPU tensor of the right shape and dtype) the bytes land there.
+        With `out` (a contiguous CPU tensor of the right shape and dtype) the bytes land there. `token`: the
+        one the handoff is bound to (KVHandoffRefused when the exporter says it is not).
         """
-        kv, _ = await self.fetch_payload(handle, expected, out=out)
+        kv, _ = await self.fetch_payload(handle, expected, out=out, token=token)
         return kv
 
     async def fetch_payload(
@@ -137,6 +144,7 @@ class KVImporter:
         expected: KVLayout,
         *,
         out: torch.Tensor | None = None,
+        token: str = "",
     ) -> tuple[torch.Tensor, LinearState | None]:
         """The handoff's KV [L, 2, T, H, D] and, for a hybrid model, the linear-attention state after those tokens,
         checked as `fetch` says. `out`: as for fetch; for a hybrid model, a uint8 buffer of the handoff's length."""
@@ -157,7 +165,7 @@ class KVImporter:
         if handle.transport == KVTransport.KV_TRANSPORT_SHM:
             data = await self._fetch_shm(handle, out)
         elif handle.transport == KVTransport.KV_TRANSPORT_GRPC:
-            data = await self._fetch_grpc(handle, out)
+            data = await self._fetch_grpc(handle, out, token)
         elif handle.transport == KVTransport.KV_TRANSPORT_MOONCAKE:
             data = await self._fetch_mooncake(handle, out)
         else:
@@ -166,11 +174,12 @@ class KVImporter:
             )
         return layout.split(data, handle.num_tokens)
 
-    async def release(self, handle: KVHandle, reason: str = "imported") -> bool:
-        """Tell the exporter it may free the bytes. Idempotent; never raises for transport trouble.
+    async def release(self, handle: KVHandle, reason: str = "imported", *, token: str = "") -> bool:
+        """Tell the exporter it may free the bytes, presenting `token`. Idempotent; never raises for transport
+        trouble or a refusal.
 
         Returns True when the exporter still held the handoff. When the exporter cannot be reached
-        after a few attempts this returns False and the lease's expiry frees the bytes instead.
+        after a few attempts, or refuses the token, this returns False and the lease's expiry frees the bytes.
         """
         released = False
         if handle.control_endpoint and not ENDPOINT.fullmatch(handle.control_endpoint):
@@ -181,8 +190,11 @@ class KVImporter:
                 try:
                     released = await release_over_grpc(
                         channel, handle.handoff_id, reason,
-                        endpoint=handle.control_endpoint, timeout_s=self.config.release_timeout_s,
+                        endpoint=handle.control_endpoint, timeout_s=self.config.release_timeout_s, token=token,
                     )
+                    break
+                except KVHandoffRefused as e:
+                    log.warning("%s; its lease will free it instead", e)
                     break
                 except KVTransportUnavailable as e:
                     if attempt + 1 == self.config.release_attempts:
@@ -339,12 +351,12 @@ class KVImporter:
     def _new_channel(self, endpoint: str) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
 
-    async def _fetch_grpc(self, handle: KVHandle, out: torch.Tensor | None) -> torch.Tensor:
+    async def _fetch_grpc(self, handle: KVHandle, out: torch.Tensor | None, token: str) -> torch.Tensor:
         data = torch.empty(handle.length, dtype=torch.uint8) if out is None else out.view(-1).view(torch.uint8)
         await fetch_over_grpc(
             self._channel(handle.location), handle.handoff_id, memoryview(data.numpy()),
             endpoint=handle.location, chunk_bytes=self.config.chunk_bytes,
-            timeout_s=self.config.fetch_timeout_s,
+            timeout_s=self.config.fetch_timeout_s, token=token,
         )
         await self._verify(handle, data)
         return data

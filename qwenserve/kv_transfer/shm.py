@@ -36,7 +36,9 @@ SEGMENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 _live: dict[str, ShmSegment] = {}
 # Re-entrant: the SIGTERM handler may run while the main thread holds it.
 _live_lock = threading.RLock()
-_token = secrets.token_hex(4)
+# 128 random bits, so no name can be predicted and created first. Names are not secrets (anyone may list
+# /dev/shm): what keeps other users from a handoff's bytes is the segment's owner-only mode.
+_token = secrets.token_hex(16)
 _counter = 0
 _exit_cleanup_installed = False
 

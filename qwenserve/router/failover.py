@@ -71,7 +71,7 @@ async def prefill(fleet: WorkerFleet, prep: PreparedRequest) -> prefill_pb2.Pref
     RequestFailed when the request itself was refused or ran out of time.
     """
     tried: list[str] = []
-    request = prefill_pb2.PrefillRequest(**_stage_fields(prep))
+    request = prefill_pb2.PrefillRequest(**_stage_fields(prep), handoff_token=prep.handoff_token)
     tokens = len(prep.prompt_ids)
     for attempt in range(fleet.config.prefill_attempts):
         worker = fleet.prefill_pool.choose(prep.prompt_ids, exclude=tried)
@@ -93,10 +93,11 @@ async def prefill(fleet: WorkerFleet, prep: PreparedRequest) -> prefill_pb2.Pref
                 except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
                     if isinstance(e, asyncio.CancelledError) or e.code() in PREFILL_MAYBE_RUNNING:
                         # Given up while the worker may still publish the handoff (its answer in flight, or
-                        # a stopped worker resumed later): prefill names it after the request id, so free it
-                        # by that name, before it is made if need be.
-                        handle = common_pb2.KVHandle(handoff_id=prep.internal_id, control_endpoint=worker.address)
-                        fleet.release_handoff(handle, prep.request_id, UNREAD_PREFILL_RELEASE_DELAY_S)
+                        # a stopped worker resumed later): its id is unknown here, so free it by the token it is
+                        # bound to, before it is made if need be.
+                        handle = common_pb2.KVHandle(control_endpoint=worker.address)
+                        fleet.release_handoff(handle, prep.request_id, UNREAD_PREFILL_RELEASE_DELAY_S,
+                                              token=prep.handoff_token)
                     raise
         except grpc.aio.AioRpcError as e:
             code = e.code()
@@ -211,7 +212,8 @@ async def decode(
                     # gRPC drops a call cancelled before its handler ran, and with it the worker's duty to
                     # release the handoff: release it here, late enough for a handler that did run to
                     # have done it first (releases are idempotent).
-                    fleet.release_handoff(request.prefilled.kv_handle, prep.request_id, HANDOFF_RELEASE_DELAY_S)
+                    fleet.release_handoff(request.prefilled.kv_handle, prep.request_id, HANDOFF_RELEASE_DELAY_S,
+                                          token=request.prefilled.handoff_token)
             fleet.decode_pool.finished(worker, budget, failed)
             span.set_attribute(Attr.COMPLETION_TOKENS, len(progress.generated))
             span.end()

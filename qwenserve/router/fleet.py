@@ -275,20 +275,22 @@ class WorkerFleet:
 
     # -- handoffs, held requests, deadlines --------------------------------------------------------
 
-    def release_handoff(self, handle: common_pb2.KVHandle, request_id: str, delay_s: float = 0.0) -> None:
-        """Free a handoff at its exporter now (or after `delay_s`) rather than at its lease's expiry."""
+    def release_handoff(self, handle: common_pb2.KVHandle, request_id: str, delay_s: float = 0.0,
+                        token: str = "") -> None:
+        """Free a handoff at its exporter now (or after `delay_s`) rather than at its lease's expiry, presenting
+        the `token` it is bound to; a handle with no handoff_id frees (or forestalls) the one bound to `token`."""
         if not handle.control_endpoint:
             return
-        task = asyncio.ensure_future(self._release(handle, request_id, delay_s))
+        task = asyncio.ensure_future(self._release(handle, request_id, delay_s, token))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _release(self, handle: common_pb2.KVHandle, request_id: str, delay_s: float) -> None:
+    async def _release(self, handle: common_pb2.KVHandle, request_id: str, delay_s: float, token: str) -> None:
         if delay_s > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._closing.wait(), delay_s)
         stub = kv_transfer_pb2_grpc.KVTransferStub(self.channel(handle.control_endpoint))
-        release = kv_transfer_pb2.ReleaseRequest(handoff_id=handle.handoff_id, reason="cancelled")
+        release = kv_transfer_pb2.ReleaseRequest(handoff_id=handle.handoff_id, reason="cancelled", handoff_token=token)
         give_up, backoff = time.monotonic() + HANDOFF_RELEASE_RETRY_S, 0.5
         while True:
             try:

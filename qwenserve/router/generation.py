@@ -326,6 +326,7 @@ class Router:
             kv_handle=resp.kv_handle,
             first_token_id=resp.first_token_id,
             cached_prompt_tokens=resp.cached_prompt_tokens,
+            handoff_token=prep.handoff_token,
         )
         if resp.HasField("first_logprob"):
             start.first_logprob.CopyFrom(resp.first_logprob)
@@ -338,5 +339,5 @@ class Router:
             if not progress.handoff_sent:
                 # The request ended (a stop string in the first token, a client that left) or no decode
                 # worker could be reached before any took the handoff: free it now, not at lease expiry.
-                self.fleet.release_handoff(start.kv_handle, prep.request_id)
+                self.fleet.release_handoff(start.kv_handle, prep.request_id, token=start.handoff_token)
 

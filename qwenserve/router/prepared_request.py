@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.kv_transfer.binding import new_handoff_token
 from qwenserve.router.chat_output import ChatShape
 from qwenserve.router.request_ids import internal_id
 from qwenserve.tenancy.content_filter import ContentFilter
@@ -31,6 +32,8 @@ class PreparedRequest:
     chat: ChatShape | None = None  # a chat answer: how its text is split (None: text as generated)
     content_filter: ContentFilter | None = None  # the tenant's words that must never be sent (the fronts set it)
     priority: int = 0  # the tenant's tier: lower is admitted first by the engines (the gatekeeper sets it)
+    # The secret its KV handoff is bound to: only prefill and the decode worker it goes to learn it.
+    handoff_token: str = field(default_factory=new_handoff_token, repr=False)
 
     def __post_init__(self) -> None:
         if not self.internal_id:

@@ -31,6 +31,8 @@ from qwenserve.telemetry.series import (
     GRPC_CODES,
     HANDOFF_BUCKETS,
     HANDOFF_FAILURE_REASONS,
+    HANDOFF_REFUSAL_REASONS,
+    HANDOFF_RPCS,
     ITL_BUCKETS,
     OUTCOMES,
     QUEUE_BUCKETS,
@@ -346,6 +348,10 @@ class HandoffMetrics:
                                         "Exported KV leases not yet released or expired.", registry=r)
         self.leases_reclaimed = Counter("qwenserve_handoff_leases_reclaimed_total",
                                         "Leases reclaimed after expiry (importer never acked).", registry=r)
+        self.refusals = Counter(
+            "qwenserve_handoff_refusals_total",
+            "KVTransfer calls refused for not presenting the handoff's token, by rpc (Fetch, Release) and reason "
+            "(missing, wrong).", ["rpc", "reason"], registry=r)
 
     def record_transfer(self, transport: str, nbytes: int, seconds: float) -> None:
         """Record one successful handoff."""
@@ -356,6 +362,10 @@ class HandoffMetrics:
     def record_failure(self, transport: str, reason: str) -> None:
         """Record one failed handoff."""
         self.failures.labels(bounded(transport, TRANSPORTS), bounded(reason, HANDOFF_FAILURE_REASONS)).inc()
+
+    def record_refusal(self, rpc: str, reason: str) -> None:
+        """Record one Fetch or Release refused for a missing or wrong handoff token."""
+        self.refusals.labels(bounded(rpc, HANDOFF_RPCS), bounded(reason, HANDOFF_REFUSAL_REASONS)).inc()
 
 
 class StageAuthMetrics:

@@ -35,8 +35,11 @@ STAGES = frozenset({"tokenizer", "prefill", "decode"})
 RATELIMIT_LIMITS = frozenset({"none", "requests", "tokens", "request_size"})
 TRANSPORTS = frozenset({"shm", "grpc", "mooncake", "nixl", "local"})
 HANDOFF_FAILURE_REASONS = frozenset(
-    {"timeout", "checksum", "connection", "unreachable", "lease_expired", "cancelled", "no_space", "protocol"}
+    {"timeout", "checksum", "connection", "unreachable", "lease_expired", "cancelled", "no_space", "protocol",
+     "refused"}
 )
+HANDOFF_RPCS = frozenset({"Fetch", "Release"})
+HANDOFF_REFUSAL_REASONS = frozenset({"missing", "wrong"})
 TOKENIZER_RPCS = frozenset({"Tokenize", "TokenizeBatch", "CountTokens", "Detokenize", "GetInfo"})
 GRPC_CODES = frozenset({
     "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",

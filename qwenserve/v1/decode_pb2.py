@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from qwenserve.v1 import common_pb2 as qwenserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19qwenserve/v1/decode.proto\x12\x0cqwenserve.v1\x1a\x19qwenserve/v1/common.proto\"\xa4\x01\n\x0ePrefilledStart\x12)\n\tkv_handle\x18\x01 \x01(\x0b\x32\x16.qwenserve.v1.KVHandle\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x31\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x1a.qwenserve.v1.TokenLogprob\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\x82\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.qwenserve.v1.SamplingParams\x12\x31\n\tprefilled\x18\x04 \x01(\x0b\x32\x1c.qwenserve.v1.PrefilledStartH\x00\x12\x17\n\rlocal_prefill\x18\x05 \x01(\x08H\x00\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x07\n\x05start\"\x87\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.qwenserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.qwenserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.qwenserve.v1.Usage\x12(\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x19.qwenserve.v1.ErrorDetail\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.qwenserve.v1.TokenLogprob2\x95\x01\n\x06\x44\x65\x63ode\x12\x45\n\x06\x44\x65\x63ode\x12\x1b.qwenserve.v1.DecodeRequest\x1a\x1c.qwenserve.v1.DecodeResponse0\x01\x12\x44\n\x07GetInfo\x12\x1f.qwenserve.v1.EngineInfoRequest\x1a\x18.qwenserve.v1.EngineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19qwenserve/v1/decode.proto\x12\x0cqwenserve.v1\x1a\x19qwenserve/v1/common.proto\"\xbb\x01\n\x0ePrefilledStart\x12)\n\tkv_handle\x18\x01 \x01(\x0b\x32\x16.qwenserve.v1.KVHandle\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x31\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x1a.qwenserve.v1.TokenLogprob\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x15\n\rhandoff_token\x18\x05 \x01(\t\"\x82\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.qwenserve.v1.SamplingParams\x12\x31\n\tprefilled\x18\x04 \x01(\x0b\x32\x1c.qwenserve.v1.PrefilledStartH\x00\x12\x17\n\rlocal_prefill\x18\x05 \x01(\x08H\x00\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x07\n\x05start\"\x87\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.qwenserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.qwenserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.qwenserve.v1.Usage\x12(\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x19.qwenserve.v1.ErrorDetail\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.qwenserve.v1.TokenLogprob2\x95\x01\n\x06\x44\x65\x63ode\x12\x45\n\x06\x44\x65\x63ode\x12\x1b.qwenserve.v1.DecodeRequest\x1a\x1c.qwenserve.v1.DecodeResponse0\x01\x12\x44\n\x07GetInfo\x12\x1f.qwenserve.v1.EngineInfoRequest\x1a\x18.qwenserve.v1.EngineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'qwenserve.v1.decode_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLEDSTART']._serialized_start=71
-  _globals['_PREFILLEDSTART']._serialized_end=235
-  _globals['_DECODEREQUEST']._serialized_start=238
-  _globals['_DECODEREQUEST']._serialized_end=496
-  _globals['_DECODERESPONSE']._serialized_start=499
-  _globals['_DECODERESPONSE']._serialized_end=762
-  _globals['_DECODE']._serialized_start=765
-  _globals['_DECODE']._serialized_end=914
+  _globals['_PREFILLEDSTART']._serialized_end=258
+  _globals['_DECODEREQUEST']._serialized_start=261
+  _globals['_DECODEREQUEST']._serialized_end=519
+  _globals['_DECODERESPONSE']._serialized_start=522
+  _globals['_DECODERESPONSE']._serialized_end=785
+  _globals['_DECODE']._serialized_start=788
+  _globals['_DECODE']._serialized_end=937
 # @@protoc_insertion_point(module_scope)

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefilledStart(_message.Message):
-    __slots__ = ("kv_handle", "first_token_id", "first_logprob", "cached_prompt_tokens")
+    __slots__ = ("kv_handle", "first_token_id", "first_logprob", "cached_prompt_tokens", "handoff_token")
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TOKEN_FIELD_NUMBER: _ClassVar[int]
     kv_handle: _common_pb2.KVHandle
     first_token_id: int
     first_logprob: _common_pb2.TokenLogprob
     cached_prompt_tokens: int
-    def __init__(self, kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    handoff_token: str
+    def __init__(self, kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., handoff_token: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefilled", "local_prefill", "resume_token_ids", "cache_salt", "priority")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eqwenserve/v1/kv_transfer.proto\x12\x0cqwenserve.v1\"7\n\x0c\x46\x65tchRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"\'\n\x07KVChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"4\n\x0eReleaseRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x92\x01\n\nKVTransfer\x12<\n\x05\x46\x65tch\x12\x1a.qwenserve.v1.FetchRequest\x1a\x15.qwenserve.v1.KVChunk0\x01\x12\x46\n\x07Release\x12\x1c.qwenserve.v1.ReleaseRequest\x1a\x1d.qwenserve.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eqwenserve/v1/kv_transfer.proto\x12\x0cqwenserve.v1\"N\n\x0c\x46\x65tchRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\x12\x15\n\rhandoff_token\x18\x03 \x01(\t\"\'\n\x07KVChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"K\n\x0eReleaseRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rhandoff_token\x18\x03 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x92\x01\n\nKVTransfer\x12<\n\x05\x46\x65tch\x12\x1a.qwenserve.v1.FetchRequest\x1a\x15.qwenserve.v1.KVChunk0\x01\x12\x46\n\x07Release\x12\x1c.qwenserve.v1.ReleaseRequest\x1a\x1d.qwenserve.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'qwenserve.v1.kv_transfer_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FETCHREQUEST']._serialized_start=48
-  _globals['_FETCHREQUEST']._serialized_end=103
-  _globals['_KVCHUNK']._serialized_start=105
-  _globals['_KVCHUNK']._serialized_end=144
-  _globals['_RELEASEREQUEST']._serialized_start=146
-  _globals['_RELEASEREQUEST']._serialized_end=198
-  _globals['_RELEASERESPONSE']._serialized_start=200
-  _globals['_RELEASERESPONSE']._serialized_end=235
-  _globals['_KVTRANSFER']._serialized_start=238
-  _globals['_KVTRANSFER']._serialized_end=384
+  _globals['_FETCHREQUEST']._serialized_end=126
+  _globals['_KVCHUNK']._serialized_start=128
+  _globals['_KVCHUNK']._serialized_end=167
+  _globals['_RELEASEREQUEST']._serialized_start=169
+  _globals['_RELEASEREQUEST']._serialized_end=244
+  _globals['_RELEASERESPONSE']._serialized_start=246
+  _globals['_RELEASERESPONSE']._serialized_end=281
+  _globals['_KVTRANSFER']._serialized_start=284
+  _globals['_KVTRANSFER']._serialized_end=430
 # @@protoc_insertion_point(module_scope)

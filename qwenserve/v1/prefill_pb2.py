@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from qwenserve.v1 import common_pb2 as qwenserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aqwenserve/v1/prefill.proto\x12\x0cqwenserve.v1\x1a\x19qwenserve/v1/common.proto\"\xc2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.qwenserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12,\n\ttransport\x18\x05 \x01(\x0e\x32\x19.qwenserve.v1.KVTransport\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\xa1\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x31\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x1a.qwenserve.v1.TokenLogprob\x12)\n\tkv_handle\x18\x04 \x01(\x0b\x32\x16.qwenserve.v1.KVHandle\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.qwenserve.v1.FinishReason\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.qwenserve.v1.TokenLogprob2\x97\x01\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.qwenserve.v1.PrefillRequest\x1a\x1d.qwenserve.v1.PrefillResponse\x12\x44\n\x07GetInfo\x12\x1f.qwenserve.v1.EngineInfoRequest\x1a\x18.qwenserve.v1.EngineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aqwenserve/v1/prefill.proto\x12\x0cqwenserve.v1\x1a\x19qwenserve/v1/common.proto\"\xd9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.qwenserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12,\n\ttransport\x18\x05 \x01(\x0e\x32\x19.qwenserve.v1.KVTransport\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x15\n\rhandoff_token\x18\x07 \x01(\t\"\xa1\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x31\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x1a.qwenserve.v1.TokenLogprob\x12)\n\tkv_handle\x18\x04 \x01(\x0b\x32\x16.qwenserve.v1.KVHandle\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.qwenserve.v1.FinishReason\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.qwenserve.v1.TokenLogprob2\x97\x01\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.qwenserve.v1.PrefillRequest\x1a\x1d.qwenserve.v1.PrefillResponse\x12\x44\n\x07GetInfo\x12\x1f.qwenserve.v1.EngineInfoRequest\x1a\x18.qwenserve.v1.EngineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'qwenserve.v1.prefill_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=72
-  _globals['_PREFILLREQUEST']._serialized_end=266
-  _globals['_PREFILLRESPONSE']._serialized_start=269
-  _globals['_PREFILLRESPONSE']._serialized_end=558
-  _globals['_PREFILL']._serialized_start=561
-  _globals['_PREFILL']._serialized_end=712
+  _globals['_PREFILLREQUEST']._serialized_end=289
+  _globals['_PREFILLRESPONSE']._serialized_start=292
+  _globals['_PREFILLRESPONSE']._serialized_end=581
+  _globals['_PREFILL']._serialized_start=584
+  _globals['_PREFILL']._serialized_end=735
 # @@protoc_insertion_point(module_scope)

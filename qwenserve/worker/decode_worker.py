@@ -117,6 +117,7 @@ class DecodeWorker:
         cached = 0
         if start == "prefilled":
             handle = held.handle = request.prefilled.kv_handle
+            held.token = request.prefilled.handoff_token
             held.request_id = request_id
             kv_import = await self._import(held, len(prompt))
             cached = request.prefilled.cached_prompt_tokens
@@ -143,7 +144,7 @@ class DecodeWorker:
                     raise KVLayoutMismatch(
                         f"the handoff holds {handle.num_tokens} tokens, the prompt has {prompt_len}"
                     )
-                tensor, state = await self.importer.fetch_payload(handle, self.engine.kv_layout())
+                tensor, state = await self.importer.fetch_payload(handle, self.engine.kv_layout(), token=held.token)
             except (KVTransferError, KVLayoutMismatch, OSError) as e:
                 # OSError: what the handle names could not be read; the router recomputes the prompt instead.
                 if self.handoff is not None:
@@ -169,6 +170,7 @@ class _HeldHandoff:
         self.importer = importer
         self.engine = engine
         self.handle: Any = None
+        self.token = ""  # what the handoff is bound to: presented to its exporter
         self.request_id = ""
         self.done = False
 
@@ -176,7 +178,7 @@ class _HeldHandoff:
         if self.handle is None or self.done:
             return
         self.done = True
-        await self.importer.release(self.handle, reason)
+        await self.importer.release(self.handle, reason, token=self.token)
 
     def release_when_engine_lets_go(self) -> None:
         """Release in the background once the engine no longer holds the request (it copies imports on its own
@@ -192,7 +194,7 @@ class _HeldHandoff:
         give_up = time.monotonic() + ENGINE_LET_GO_S
         while self.engine.holds(self.request_id) and time.monotonic() < give_up:
             await asyncio.sleep(0.005)
-        await self.importer.release(self.handle, "cancelled")
+        await self.importer.release(self.handle, "cancelled", token=self.token)
 
 
 async def _release_after_first(outputs: AsyncIterator[Any], held: _HeldHandoff) -> AsyncIterator[Any]:

@@ -15,6 +15,7 @@ from qwenserve.kv_transfer.errors import (
     KVEndpointUnreachable,
     KVHandleInvalid,
     KVHandoffGone,
+    KVHandoffRefused,
     KVPoolExhausted,
     KVTransportUnavailable,
 )
@@ -41,6 +42,8 @@ def failure_reason(error: BaseException) -> str:
     """The `reason` label of a failed handoff, from the error that ended it."""
     if isinstance(error, KVChecksumMismatch):
         return "checksum"
+    if isinstance(error, KVHandoffRefused):
+        return "refused"
     if isinstance(error, KVHandoffGone):
         return "lease_expired"
     if isinstance(error, KVEndpointUnreachable):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any
 
-from qwenserve.kv_transfer.errors import KVHandoffExists, KVPoolExhausted
+from qwenserve.kv_transfer.binding import MAX_TOKEN_CHARS, new_handoff_id
+from qwenserve.kv_transfer.errors import KVPoolExhausted
 from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto, prompt_logprobs_to_proto
 from qwenserve.telemetry.engine_steps import EngineStepObserver
 from qwenserve.telemetry.metrics import HandoffMetrics
@@ -49,23 +49,24 @@ class PrefillWorker:
         request_id = checked_request_id(request.request_id, "prefill")
         cache_salt = checked_cache_salt(request.cache_salt)
         prompt, sampling = checked_request(request.prompt_token_ids, request.sampling, engine_limits(self.engine))
+        if len(request.handoff_token) > MAX_TOKEN_CHARS:
+            raise BadRequest(f"handoff_token must be at most {MAX_TOKEN_CHARS} characters", "handoff_token")
         with tracer.start_as_current_span("prefill", attributes={Attr.PROMPT_TOKENS: len(prompt)}) as span:
-            return await self._prefill(request_id, prompt, sampling, cache_salt, span, request.priority)
+            return await self._prefill(request_id, prompt, sampling, cache_salt, span, request.priority,
+                                       request.handoff_token)
 
     async def _prefill(
-        self, request_id: str, prompt: list[int], sampling: Any, cache_salt: str | None, span: Any, priority: int = 0
+        self, request_id: str, prompt: list[int], sampling: Any, cache_salt: str | None, span: Any, priority: int = 0,
+        handoff_token: str = "",
     ) -> prefill_pb2.PrefillResponse:
         slots: list[Any] = []
         no_room: list[KVPoolExhausted] = []
 
         def sink(layout: Any, num_tokens: int) -> Any:
             try:
-                # Named after the request, so a router that gave up on this call can still free it by name;
-                # a caller that reuses ids while one is held gets a unique name instead.
-                try:
-                    slot = self.exporter.reserve(request_id, layout, num_tokens)
-                except KVHandoffExists:
-                    slot = self.exporter.reserve(f"{request_id}-{uuid.uuid4().hex[:8]}", layout, num_tokens)
+                # The id's random part keeps others' handoffs out of reach of anyone who knows a request id; a
+                # router that gave up on this call frees it by its token instead of by name.
+                slot = self.exporter.reserve(new_handoff_id(request_id), layout, num_tokens, binding=handoff_token)
             except KVPoolExhausted as e:
                 no_room.append(e)  # the engine ends the request with an error; this says which kind
                 raise
