@@ -3,6 +3,7 @@ on (never an answer without a first token or a handoff), and nothing it reserved
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,9 +13,9 @@ import pytest
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.errors import EngineDeadError
-from qwenserve.kv_transfer import ExporterConfig, KVExporter
+from qwenserve.kv_transfer import ExporterConfig, KVExporter, KVHandoffRefused
 from qwenserve.v1 import common_pb2, prefill_pb2
-from qwenserve.worker.errors import Overloaded, PrefillFailed, grpc_status
+from qwenserve.worker.errors import BadRequest, Overloaded, PrefillFailed, grpc_status
 from qwenserve.worker.prefill_worker import PrefillWorker
 from tests.support.checkpoints import tiny_checkpoint
 
@@ -110,3 +111,24 @@ def test_each_kind_of_failure_has_one_status() -> None:
     assert code == grpc.StatusCode.INTERNAL and "KeyError" in detail.message and detail.code == "internal_error"
     code, detail = grpc_status(Overloaded("no room for the KV handoff"))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and (detail.code, detail.retryable) == ("overloaded", True)
+
+
+async def test_the_handoff_is_named_at_random_and_bound_to_the_callers_token(
+    engine: LLMEngine, exporter: KVExporter
+) -> None:
+    req = _request(5, "known-id")
+    req.handoff_token = "the-routers-secret"
+    handle = (await PrefillWorker(engine, exporter).prefill(req)).kv_handle
+    assert re.fullmatch(r"known-id-[0-9a-f]{32}", handle.handoff_id)  # 128 random bits after the request id
+    with pytest.raises(KVHandoffRefused), exporter.pinned(handle.handoff_id, token=""):
+        pass
+    with pytest.raises(KVHandoffRefused):
+        exporter.release(handle.handoff_id, token="known-id")
+    assert exporter.release(handle.handoff_id, token="the-routers-secret")
+
+
+async def test_a_handoff_token_longer_than_any_router_makes_is_refused(engine: LLMEngine, exporter: KVExporter) -> None:
+    req = _request(5)
+    req.handoff_token = "x" * 10_000
+    with pytest.raises(BadRequest, match="handoff_token"):
+        await PrefillWorker(engine, exporter).prefill(req)
