@@ -9,7 +9,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from qwenserve.protocol import FINISH_REASON_NAMES
 from qwenserve.router.openai_errors import CLIENT_FAULT_CODES, RETRYABLE_CODES, error_type
 from qwenserve.router.openai_request import ParsedRequest
 from qwenserve.router.prepared_request import PreparedRequest
+from qwenserve.router.shared_prompt_logprobs import SharedPromptLogprobs
 from qwenserve.telemetry.metrics import StreamTimer
 from qwenserve.v1 import common_pb2, router_pb2
 
@@ -65,9 +66,11 @@ class Generations:
     """The request's generations as concurrent tasks, merged into one stream of (choice index, message)."""
 
     def __init__(self, run: Callable[[PreparedRequest], AsyncIterator[router_pb2.GenerateResponse]],
-                 runs: Sequence[tuple[int, PreparedRequest]], timer: StreamTimer | None = None) -> None:
+                 runs: Sequence[tuple[int, PreparedRequest]], timer: StreamTimer | None = None,
+                 prompt_logprob_lenders: Mapping[int, int] | None = None) -> None:
         self._run = run
         self.timer = timer
+        self._shared = SharedPromptLogprobs(prompt_logprob_lenders or {})
         self._queue: asyncio.Queue[tuple[int, router_pb2.GenerateResponse | None]] = asyncio.Queue()
         self._open = len(runs)
         self.disconnected = False
@@ -77,6 +80,8 @@ class Generations:
         stream = self._run(prep)
         try:
             async for msg in stream:
+                self._shared.lend(index, msg)
+                await self._shared.borrow(index, msg)
                 self._queue.put_nowait((index, msg))
                 if msg.finish_reason:
                     return
@@ -89,6 +94,7 @@ class Generations:
                 error=common_pb2.ErrorDetail(code="internal_error", message=str(e) or type(e).__name__),
             )))
         finally:
+            self._shared.ended(index)
             await stream.aclose()  # closes the decode stream now, not when the generator is collected
 
     def disconnect(self) -> None:
@@ -343,6 +349,13 @@ class Answer:
             runs.append((choice.index, prep if copy == 0 else copy_for_choice(prep, copy)))
         return runs
 
+    def prompt_logprob_lenders(self) -> dict[int, int]:
+        """Choice index -> the index of the choice whose prompt logprobs it shows: every copy but a prompt's
+        first, when prompt logprobs are asked for (`copy_for_choice` does not ask again)."""
+        if not any(p.wire_sampling.HasField("prompt_logprobs") for p in self.preps):
+            return {}
+        return {c.index: c.index - c.index % self.parsed.n for c in self.choices if c.index % self.parsed.n}
+
     def outcome(self) -> str:
         """The metrics' outcome label: "invalid" / "error" when a choice failed (by the request's
         fault or ours), else "ok"."""
@@ -397,14 +410,15 @@ class Answer:
 
 
 def copy_for_choice(prep: PreparedRequest, copy: int) -> PreparedRequest:
-    """Choice `copy` (> 0) of a prompt: its own request id, and a seed derived from the request's."""
-    sampling, wire = prep.sampling, prep.wire_sampling
+    """Choice `copy` (> 0) of a prompt: its own request id, a seed derived from the request's, and no prompt
+    logprobs (the prompt's first choice computes them once; `SharedPromptLogprobs` lends them)."""
+    sampling = dataclasses.replace(prep.sampling, prompt_logprobs=None)
+    wire = common_pb2.SamplingParams()
+    wire.CopyFrom(prep.wire_sampling)
+    wire.ClearField("prompt_logprobs")
     if sampling.seed is not None:
-        seed = _mix64(sampling.seed, copy)
-        sampling = dataclasses.replace(sampling, seed=seed)
-        wire = common_pb2.SamplingParams()
-        wire.CopyFrom(prep.wire_sampling)
-        wire.seed = seed
+        sampling = dataclasses.replace(sampling, seed=_mix64(sampling.seed, copy))
+        wire.seed = sampling.seed
     # internal_id "" makes a fresh one: copies run side by side, and the stages key their work by it.
     return dataclasses.replace(prep, request_id=f"{prep.request_id}-{copy}", sampling=sampling, wire_sampling=wire,
                                internal_id="")

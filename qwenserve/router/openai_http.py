@@ -293,7 +293,7 @@ class OpenAIFront:
                 choice.echo = given.prompt if given.HasField("prompt") else router.detokenize(
                     preps[choice.prompt_index].prompt_ids)
         generations = Generations(functools.partial(self.routes.run, model, allowed=tenant.models), answer.runs(),
-                                   self._timer(arrived))
+                                   self._timer(arrived), answer.prompt_logprob_lenders())
         watcher = asyncio.create_task(_watch_disconnect(request, generations))
         outcome = "cancelled"
         try:

@@ -232,3 +232,16 @@ def test_prompt_logprobs_cross_the_handoff_streamed_or_not_and_skip_the_prefix_c
     assert again.usage.prompt_tokens_details.cached_tokens == 0
     for entries in positions[1:]:
         assert 1 <= len(entries) <= 2 and all(e["logprob"] <= 0 and e["rank"] >= 1 for e in entries.values())
+
+
+def test_n_answers_share_the_prompt_logprobs_of_one_computation(acme: openai.OpenAI, model: str) -> None:
+    args = dict(model=model, prompt="Four answers, one prompt to score.", max_tokens=2, temperature=1.0, seed=3,
+                extra_body={"prompt_logprobs": 1})
+    alone = acme.completions.create(**args).choices[0].model_extra["prompt_logprobs"]
+    # Only the first copy asks for them, so the others may reuse the prompt's cached blocks.
+    four = acme.completions.create(**args, n=4)
+    assert [c.model_extra["prompt_logprobs"] for c in four.choices] == [alone] * 4
+    streamed = [c for chunk in acme.completions.create(**args, n=4, stream=True) for c in chunk.choices
+                if c.model_extra.get("prompt_logprobs")]
+    assert sorted(c.index for c in streamed) == [0, 1, 2, 3]
+    assert all(c.model_extra["prompt_logprobs"] == alone for c in streamed)
