@@ -28,8 +28,8 @@ import torch
 from qwenserve.addresses import endpoint_host, is_wildcard_host
 from qwenserve.cpu_kernels import loader
 from qwenserve.cpu_kernels.library import CpuKernels
+from qwenserve.handoff_binding import refusal
 from qwenserve.kv_layout import KVLayout, LinearState
-from qwenserve.kv_transfer.binding import refusal
 from qwenserve.kv_transfer.checksum import (
     DEFAULT_ALGORITHM,
     NO_CHECKSUM,

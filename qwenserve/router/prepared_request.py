@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from qwenserve.engine.sampling_params import SamplingParams
-from qwenserve.kv_transfer.binding import new_handoff_token
+from qwenserve.handoff_binding import new_handoff_token
 from qwenserve.router.chat_output import ChatShape
 from qwenserve.router.request_ids import internal_id
 from qwenserve.tenancy.content_filter import ContentFilter

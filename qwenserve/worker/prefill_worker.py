@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any
 
-from qwenserve.kv_transfer.binding import MAX_TOKEN_CHARS, new_handoff_id
+from qwenserve.handoff_binding import MAX_TOKEN_CHARS, new_handoff_id
 from qwenserve.kv_transfer.errors import KVPoolExhausted
 from qwenserve.protocol import finish_reason_to_proto, logprobs_to_proto, prompt_logprobs_to_proto
 from qwenserve.telemetry.engine_steps import EngineStepObserver

@@ -13,6 +13,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from qwenserve.handoff_binding import new_handoff_id, new_handoff_token
 from qwenserve.kv_transfer import (
     KVExporter,
     KVHandoffGone,
@@ -22,7 +23,6 @@ from qwenserve.kv_transfer import (
     KVTransport,
     add_kv_transfer_service,
 )
-from qwenserve.kv_transfer.binding import new_handoff_id, new_handoff_token
 from qwenserve.telemetry.metrics import HandoffMetrics, handoff_metrics
 from qwenserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 

@@ -3,6 +3,7 @@
 The router makes a token per request and sends it to prefill (PrefillRequest.handoff_token) and, with the
 handle, to the decode worker it picks after prefill (PrefilledStart.handoff_token). The exporter keeps it
 with the handoff; KVTransfer Fetch and Release must present it. Ids appear in logs; tokens never do.
+Torch-free, outside qwenserve.kv_transfer (whose package imports torch), since the router makes the tokens.
 """
 
 from __future__ import annotations
