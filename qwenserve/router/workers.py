@@ -1,4 +1,5 @@
-"""Which worker gets a request: least outstanding work, prefix affinity, and a circuit breaker.
+"""Which worker gets a request: least outstanding work, ties to the one started least recently, prefix
+affinity, and a circuit breaker.
 
 Workers come and go (pods found by discovery.py): a removed worker gets no new requests at once, and
 drains: once its last outstanding call has finished, `on_drained(address)` says its channel can close.
@@ -27,6 +28,7 @@ class Worker:
     consecutive_failures: int = 0
     broken_until: float = 0.0
     draining: bool = False  # removed from the pool: finishing its calls, getting no new ones
+    last_started: int = 0  # the pool's count of started calls when this worker last got one (0: never)
 
     def available(self, now: float) -> bool:
         return now >= self.broken_until
@@ -49,6 +51,7 @@ class WorkerPool:
     # Called with a removed worker's address once it has no outstanding calls left.
     on_drained: Callable[[str], None] | None = None
     workers: dict[str, Worker] = field(init=False)  # the ones that get new requests
+    starts: int = field(init=False, default=0)  # calls started on any worker, to order ties
     draining: dict[str, Worker] = field(init=False, default_factory=dict)  # removed, calls still running
 
     def __post_init__(self) -> None:
@@ -82,7 +85,9 @@ class WorkerPool:
         candidates = [w for w in self.workers.values() if w.address not in excluded and w.available(now)]
         if not candidates:
             raise NoWorkerAvailable(f"no worker available among {list(self.workers)}")
-        least = min(candidates, key=lambda w: (w.outstanding, w.outstanding_tokens))
+        # Ties go to the worker that started a call least recently: with sequential requests every worker is
+        # idle at each choice, and the first one would otherwise get them all.
+        least = min(candidates, key=lambda w: (w.outstanding, w.outstanding_tokens, w.last_started))
         if len(prompt_ids) >= self.affinity_tokens and len(candidates) > 1:
             key = repr(list(prompt_ids[: self.affinity_tokens])).encode()
             preferred = max(candidates, key=lambda w: hashlib.blake2b(key + w.address.encode()).digest())
@@ -98,6 +103,8 @@ class WorkerPool:
     def started(self, worker: Worker, tokens: int) -> None:
         worker.outstanding += 1
         worker.outstanding_tokens += tokens
+        self.starts += 1
+        worker.last_started = self.starts
 
     def finished(self, worker: Worker, tokens: int, failed: bool) -> None:
         """Bookkeeping when a call ends; `failed` counts towards opening the circuit.

@@ -4,9 +4,9 @@ Issue 17's tests on `qwen-serve dev-cluster` (needs root and `ip netns`; skipped
 with a tiny checkpoint written here standing for the example's model (`--model`), so 6 pods stay light:
 
 - shm mode, 1 prefill + 1 decode on one node: the handoff goes through /dev/shm;
-- network mode, 2 prefill + 2 decode (one cluster for the rest of the module): 40 prompts through the router
-  are served by every prefill and decode pod (their own metrics say so), every handoff crosses the network and
-  none is refused, greedy tokens equal an in-process engine's, `qwen-serve status` has a row per pod;
+- network mode, 2 prefill + 2 decode (one cluster for the rest of the module): 40 prompts through the router,
+  and 4 sent one at a time, are served by every prefill and decode pod (their own metrics say so), every
+  handoff crosses the network and none is refused, greedy tokens equal an in-process engine's, `qwen-serve status` has a row per pod;
 - a decode pod killed with SIGKILL mid-stream: the router resumes its streams on the other (same tokens), the
   pod runner restarts the pod and it serves again;
 - decode scaled to 3: the new pod gets traffic; scaled to 1 during streams: the removed pods drain them;
@@ -220,6 +220,16 @@ def test_every_prefill_and_decode_pod_serves_and_handoffs_cross_the_network(
                     in by_labels(scrape(METRICS_PORT, ip), "qwenserve_handoff_failures_total").items() if v}
         assert not failures, f"decode {name}: {failures}"
     assert _metric(router, "qwenserve_router_failovers_total") == 0
+
+    # One request at a time (short prompts: no prefix affinity) still reaches every pod: with all of them idle at
+    # each choice, ties go to the one that started a call least recently.
+    pods = {**prefill, **decode}
+    before = {name: _metric(ip, "qwenserve_handoff_bytes_total", transport="grpc") for name, ip in pods.items()}
+    for prompt in PLAIN[:4]:
+        _check_against(reference, asyncio.run(_run(cluster.grpc, [prompt])))
+    for name, ip in pods.items():
+        assert _metric(ip, "qwenserve_handoff_bytes_total", transport="grpc") > before[name], \
+            f"{name} got none of 4 sequential requests"
 
     rows = _status(cluster.grpc)
     by_stage: dict[str, dict[str, dict[str, Any]]] = {}

@@ -14,6 +14,33 @@ def test_least_outstanding_worker_is_chosen() -> None:
     assert pool.choose().address == "c"
 
 
+def _serve_one(pool: WorkerPool, prompt: list[int] | None = None) -> str:
+    """Choose, start and finish one call, as a request sent after the last one ended; the worker's address."""
+    worker = pool.choose(prompt or [])
+    pool.started(worker, 8)
+    pool.finished(worker, 8, failed=False)
+    return worker.address
+
+
+def test_sequential_requests_take_turns_over_idle_workers() -> None:
+    pool = WorkerPool(["a", "b", "c"])
+    assert [_serve_one(pool) for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_ties_in_load_go_to_the_worker_started_least_recently() -> None:
+    pool = WorkerPool(["a", "b", "c"])
+    pool.started(pool.workers["b"], 8)  # b busy, a and c idle: a gets the next, then c, then a again
+    assert [_serve_one(pool) for _ in range(3)] == ["a", "c", "a"]
+    pool.add("d")  # a new worker has never started a call: it is first among the idle ones
+    assert _serve_one(pool) == "d"
+
+
+def test_sequential_requests_with_a_shared_prefix_keep_their_affinity() -> None:
+    pool = WorkerPool(["a", "b", "c"], affinity_tokens=4)
+    prefix = [7, 7, 7, 7]
+    assert len({_serve_one(pool, prefix + [i]) for i in range(6)}) == 1
+
+
 def test_same_prefix_goes_to_the_same_worker_while_load_is_balanced() -> None:
     pool = WorkerPool(["a", "b", "c", "d"], affinity_tokens=4)
     prompt = [1, 2, 3, 4, 5, 6]
