@@ -3,7 +3,7 @@
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/tokenizer -x`, or `-m "not slow"`).
 # The suite runs on QWENSERVE_TEST_WORKERS pytest-xdist workers (default 3; 0 runs it in this process): most
 # cluster tests wait on processes, timeouts or sleeps: two workers left the two cores idle a fifth of the time,
-# three keep them busy (10:41 -> 9:58 of a 2-core Xeon, with more tests). `--dist loadgroup` keeps each module
+# three keep them busy. `--dist loadgroup` keeps each module
 # (and the groups tests/conftest.py names) on one worker, so its shared clusters start once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
