@@ -14,9 +14,9 @@ from qwenserve.cpu_kernels.packed_weight import PANEL, PANEL_DTYPES, PackedWeigh
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` with every kernel's argument and result types declared (AttributeError when one is missing)."""
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.paged_decode_attention.restype = ctypes.c_int
-    lib.paged_decode_attention.argtypes = [pointer] * 3 + [i64, pointer, i64, pointer, pointer] + [i64] * 5 + [
-        ctypes.c_float, i64]
+    for paged in (lib.paged_decode_attention, lib.paged_decode_attention_bf16):
+        paged.restype = ctypes.c_int
+        paged.argtypes = [pointer] * 3 + [i64, pointer, i64, pointer, pointer] + [i64] * 5 + [ctypes.c_float, i64]
     lib.linear_packed.restype = None
     lib.linear_packed.argtypes = [pointer] * 3 + [i64] * 4
     lib.linear_packed_bf16.restype = None
@@ -57,7 +57,7 @@ class CpuKernels:
     def paged_decode_attention(
         self,
         q: torch.Tensor,  # [batch, heads, dim] fp32 contiguous
-        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, dim] of one layer, contiguous
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, dim] of one layer, fp32 or bf16, contiguous
         v_cache: torch.Tensor,
         block_table: torch.Tensor,  # [batch, max_blocks] int64 contiguous
         context_lens: torch.Tensor,  # [batch] int64
@@ -65,16 +65,22 @@ class CpuKernels:
         scale: float,
     ) -> None:
         """softmax(q·K^T · scale)·V over each sequence's first context_lens[b] cached tokens, every tensor on CPU.
-        IndexError, before anything is read, when a block id is outside the cache. The GIL is released while it runs."""
+        A bf16 cache is widened to fp32 as it is read (the fp32 attention over the bf16 K/V). IndexError, before
+        anything is read, when a block id is outside the cache. The GIL is released while it runs."""
         batch, heads, dim = q.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape
-        _check_cpu_fp32("paged_decode_attention", q, k_cache, v_cache, out)
+        _check_cpu_fp32("paged_decode_attention", q, out)
+        if (k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
+                or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+                or k_cache.device.type != "cpu" or v_cache.device.type != "cpu"):
+            raise ValueError("paged_decode_attention wants contiguous fp32 or bf16 CPU caches of one dtype")
         if block_table.dtype != torch.int64 or context_lens.dtype != torch.int64 or not block_table.is_contiguous():
             raise ValueError("block_table and context_lens must be contiguous int64")
         if (heads % kv_heads or out.shape != q.shape or block_table.shape[0] != batch or context_lens.numel() != batch
                 or v_cache.shape != k_cache.shape):
             raise ValueError("paged_decode_attention: inconsistent shapes")
-        status = self.lib.paged_decode_attention(
+        attend = self.lib.paged_decode_attention if k_cache.dtype == torch.float32 else self.lib.paged_decode_attention_bf16
+        status = attend(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_table.data_ptr(),
             block_table.shape[1], context_lens.contiguous().data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim,
             block_size, scale, torch.get_num_threads(),

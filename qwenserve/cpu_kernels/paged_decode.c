@@ -1,4 +1,4 @@
-/* Decode attention straight from the paged KV cache, for fp32 on CPU.
+/* Decode attention straight from the paged KV cache, for fp32 queries on CPU over an fp32 or a bf16 cache.
  *
  * One query token per sequence. Each sequence's keys are read once to score its query heads and its values
  * once to accumulate the output, straight from the cache's blocks. The portable path instead gathers every
@@ -19,32 +19,10 @@
 
 #include "vec8.h"
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    v8f acc0 = {0}, acc1 = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 += load8(a + i) * load8(b + i);
-        acc1 += load8(a + i + 8) * load8(b + i + 8);
-    }
-    for (; i + 8 <= n; i += 8) acc0 += load8(a + i) * load8(b + i);
-    acc0 += acc1;
-    float s = 0.0f;
-    for (int j = 0; j < 8; j++) s += acc0[j];
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static inline void axpy(float *y, float alpha, const float *x, int64_t n) {
-    int64_t i = 0;
-    v8f va = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha};
-    for (; i + 8 <= n; i += 8) store8(y + i, load8(y + i) + va * load8(x + i));
-    for (; i < n; i++) y[i] += alpha * x[i];
-}
-
 typedef struct {
     const float *q;            /* [batch, heads, dim] */
-    const float *k_cache;      /* [blocks, block_size, kv_heads, dim] */
-    const float *v_cache;
+    const void *k_cache;       /* [blocks, block_size, kv_heads, dim] of fp32 or bf16 */
+    const void *v_cache;
     const int64_t *block_table; /* [batch, table_stride] */
     int64_t table_stride;
     const int64_t *context_lens; /* [batch] */
@@ -53,53 +31,33 @@ typedef struct {
     float scale;
 } Job;
 
-/* One item: KV heads [h0, h1) of sequence b. Tokens are walked in order and every head of a token is read
- * together, so the reads are one stream per block: a token's heads sit in one contiguous row of the cache,
- * and a walk per head (a 4 KiB stride) would start a new page at each token, where prefetchers stop. */
-static void attend(const Job *job, int64_t b, int64_t h0, int64_t h1, float *scores) {
-    const int64_t group = job->heads / job->kv_heads, dim = job->dim, bs = job->block_size;
-    const int64_t ctx = job->context_lens[b], row = job->kv_heads * dim, nq = (h1 - h0) * group;
-    const int64_t *table = job->block_table + b * job->table_stride;
-    const float *q = job->q + (b * job->heads + h0 * group) * dim;
-    float *out = job->out + (b * job->heads + h0 * group) * dim;
-    for (int64_t start = 0, j = 0; start < ctx; start += bs, j++) {
-        const float *k = job->k_cache + table[j] * bs * row + h0 * dim;
-        const int64_t n = ctx - start < bs ? ctx - start : bs;
-        for (int64_t t = 0; t < n; t++, k += row)
-            for (int64_t i = 0; i < nq; i++) scores[i * ctx + start + t] = dot(q + i * dim, k + (i / group) * dim, dim);
-    }
-    float sums[nq];
-    for (int64_t i = 0; i < nq; i++) {
-        float *s = scores + i * ctx, m = -INFINITY, total = 0.0f;
-        for (int64_t t = 0; t < ctx; t++) {
-            s[t] *= job->scale;
-            m = s[t] > m ? s[t] : m;
-        }
-        for (int64_t t = 0; t < ctx; t++) {
-            s[t] = expf(s[t] - m);
-            total += s[t];
-        }
-        sums[i] = total;
-        memset(out + i * dim, 0, sizeof(float) * (size_t)dim);
-    }
-    for (int64_t start = 0, j = 0; start < ctx; start += bs, j++) {
-        const float *v = job->v_cache + table[j] * bs * row + h0 * dim;
-        const int64_t n = ctx - start < bs ? ctx - start : bs;
-        for (int64_t t = 0; t < n; t++, v += row)
-            for (int64_t i = 0; i < nq; i++) axpy(out + i * dim, scores[i * ctx + start + t], v + (i / group) * dim, dim);
-    }
-    for (int64_t i = 0; i < nq; i++) {
-        const float inv = sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f;
-        for (int64_t d = 0; d < dim; d++) out[i * dim + d] *= inv;
-    }
-}
+typedef void (*AttendFn)(const Job *job, int64_t b, int64_t h0, int64_t h1, float *scores);
+
+#define KV float
+#define LOAD_KV8(p) load8(p)
+#define KV_FLOAT(x) (x)
+#define TYPED(name) name
+#include "paged_attend.h"
+#undef KV
+#undef LOAD_KV8
+#undef KV_FLOAT
+#undef TYPED
+
+#define KV uint16_t
+#define LOAD_KV8(p) load8_bf16(p)
+#define KV_FLOAT(x) widen_bf16(x)
+#define TYPED(name) name##_bf16
+#include "paged_attend.h"
+#undef KV
+#undef LOAD_KV8
+#undef KV_FLOAT
+#undef TYPED
 
 /* Returns 0; -1 when a thread could not allocate its scratch (the output is then incomplete); -2 when a context
  * needs more blocks than its table row holds, or a block id lies outside [0, num_blocks) (nothing is read). */
-int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
-                           const int64_t *block_table, int64_t table_stride, const int64_t *context_lens, float *out,
-                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                           float scale, int64_t num_threads) {
+static int run(AttendFn attend, const float *q, const void *k_cache, const void *v_cache, int64_t num_blocks,
+               const int64_t *block_table, int64_t table_stride, const int64_t *context_lens, float *out, int64_t batch,
+               int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t num_threads) {
     if (batch <= 0) return 0;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t used = (context_lens[b] + block_size - 1) / block_size;
@@ -132,4 +90,21 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
         free(scores);
     }
     return status;
+}
+
+int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                           const int64_t *block_table, int64_t table_stride, const int64_t *context_lens, float *out,
+                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                           float scale, int64_t num_threads) {
+    return run(attend, q, k_cache, v_cache, num_blocks, block_table, table_stride, context_lens, out, batch, heads,
+               kv_heads, dim, block_size, scale, num_threads);
+}
+
+/* The same over a bf16 cache (bf16 bits as uint16_t): half the bytes a decode step reads from the cache. */
+int paged_decode_attention_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t num_blocks,
+                                const int64_t *block_table, int64_t table_stride, const int64_t *context_lens,
+                                float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                                int64_t block_size, float scale, int64_t num_threads) {
+    return run(attend_bf16, q, k_cache, v_cache, num_blocks, block_table, table_stride, context_lens, out, batch,
+               heads, kv_heads, dim, block_size, scale, num_threads);
 }
