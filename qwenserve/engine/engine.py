@@ -46,6 +46,7 @@ from qwenserve.engine.sequence import Sequence, SequenceStatus
 from qwenserve.engine.state_pool import StatePool, linear_state_layout
 from qwenserve.engine.state_snapshots import StateSnapshots
 from qwenserve.engine.step import EngineStep, StepObserver
+from qwenserve.engine.structured import GrammarLimitExceeded
 from qwenserve.engine.weights import load_checkpoint
 from qwenserve.kv_layout import KVLayout
 from qwenserve.models import ModelConfig, linear_attention_gpu, model_class
@@ -151,6 +152,7 @@ class LLMEngine:
         self.intake = RequestIntake(model_cfg.vocab_size, self.max_model_len, self.grammar, self._layout)
         self.step = EngineStep(self.scheduler, self.runner, Sampler(config.seed, self.grammar), self._layout,
                                self.eos_token_ids, self.max_model_len, self._finish)
+        self._refusal_listener: Callable[[str], None] | None = None
         self._commands: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()
         self._active: dict[str, Sequence] = {}  # request id -> sequence, until its terminal output
@@ -234,7 +236,11 @@ class LLMEngine:
             # Compiled off this loop and off the compute loop (grammar_compile.py): the request joins the
             # scheduler only once its grammar is ready, and a hostile one is refused without reaching it.
             self._check_open()
-            compiled = await self.grammar.compile(sampling.structured)
+            try:
+                compiled = await self.grammar.compile(sampling.structured)
+            except GrammarLimitExceeded as exc:
+                self._grammar_refused(exc)
+                raise
         seq = self._new_sequence(
             request_id, prompt_token_ids, sampling, cache_salt=cache_salt, resume_token_ids=resume_token_ids,
             kv_import=kv_import, kv_export=kv_export, emit=emit, compiled_grammar=compiled,
@@ -335,6 +341,16 @@ class LLMEngine:
         """Have `observer` told about every step from now on (None: no more); on the engine thread."""
         self.step.observer = observer
 
+    def on_grammar_refusal(self, listener: Callable[[str], None] | None) -> None:
+        """Have `listener` told, once per request a grammar bound ends, the flag that sets that bound
+        (GrammarLimitExceeded.limit); on the engine thread or the caller's (a compile refused). None: no more."""
+        self._refusal_listener = listener
+        self.step.on_grammar_refusal = listener
+
+    def _grammar_refused(self, exc: GrammarLimitExceeded) -> None:
+        if self._refusal_listener is not None:
+            self._refusal_listener(exc.limit)
+
     def _state_snapshots(self, model_cfg: ModelConfig, count: int, block_size: int, dtype: torch.dtype,
                          device: torch.device) -> StateSnapshots | None:
         """A hybrid model's prefix cache of linear-attention states (state_snapshots.py), or None (and why, logged)
@@ -377,7 +393,11 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, **kwargs: Any
     ) -> Sequence:
         self._check_open()  # a dead or closed engine says so before anything about the request
-        return self.intake.sequence(request_id, prompt_token_ids, sampling, **kwargs)
+        try:
+            return self.intake.sequence(request_id, prompt_token_ids, sampling, **kwargs)
+        except GrammarLimitExceeded as exc:  # compiled here (generate_sync): the request ends before it is queued
+            self._grammar_refused(exc)
+            raise
 
     def _check_open(self) -> None:
         if self._failure is not None:

@@ -213,8 +213,8 @@ class RequestGrammar:
         if self._slow_steps >= MASK_OVER_BUDGET_STEPS:
             self.refusal = GrammarLimitExceeded(
                 f"the request's grammar took {seconds * 1000:.0f} ms to compute the allowed tokens, on "
-                f"{self._slow_steps} steps in a row, more than this server's limit of {self._budget_s * 1000:g} ms "
-                f"(--grammar-mask-budget-ms)")
+                f"{self._slow_steps} steps in a row, more than this server's limit of {self._budget_s * 1000:g} ms",
+                "--grammar-mask-budget-ms")
         elif not bool(row.any()):
             self.refusal = StructuredOutputError("the request's grammar allows no further token (it has no "
                                                  "complete answer from here)")
@@ -223,8 +223,8 @@ class RequestGrammar:
         """A fill still running after `waited_s`: the request is refused, its matcher never used again."""
         self.refusal = GrammarLimitExceeded(
             f"the request's grammar took more than {waited_s * 1000:.0f} ms to compute the allowed tokens, "
-            f"{MASK_HARD_LIMIT_FACTOR} times this server's limit of {self._budget_s * 1000:g} ms "
-            f"(--grammar-mask-budget-ms)")
+            f"{MASK_HARD_LIMIT_FACTOR} times this server's limit of {self._budget_s * 1000:g} ms",
+            "--grammar-mask-budget-ms")
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)

@@ -135,7 +135,7 @@ class CompileProcess:
                 self.stop()
                 raise GrammarLimitExceeded(
                     f"the {structured.what} was not compiled within {limits.compile_timeout_s:g}s, this server's "
-                    f"limit (--grammar-compile-timeout-s)")
+                    f"limit", "--grammar-compile-timeout-s")
             if _rss_bytes(proc.pid) > ceiling:
                 self.stop()
                 raise self._over_memory(structured, limits)
@@ -154,7 +154,7 @@ class CompileProcess:
     def _over_memory(structured: StructuredOutput, limits: GrammarLimits) -> GrammarLimitExceeded:
         return GrammarLimitExceeded(
             f"compiling the {structured.what} takes more than {limits.compile_memory_bytes >> 20} MiB, this "
-            f"server's limit (--grammar-compile-memory-mb)")
+            f"server's limit", "--grammar-compile-memory-mb")
 
     def _started(self) -> subprocess.Popen[bytes]:
         if self._proc is not None and self._proc.poll() is None:

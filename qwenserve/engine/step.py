@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -20,6 +21,7 @@ from qwenserve.engine.sampler import Sampler, SamplingRow
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from qwenserve.engine.sequence import Sequence
+from qwenserve.engine.structured import GrammarLimitExceeded
 from qwenserve.kv_layout import KVLayout
 
 log = logging.getLogger("qwenserve.engine")
@@ -64,6 +66,8 @@ class EngineStep:
         self.max_model_len = max_model_len
         self.finish = finish
         self.observer: StepObserver | None = None
+        # Told the flag of each request a grammar bound ends here (its mask cost), once per request.
+        self.on_grammar_refusal: Callable[[str], None] | None = None
 
     def __call__(self) -> None:
         began = time.perf_counter()
@@ -125,6 +129,8 @@ class EngineStep:
                 tokens, logprobs = self.sampler(logits[i : i + 1], [row])
             except RequestError as exc:
                 self.finish(item.seq, "error", error=str(exc), request_fault=True)
+                if isinstance(exc, GrammarLimitExceeded) and self.on_grammar_refusal is not None:
+                    self.on_grammar_refusal(exc.limit)
                 continue
             except Exception as exc:
                 self.finish(item.seq, "error", error=f"sampling failed: {type(exc).__name__}: {exc}")

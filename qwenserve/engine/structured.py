@@ -33,8 +33,12 @@ class StructuredOutputError(RequestError):
 
 
 class GrammarLimitExceeded(StructuredOutputError):
-    """A constraint beyond one of this server's bounds (size, compile time or memory, mask cost); the message
-    names the flag that sets it. A client's 400, never the worker's fault."""
+    """A constraint beyond one of this server's bounds (size, compile time or memory, mask cost); `limit` is the
+    flag that sets it (the message ends by naming it). A client's 400, never the worker's fault."""
+
+    def __init__(self, reason: str, limit: str) -> None:
+        super().__init__(f"{reason} ({limit})")
+        self.limit = limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +59,11 @@ class GrammarLimits:
             count = len(structured.choices())
             if count > self.max_choices:
                 raise GrammarLimitExceeded(f"choice lists {count} strings, more than this server's limit of "
-                                           f"{self.max_choices} (--max-grammar-choices)")
+                                           f"{self.max_choices}", "--max-grammar-choices")
         if len(structured.spec) > self.max_chars:
             raise GrammarLimitExceeded(
                 f"the {structured.what} is {len(structured.spec)} characters, more than this server's limit of "
-                f"{self.max_chars} (--max-grammar-chars)")
+                f"{self.max_chars}", "--max-grammar-chars")
 
 
 @dataclass(frozen=True, slots=True)

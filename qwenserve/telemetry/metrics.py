@@ -28,6 +28,7 @@ from qwenserve.telemetry.series import (
     BATCH_BUCKETS,
     E2E_BUCKETS,
     FINISH_REASONS,
+    GRAMMAR_LIMITS,
     GRPC_CODES,
     HANDOFF_BUCKETS,
     HANDOFF_FAILURE_REASONS,
@@ -276,6 +277,12 @@ class EngineMetrics:
             "1 where this process's engine runs the C kernels (for what runs on the CPU), 0 where PyTorch's slower "
             "ops stand in (switched off, or none load here).",
             registry=r)
+        self.grammar_refusals = Counter(
+            "qwenserve_grammar_refusals_total",
+            "Requests refused for a structured-output constraint past one of this worker's bounds, by the flag "
+            "that sets it (max_grammar_chars, max_grammar_choices, grammar_compile_timeout_s, "
+            "grammar_compile_memory_mb, grammar_mask_budget_ms).",
+            ["limit"], registry=r)
         self._last_counts: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -284,6 +291,10 @@ class EngineMetrics:
         self.batch_size.observe(batch_size)
         self.step_tokens.observe(tokens)
         self.step_time.observe(seconds)
+
+    def record_grammar_refusal(self, flag: str) -> None:
+        """Count one request refused for a grammar bound; `flag` is the option naming it ("--max-grammar-choices")."""
+        self.grammar_refusals.labels(bounded(flag.lstrip("-").replace("-", "_"), GRAMMAR_LIMITS)).inc()
 
     def update_from_stats(self, stats: EngineStats) -> None:
         """Set the gauges from an engine stats snapshot (duck-typed; missing attributes are skipped).

@@ -38,6 +38,9 @@ HANDOFF_FAILURE_REASONS = frozenset(
     {"timeout", "checksum", "connection", "unreachable", "lease_expired", "cancelled", "no_space", "protocol",
      "refused"}
 )
+# The flags of structured output's bounds, as labels (GrammarLimitExceeded.limit without its dashes).
+GRAMMAR_LIMITS = frozenset({"max_grammar_chars", "max_grammar_choices", "grammar_compile_timeout_s",
+                            "grammar_compile_memory_mb", "grammar_mask_budget_ms"})
 HANDOFF_RPCS = frozenset({"Fetch", "Release"})
 HANDOFF_REFUSAL_REASONS = frozenset({"missing", "wrong"})
 TOKENIZER_RPCS = frozenset({"Tokenize", "TokenizeBatch", "CountTokens", "Detokenize", "GetInfo"})

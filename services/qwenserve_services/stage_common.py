@@ -45,9 +45,10 @@ async def warm_up_engine(engine: LLMEngine) -> None:
 
 
 def observe_engine_steps(engine: LLMEngine) -> EngineStepObserver:
-    """Per-step metrics (batch size, tokens, step time) and queue timing for traces."""
+    """Per-step metrics (batch size, tokens, step time), queue timing for traces, and grammar refusals."""
     observer = EngineStepObserver(engine_metrics())
     engine.observe_steps(observer)
+    engine.on_grammar_refusal(engine_metrics().record_grammar_refusal)
     return observer
 
 
