@@ -84,6 +84,12 @@ class EngineConfig:
         "float32", choices=("float32", "bfloat16"),
         help="an fp32 model on CPU with the C kernels: the linear layers' packed weights in this dtype (bfloat16: "
              "rounded once at load, products still accumulate in fp32)")
+    # A decode step reads the whole KV context: in bf16 it is half the bytes of fp32 (the model's math stays fp32).
+    kv_cache_dtype: str = option(
+        "auto", choices=("auto", "float32", "bfloat16"),
+        help="the paged KV cache's dtype (auto: the model's; bfloat16 for an fp32 model: K/V rounded to nearest "
+             "even as they are stored, widened to fp32 where attention reads them; half the KV memory and bytes "
+             "read per decode step; prefill and decode workers must agree, or handoffs are refused)")
     linear_attention_kernels: bool = option(
         True, help="hybrid models on CUDA: flash-linear-attention's and causal-conv1d's kernels where installed "
                    "and they pass their start-up check (off: PyTorch's forms)")
@@ -144,6 +150,13 @@ class EngineConfig:
             except KeyError:
                 raise ValueError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16") from None
         return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+
+
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model served in `model_dtype` ("auto": the same)."""
+        from qwenserve.kv_layout import TORCH_DTYPES
+
+        return model_dtype if self.kv_cache_dtype == "auto" else TORCH_DTYPES[self.kv_cache_dtype]
 
 
 @dataclass(frozen=True, slots=True)

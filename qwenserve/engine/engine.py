@@ -73,9 +73,14 @@ class LLMEngine:
         # Chosen once for this engine, from its config, and handed down (engine/kernels.py).
         self.kernels = kernels = select_kernels(config, device, dtype)
         block_size = kernels.block_size
+        kv_dtype = config.kv_torch_dtype(dtype)
+        if model_cfg.is_hybrid and kv_dtype != dtype:
+            # A hybrid model's handoff carries its convolution state in the layout's one dtype, the KV's.
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype}: a hybrid model ({model_cfg.model_type}) keeps "
+                             f"its KV cache in the model's dtype ({dtype}); use --kv-cache-dtype auto")
         bytes_per_block = (
             len(model_cfg.kv_layers) * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim
-            * torch.empty((), dtype=dtype).element_size()
+            * torch.empty((), dtype=kv_dtype).element_size()
         )
         budget = config.kv_cache_memory_gb * 2**30
         num_state_slots = num_snapshots = 0
@@ -103,7 +108,8 @@ class LLMEngine:
         fingerprint = load_checkpoint(model, checkpoint)
         model.eval()
         backend = kernels.attention
-        self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, num_state_slots, kernels.cpu)
+        self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, num_state_slots, kernels.cpu,
+                                  kv_dtype)
         prefix_caching = config.enable_prefix_caching
         snapshots = None
         if model_cfg.is_hybrid and prefix_caching:
@@ -141,7 +147,7 @@ class LLMEngine:
             snapshots,
         )
         self._layout = KVLayout(
-            dtype=str(dtype).removeprefix("torch."),
+            dtype=str(kv_dtype).removeprefix("torch."),
             block_size=block_size,
             num_layers=len(model_cfg.kv_layers),
             num_kv_heads=model_cfg.num_kv_heads,

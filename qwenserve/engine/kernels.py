@@ -5,7 +5,7 @@ backend to the model runner, its C kernels (`cpu`) to the runner (a KV import's 
 logits' token masks). Nothing below asks again which kernels run.
 
 - The C kernels (qwenserve.cpu_kernels) unless `cpu_kernel` is off: a CPU model's products on packed weights
-  (fp32 models; the weights packed in `cpu_weight_dtype`, fp32 or bf16), its decode attention (fp32) and its
+  (fp32 models; the weights packed in `cpu_weight_dtype`, fp32 or bf16), its decode attention (fp32 queries over an fp32 or bf16 KV cache) and its
   linear-attention layers' recurrent update; on any device, the grammar's masks of the logits, which are on the CPU.
 - On CUDA, flash-attn's paged attention where it imports and the dtype and block size suit it, and a hybrid model's
   recurrences in flash-linear-attention's and causal-conv1d's kernels unless `linear_attention_kernels` is off
@@ -55,9 +55,15 @@ def select_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtyp
         cpu = loader.load()
     else:
         log.warning("CPU kernels off (--no-cpu-kernel, QWENSERVE_CPU_KERNEL=0): PyTorch's ops run instead, slower")
+    backend = config.attention_backend
+    if config.kv_torch_dtype(dtype) != dtype:
+        # flash-attn's paged kernels read a cache of the query's dtype; the torch backend widens what it reads.
+        if backend == "flash_attn":
+            raise ValueError(f"attention backend 'flash_attn' needs the KV cache in the model's dtype ({dtype}); "
+                             f"drop --kv-cache-dtype {config.kv_cache_dtype} or use --attention-backend torch")
+        backend = "torch"
     block_size = config.block_size or default_block_size(device, dtype)
-    attention = select_backend(config.attention_backend, device, dtype, block_size,
-                               cpu if device.type == "cpu" else None)
+    attention = select_backend(backend, device, dtype, block_size, cpu if device.type == "cpu" else None)
     return KernelSet(cpu, model_ops(config, device, dtype, cpu), attention, block_size)
 
 

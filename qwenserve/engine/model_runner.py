@@ -38,7 +38,9 @@ class ModelRunner:
         dtype: torch.dtype,
         num_state_slots: int = 0,
         cpu_kernels: CpuKernels | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """`kv_dtype`: the KV cache's dtype (None: `dtype`, the model's)."""
         cfg = model.cfg
         self.model = model
         self.backend = backend
@@ -48,7 +50,8 @@ class ModelRunner:
         # An import into a CPU cache scatters its rows with the C kernel, when the engine chose the kernels.
         self._scatter_kernels = cpu_kernels if device.type == "cpu" else None
         self.kv_cache = torch.zeros(
-            len(cfg.kv_layers), 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+            len(cfg.kv_layers), 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype or dtype,
+            device=device,
         )
         self.linear_state = (
             LinearStateCache.for_model(cfg, num_state_slots, dtype, device) if cfg.is_hybrid else None

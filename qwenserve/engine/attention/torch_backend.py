@@ -1,6 +1,6 @@
 """Portable attention over the paged KV cache with plain PyTorch ops (CPU and CUDA).
 
-Decode rows (one query token) in fp32 on CPU go to the C kernel of qwenserve.cpu_kernels, which reads each
+Decode rows (one query token) in fp32 on CPU, over an fp32 or bf16 cache, go to the C kernel of qwenserve.cpu_kernels, which reads each
 sequence's blocks where they lie, when the backend is given the kernels (engine/kernels.py chooses, once). Elsewhere, or without the kernels,
 they are attended as one padded batch: their blocks are gathered with a single index into
 [batch, max_context, kv_heads, head_dim] and masked by length. Prefill chunks are attended one sequence at a time, which costs nothing extra because each chunk is
@@ -93,8 +93,16 @@ class TorchAttentionBackend:
         kv_heads = k.shape[1]
         flat_k = k_cache.view(-1, kv_heads, head_dim)
         flat_v = v_cache.view(-1, kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        if k_cache.dtype != k.dtype:
+            # A cache in another dtype (bf16 KV for an fp32 model): stored rounded to nearest even, and this step's
+            # own keys are attended as stored, so a prompt gives the same KV however it is chunked or cached.
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+            flat_k.index_copy_(0, meta.slot_mapping, k)
+            flat_v.index_copy_(0, meta.slot_mapping, v)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        else:
+            flat_k.index_copy_(0, meta.slot_mapping, k)
+            flat_v.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         gqa = num_heads != kv_heads
         nd = meta.num_decodes
@@ -106,8 +114,8 @@ class TorchAttentionBackend:
             if meta.decode_mask is None:  # fp16/bf16 on CPU: no kernel for it, so build the mask here
                 keys = torch.arange(table.shape[1] * self.block_size, device=q.device)
                 meta.decode_mask = (keys[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
-            keys = self._gather(k_cache, table, 0).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
-            values = self._gather(v_cache, table, 1).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+            keys = self._gather(k_cache, table, 0).view(nd, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            values = self._gather(v_cache, table, 1).view(nd, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
             out[:nd] = F.scaled_dot_product_attention(
                 q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=gqa
             ).squeeze(2)
@@ -118,8 +126,9 @@ class TorchAttentionBackend:
                 vs = v[start : start + qlen].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
             else:
-                ks = self._gather(k_cache, blocks, 0).view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
-                vs = self._gather(v_cache, blocks, 1).view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
+                ks = self._gather(k_cache, blocks, 0).view(-1, kv_heads, head_dim)[:ctx].to(q.dtype)
+                vs = self._gather(v_cache, blocks, 1).view(-1, kv_heads, head_dim)[:ctx].to(q.dtype)
+                ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
                 # Query i sits at absolute position ctx - qlen + i and sees keys up to it.
                 qpos = torch.arange(ctx - qlen, ctx, device=q.device)
                 causal = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
