@@ -4,6 +4,7 @@ Run by hand (not a test):
     .venv/bin/python bench/engine_bench.py --small                  # quick shape, all baselines
     .venv/bin/python bench/engine_bench.py                          # Qwen3-0.6B shape (slow on 2 cores)
     .venv/bin/python bench/engine_bench.py --bounds-only            # memcpy / matmul bounds, batch-1/64 steps
+    .venv/bin/python bench/engine_bench.py --kv-dtypes              # decode tok/s, fp32 vs bf16 KV at ~1k context
 Options: --requests N, --hf-requests N (subset for sequential generate()), --cb-requests N (for transformers'
 continuous batching), --skip-transformers.
 
@@ -144,6 +145,33 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int = 64, steps:
     return gaps[len(gaps) // 2]
 
 
+def kv_dtype_decode_rates(folder: Path, threads: int | None, context: int = 1000,
+                          batches: tuple[int, ...] = (1, 16)) -> None:
+    """Decode tokens/s at `context` tokens with the KV cache in fp32 and in bf16 (and bf16 weights + bf16 KV), as
+    ratios to fp32 KV. The batch shares one prompt prefix, so its prefill runs once (prefix caching); every
+    sequence's attention still reads its whole context, through its own block table."""
+    settings = {"fp32 KV": {}, "bf16 KV": dict(kv_cache_dtype="bfloat16"),
+                "bf16 weights + bf16 KV": dict(kv_cache_dtype="bfloat16", cpu_weight_dtype="bfloat16")}
+    prefix = [(13 * j) % 1000 + 1 for j in range(context - 8)]
+    rates: dict[str, dict[int, float]] = {}
+    for name, overrides in settings.items():
+        engine = LLMEngine.from_pretrained(folder, EngineConfig(num_threads=threads, kv_cache_memory_gb=2.0,
+                                                                max_num_seqs=64, **overrides))
+        run_engine(engine, [prefix + [1]], [2])  # the shared prefix, prefilled (and cached) once
+        rates[name] = {}
+        for batch in batches:
+            prompts = [prefix + [(5 * i + j) % 1000 + 1 for j in range(8)] for i in range(batch)]
+            arrivals = run_engine(engine, prompts, [12] * batch)["arrivals"]
+            all_decoding, first_done = max(a[0] for a in arrivals), min(a[-1] for a in arrivals)
+            gaps = sorted(b - a for times in arrivals for a, b in itertools.pairwise(times)
+                          if all_decoding <= a and b <= first_done)
+            rates[name][batch] = batch / gaps[len(gaps) // 2]
+        engine.shutdown()
+    base = rates["fp32 KV"]
+    for name, by_batch in rates.items():
+        print(f"{name:24s} " + "  ".join(f"batch {b}: {r:7.2f} tok/s ({r / base[b]:.2f}x)" for b, r in by_batch.items()))
+
+
 def transformers_baselines(folder: Path, prompts, out_lens, hf_requests: int, cb_requests: int) -> dict:
     """tok/s of: sequential generate() on the first `hf_requests`; padded batches of the first 8 and 32;
     continuous batching (generate_batch) on the first `cb_requests`."""
@@ -202,12 +230,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--kv-gb", type=float, default=4.0, help="KV cache size (allocated up front)")
     ap.add_argument("--token-budget", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
+    ap.add_argument("--kv-dtypes", action="store_true",
+                    help="only decode tok/s at ~1,000 tokens of context, fp32 vs bf16 KV cache (and bf16 weights)")
     args = ap.parse_args()
     shape = "small" if args.small else "0.6b"
     spec = SHAPES[shape]
     folder = make_checkpoint(shape)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kv_dtypes:
+        kv_dtype_decode_rates(folder, args.threads)
+        return
     print(f"shape {shape}: {json.dumps(spec)}; torch threads {torch.get_num_threads()}; "
           f"token budget {EngineConfig(max_num_batched_tokens=args.token_budget).token_budget()}")
     # Bounds are measured before the engine thread exists, so no second thread pool competes for the cores.
