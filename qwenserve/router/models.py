@@ -166,6 +166,10 @@ class ModelRoutes:
             if fallback is not None:
                 self._note_fallback(name, fallback)
                 name = fallback
+            elif self._fallback(name, None) is not None:  # one would answer, but not for this key: say so
+                raise ModelNotAllowed(
+                    f"the model {echo(name)} has no decode worker available now, and this API key may not use its "
+                    f"fallback {echo(self.entries[name].fallback or '')}", "model")
         return name, self.routers[name]
 
     async def run(self, name: str, prep: Any, allowed: Iterable[str] | None = None

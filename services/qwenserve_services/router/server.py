@@ -196,11 +196,19 @@ async def run(config: RouterServiceConfig) -> None:
     runners = []
     routers = list(routes.routers.values())
 
-    async def warm_up() -> None:
-        await asyncio.gather(*(router.start() for router in routers))
+    async def open_http() -> None:
         if config.http_port:
             runners.append(await start_http_front(routes, gatekeeper, config.front, routes.default, config.host,
                                                   config.http_port))
+
+    async def warm_up() -> None:
+        if not routes.single():
+            # Several models: one whose stages are down must not keep the others (or its fallback) off HTTP;
+            # until a model's router has started, its requests get a retryable 503 or go to its fallback.
+            await open_http()
+        await asyncio.gather(*(router.start() for router in routers))
+        if routes.single():
+            await open_http()
 
     def register(server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(routes, gatekeeper, metrics, config), server)
