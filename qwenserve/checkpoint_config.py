@@ -15,8 +15,9 @@ from typing import Any
 
 # transformers' default for Qwen configs that leave it out, and what the engine then serves at most.
 DEFAULT_MAX_POSITION_EMBEDDINGS = 32768
-# Keys of a multimodal config's top level that speak for its language model too.
-_SHARED_KEYS = ("eos_token_id", "tie_word_embeddings")
+# Keys of a multimodal config's top level that speak for its language model too (a quantized checkpoint's
+# quantization_config covers its language model's linears).
+_SHARED_KEYS = ("eos_token_id", "tie_word_embeddings", "quantization_config")
 
 
 def read_config_json(folder: str | Path) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Load a Hugging Face safetensors checkpoint into a model, checking every tensor by name and shape.
 
 Files are memory-mapped by safetensors; each tensor is copied once, straight into the (possibly fused)
-parameter view the model declares for it, and cast to the serving dtype on the way. Then the model's ops
-adapt the loaded weights to themselves (the CPU kernels' packed layout), once.
+parameter view the model declares for it, and cast to the serving dtype on the way. A linear stored quantized
+(AWQ, GPTQ, compressed-tensors, FP8: engine/quantization/) is dequantized into that view once its tensors are read.
+Then the model's ops adapt the loaded weights to themselves (the CPU kernels' packed layout), once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from safetensors import safe_open
 
 from qwenserve import progress
 from qwenserve.engine.errors import CheckpointError
+from qwenserve.engine.quantization import QuantizedLinears, quantization_of
 from qwenserve.models import ModelConfig, QwenForCausalLM
 
 log = logging.getLogger("qwenserve.engine")
@@ -45,11 +47,21 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
+def tensor_names(files: list[Path]) -> list[str]:
+    """Every tensor name in the safetensors `files` (their headers only)."""
+    names: list[str] = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
 def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
     """Fill `model` from the checkpoint in `folder` and prepare its weights for its ops; returns the model
     fingerprint (hex).
 
-    Raises CheckpointError naming the tensor when one is missing, unexpected or of the wrong shape.
+    Raises CheckpointError naming the tensor when one is missing, unexpected or of the wrong shape, and in one line
+    when the checkpoint's quantization is not supported.
     """
     folder = Path(folder)
     targets = model.checkpoint_targets()
@@ -60,8 +72,23 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
     samples: dict[str, bytes] = {}
     files = checkpoint_files(folder)
     in_memory = sum(dst.numel() * dst.element_size() for dst in targets.values())
+    quantized = QuantizedLinears.find(quantization_of(model.cfg.raw), tensor_names(files), targets)
+    if quantized is not None:
+        log.info("quantized checkpoint, %s: %d linear weights dequantized to %s at load; the weights take %.2f GiB "
+                 "in memory (%.2f GiB on disk)", quantized.quant.describe(), len(quantized),
+                 str(next(iter(targets.values())).dtype).removeprefix("torch."), in_memory / 2**30,
+                 sum(p.stat().st_size for p in files) / 2**30)
     with torch.inference_mode(), progress.step(f"loading weights from {folder}", total=len(targets),
                                                unit="tensors", total_bytes=in_memory) as step:
+
+        def copy_in(name: str, tensor: torch.Tensor) -> None:
+            dst = targets[name]
+            dst.copy_(tensor)
+            stride = max(1, tensor.numel() // FINGERPRINT_SAMPLES)
+            samples[name] = tensor.reshape(-1)[::stride][:FINGERPRINT_SAMPLES].float().numpy().tobytes()
+            seen.add(name)
+            step.advance(1, dst.numel() * dst.element_size())
+
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
@@ -70,6 +97,11 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
                     part = next((p for p in skipped_parts if name.startswith(p)), None)
                     if part is not None:
                         skipped[part] += 1
+                        continue
+                    if quantized is not None and quantized.owns(name):
+                        done = quantized.add(name, f.get_tensor(name), path.name)
+                        if done is not None:  # the linear's last part: its dequantized weight
+                            copy_in(*done)
                         continue
                     dst = targets.get(name)
                     if dst is None:
@@ -85,12 +117,7 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
                             f"{list(dst.shape)}",
                             name,
                         )
-                    tensor = f.get_tensor(name)
-                    dst.copy_(tensor)
-                    stride = max(1, tensor.numel() // FINGERPRINT_SAMPLES)
-                    samples[name] = tensor.reshape(-1)[::stride][:FINGERPRINT_SAMPLES].float().numpy().tobytes()
-                    seen.add(name)
-                    step.advance(1, dst.numel() * dst.element_size())
+                    copy_in(name, f.get_tensor(name))
     for part, count in skipped.items():
         if count:
             log.info("skipped %d checkpoint tensors under %s: %s", count, part, skipped_parts[part])

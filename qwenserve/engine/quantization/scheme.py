@@ -1,0 +1,109 @@
+"""What every quantized format shares: the description of a checkpoint's quantization (`Quantization`), the layout
+of one stored linear (`LinearLayout`: its tensors, their shapes, how they make a weight) and int32 unpacking."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+# Dtypes a scale may be stored in.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INT32 = (torch.int32,)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One tensor a quantized linear stores: its shape and the dtypes it may have."""
+
+    shape: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+
+
+class LinearLayout(Protocol):
+    """How one format stores one linear layer's weight [out_features, in_features] as `<prefix>.<part>` tensors."""
+
+    # The part whose presence says a linear is stored in this format (qweight, weight_packed, weight_scale_inv).
+    marker: str
+    # The parts every stored linear has; the others `parts` names are optional (g_idx, a zero point).
+    required: tuple[str, ...]
+
+    def parts(self, out_features: int, in_features: int) -> dict[str, Part]:
+        """Every part a linear of this shape may store, with its shape and dtypes."""
+        ...
+
+    def dequantize(self, parts: dict[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
+        """The weight [out_features, in_features] in fp32 from the stored parts (already checked against `parts`);
+        ValueError names what is inconsistent in their values."""
+        ...
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """What config.json's quantization_config says of the checkpoint: `method` as it names it, `bits` per weight,
+    `group_size` input columns per scale (None: one scale per output row, or per `block` for FP8), `symmetric` (no
+    zero points stored), `desc_act` (GPTQ: each input row's group comes from g_idx), the modules it leaves in 16 bits
+    (`not_converted`, as written: `modules_to_not_convert` or compressed-tensors' `ignore`) and the `layout` of one
+    stored linear."""
+
+    method: str
+    bits: int
+    group_size: int | None
+    symmetric: bool
+    layout: LinearLayout = field(repr=False, compare=False)
+    desc_act: bool = False
+    block: tuple[int, int] | None = None
+    not_converted: tuple[str, ...] = ()
+    # compressed-tensors writes `ignore` entries as exact names or "re:" regexes; transformers' lists are names,
+    # regexes or suffixes at a module boundary.
+    ignore_syntax: str = "transformers"
+    lm_head: bool = False  # whether the config says the LM head is quantized too (GPTQ's `lm_head`)
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the config says `module` (e.g. 'model.layers.0.mlp.down_proj') is stored quantized."""
+        if module == "lm_head" and not self.lm_head:
+            return False
+        return not any(self._names(entry, module) for entry in self.not_converted)
+
+    def _names(self, entry: str, module: str) -> bool:
+        if self.ignore_syntax == "compressed-tensors":
+            return re.match(entry.removeprefix("re:"), module) is not None if entry.startswith("re:") else entry == module
+        # From the start to a module boundary ("layers.1" names "layers.1.mlp", not "layers.11"), or a suffix.
+        return re.match(rf"(?:{entry})(?:(?<=\.)|(?=\.|$))", module) is not None or module.endswith(entry)
+
+    def describe(self) -> str:
+        """e.g. 'AWQ 4-bit, group size 128, zero points' or 'FP8 (e4m3), 128x128 blocks'."""
+        name = {"awq": "AWQ", "gptq": "GPTQ", "fp8": "FP8 (e4m3)"}.get(self.method, self.method)
+        if self.block is not None:
+            return f"{name}, {self.block[0]}x{self.block[1]} blocks"
+        group = f"group size {self.group_size}" if self.group_size else "one scale per output channel"
+        zeros = "symmetric" if self.symmetric else "zero points"
+        return f"{name} {self.bits}-bit, {group}, {zeros}{', desc_act' if self.desc_act else ''}"
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The unsigned `bits`-bit values packed into int32 words along `dim`, value k of a word in its bits
+    [k * bits, (k + 1) * bits): word j's value k lands at index j * (32 // bits) + k, so `dim` grows 32 // bits
+    times. Words with the top bit set are negative int32s; the mask after the arithmetic shift keeps each value."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    words = packed.movedim(dim, -1).unsqueeze(-1)
+    values = ((words >> shifts) & ((1 << bits) - 1)).flatten(-2)
+    return values.movedim(-1, dim)
+
+
+def expand_groups(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Rows of `values` [num_groups, n] picked per input row by `groups` [in_features]: [in_features, n]."""
+    return values.index_select(0, groups.long())
+
+
+def groups_in_order(in_features: int, group_size: int | None) -> torch.Tensor:
+    """Each input row's group when groups are consecutive runs of `group_size` rows (None: one group)."""
+    return torch.arange(in_features) // (group_size or in_features)
+
+
+def num_groups(in_features: int, group_size: int | None) -> int:
+    """Groups of `group_size` input rows (the last may be partial); one when group_size is None."""
+    return -(-in_features // group_size) if group_size else 1
+
