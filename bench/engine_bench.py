@@ -4,7 +4,7 @@ Run by hand (not a test):
     .venv/bin/python bench/engine_bench.py --small                  # quick shape, all baselines
     .venv/bin/python bench/engine_bench.py                          # Qwen3-0.6B shape (slow on 2 cores)
     .venv/bin/python bench/engine_bench.py --bounds-only            # memcpy / matmul bounds, batch-1/64 steps
-    .venv/bin/python bench/engine_bench.py --kv-dtypes              # decode tok/s, fp32 vs bf16 KV at ~1k context
+    .venv/bin/python bench/engine_bench.py --precisions             # fp32 vs bf16 KV / weights vs --dtype auto
 Options: --requests N, --hf-requests N (subset for sequential generate()), --cb-requests N (for transformers'
 continuous batching), --skip-transformers.
 
@@ -145,31 +145,51 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int = 64, steps:
     return gaps[len(gaps) // 2]
 
 
-def kv_dtype_decode_rates(folder: Path, threads: int | None, context: int = 1000,
-                          batches: tuple[int, ...] = (1, 16)) -> None:
-    """Decode tokens/s at `context` tokens with the KV cache in fp32 and in bf16 (and bf16 weights + bf16 KV), as
-    ratios to fp32 KV. The batch shares one prompt prefix, so its prefill runs once (prefix caching); every
-    sequence's attention still reads its whole context, through its own block table."""
-    settings = {"fp32 KV": {}, "bf16 KV": dict(kv_cache_dtype="bfloat16"),
-                "bf16 weights + bf16 KV": dict(kv_cache_dtype="bfloat16", cpu_weight_dtype="bfloat16")}
+def resident_bytes() -> int:
+    """This process's resident memory now (VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def precision_rates(folder: Path, threads: int | None, context: int = 1000, batches: tuple[int, ...] = (1, 32),
+                    long_prompt: int = 2000) -> None:
+    """Per precision (fp32 throughout; bf16 KV; bf16 weights + bf16 KV; `--dtype auto`, which may add PyTorch's bf16
+    product at many rows): decode tokens/s at `context` tokens for each batch size, the time to first token of one
+    `long_prompt`-token prompt (its prefill), and the resident memory the engine added, with ratios to fp32.
+    The batch shares one prompt prefix, so its prefill runs once (prefix caching); every sequence's attention
+    still reads its whole context, through its own block table. Memory: freed memory is returned between engines
+    (the engine's allocator setting), so each engine's growth is its own."""
+    settings = {"float32": dict(dtype="float32"),
+                "bf16 KV": dict(dtype="float32", kv_cache_dtype="bfloat16"),
+                "bf16 weights + KV": dict(dtype="float32", kv_cache_dtype="bfloat16", cpu_weight_dtype="bfloat16"),
+                "auto": {}}
     prefix = [(13 * j) % 1000 + 1 for j in range(context - 8)]
-    rates: dict[str, dict[int, float]] = {}
+    rows: dict[str, dict[str, float]] = {}
     for name, overrides in settings.items():
-        engine = LLMEngine.from_pretrained(folder, EngineConfig(num_threads=threads, kv_cache_memory_gb=2.0,
+        before = resident_bytes()
+        engine = LLMEngine.from_pretrained(folder, EngineConfig(num_threads=threads, kv_cache_memory_gb=1.0,
                                                                 max_num_seqs=64, **overrides))
+        row = rows[name] = {"memory_gib": (resident_bytes() - before) / 2**30}
+        print(f"{name}: {engine.precision.name} ({engine.precision.reason})", flush=True)
+        # Two different long prompts (no prefix shared), the better time: the first also pays first-call costs.
+        row["ttft_2k_s"] = min(run_engine(engine, [[(11 * j + r) % 5000 + 7 for j in range(long_prompt)]],
+                                          [1])["ttft"][0] for r in range(2))
         run_engine(engine, [prefix + [1]], [2])  # the shared prefix, prefilled (and cached) once
-        rates[name] = {}
         for batch in batches:
             prompts = [prefix + [(5 * i + j) % 1000 + 1 for j in range(8)] for i in range(batch)]
             arrivals = run_engine(engine, prompts, [12] * batch)["arrivals"]
             all_decoding, first_done = max(a[0] for a in arrivals), min(a[-1] for a in arrivals)
             gaps = sorted(b - a for times in arrivals for a, b in itertools.pairwise(times)
                           if all_decoding <= a and b <= first_done)
-            rates[name][batch] = batch / gaps[len(gaps) // 2]
+            row[f"batch {batch} tok/s"] = batch / gaps[len(gaps) // 2]
         engine.shutdown()
-    base = rates["fp32 KV"]
-    for name, by_batch in rates.items():
-        print(f"{name:24s} " + "  ".join(f"batch {b}: {r:7.2f} tok/s ({r / base[b]:.2f}x)" for b, r in by_batch.items()))
+        del engine
+    base = rows["float32"]
+    print(f"\n| precision | {' | '.join(base)} |\n|---|{'---|' * len(base)}")
+    for name, row in rows.items():
+        print(f"| {name} | " + " | ".join(f"{v:.2f} ({v / base[k]:.2f}x)" for k, v in row.items()) + " |")
 
 
 def transformers_baselines(folder: Path, prompts, out_lens, hf_requests: int, cb_requests: int) -> dict:
@@ -230,16 +250,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--kv-gb", type=float, default=4.0, help="KV cache size (allocated up front)")
     ap.add_argument("--token-budget", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
-    ap.add_argument("--kv-dtypes", action="store_true",
-                    help="only decode tok/s at ~1,000 tokens of context, fp32 vs bf16 KV cache (and bf16 weights)")
+    ap.add_argument("--precisions", action="store_true",
+                    help="only decode tok/s at ~1,000 tokens of context, a 2,000-token prefill and memory, for fp32, "
+                         "bf16 KV, bf16 weights + KV and --dtype auto")
     args = ap.parse_args()
     shape = "small" if args.small else "0.6b"
     spec = SHAPES[shape]
     folder = make_checkpoint(shape)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.kv_dtypes:
-        kv_dtype_decode_rates(folder, args.threads)
+    if args.precisions:
+        precision_rates(folder, args.threads)
         return
     print(f"shape {shape}: {json.dumps(spec)}; torch threads {torch.get_num_threads()}; "
           f"token budget {EngineConfig(max_num_batched_tokens=args.token_budget).token_budget()}")

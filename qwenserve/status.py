@@ -13,14 +13,15 @@ and the operator do). This module holds both halves: `probe_stage` (what the rou
 worker) and the command that prints the table. A stage given to the router as a name (a headless
 Service) has a row per pod; a pod gone from DNS whose streams are still finishing is DRAINING:
 
-    STAGE      ADDRESS          STATE        RUN/WAIT  KV USE  TOK/S  RESTARTS
-    router     127.0.0.1:50050  SERVING      1/0       -      41.7   0
-    prefill    10.0.0.7:50052   SERVING      0/0       3.1%   182.0  0
-    decode     10.0.0.8:50053   SERVING      2/0       9.4%   35.0   1
-    decode     10.0.0.9:50053   DRAINING     1/0       4.0%   12.5   0
+    STAGE      ADDRESS          STATE        RUN/WAIT  KV USE  TOK/S  RESTARTS  PRECISION
+    router     127.0.0.1:50050  SERVING      1/0       -      41.7   0         -
+    prefill    10.0.0.7:50052   SERVING      0/0       3.1%   182.0  0         weights=bfloat16 kv=bfloat16 activations=float32
+    decode     10.0.0.8:50053   SERVING      2/0       9.4%   35.0   1         weights=bfloat16 kv=bfloat16 activations=float32
+    decode     10.0.0.9:50053   DRAINING     1/0       4.0%   12.5   0         float32
 
 RESTARTS is how many times `qwen-serve up` restarted the process after it exited (its /metrics gauge
-qwenserve_stage_restarts; 0 in a cluster, where the pod's restart count says it).
+qwenserve_stage_restarts; 0 in a cluster, where the pod's restart count says it). PRECISION is the dtypes an
+engine computes in (its qwenserve_engine_precision_info metric; `--dtype auto` chooses them at start).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ KV_USAGE = "qwenserve_kv_blocks_usage_ratio"
 THROUGHPUT = "qwenserve_engine_throughput_tokens_per_second"
 # How many times `qwen-serve up` restarted the process (qwenserve/supervision.py), on every stage's page.
 RESTARTS = "qwenserve_stage_restarts"
+# An engine stage's dtypes by part (engine/precision.py), an info metric.
+PRECISION = "qwenserve_engine_precision_info"
+PRECISION_PARTS = ("weights", "kv", "activations")
 
 
 def parse_gauges(text: str, names: Iterable[str]) -> dict[str, float]:
@@ -60,6 +64,19 @@ def parse_gauges(text: str, names: Iterable[str]) -> dict[str, float]:
             if sample.name in wanted and not sample.labels:
                 found[sample.name] = sample.value
     return found
+
+
+def parse_precision(text: str) -> str:
+    """An engine stage's precision from its metrics page: one dtype's name where every part has it
+    ("float32"), else each part's ("weights=bfloat16 kv=bfloat16 activations=float32"); "" where not published."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == PRECISION and all(part in sample.labels for part in PRECISION_PARTS):
+                dtypes = [sample.labels[part] for part in PRECISION_PARTS]
+                if len(set(dtypes)) == 1:
+                    return dtypes[0]
+                return " ".join(f"{part}={dtype}" for part, dtype in zip(PRECISION_PARTS, dtypes, strict=True))
+    return ""
 
 
 def scrape(metrics_address: str, timeout_s: float = 2.0) -> str:
@@ -92,6 +109,7 @@ async def probe_stage(
         return row
     gauges = parse_gauges(text, (RUNNING, WAITING, KV_USAGE, THROUGHPUT, RESTARTS))
     row.restarts = int(gauges.get(RESTARTS, 0))
+    row.precision = parse_precision(text)
     if stage in ("prefill", "decode") and RUNNING in gauges:
         row.load_known = True
         row.running = int(gauges[RUNNING])
@@ -115,7 +133,7 @@ def without_addresses(stages: Iterable[router_pb2.StageStatus]) -> list[router_p
 
 def format_table(stages: Iterable[router_pb2.StageStatus]) -> str:
     """The compact table `qwen-serve status` prints; "-" where a value is not known."""
-    header = ("STAGE", "ADDRESS", "STATE", "RUN/WAIT", "KV USE", "TOK/S", "RESTARTS")
+    header = ("STAGE", "ADDRESS", "STATE", "RUN/WAIT", "KV USE", "TOK/S", "RESTARTS", "PRECISION")
     rows = [header]
     for s in stages:
         load = s.load_known
@@ -127,6 +145,7 @@ def format_table(stages: Iterable[router_pb2.StageStatus]) -> str:
             f"{100 * s.kv_usage:.1f}%" if load and s.stage != "router" else "-",
             f"{s.tokens_per_second:.1f}" if load else "-",
             str(s.restarts),
+            s.precision or "-",
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)

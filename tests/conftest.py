@@ -58,6 +58,7 @@ def traced_cluster(tiny_model: Path, span_receiver: tuple[SpanReceiver, int],
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{port}",
         "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "QWENSERVE_DTYPE": "auto",  # the default path (make_cluster's is fp32): status shows what it chose
     }
     with make_cluster(tiny_model, tmp_path_factory.mktemp("traced"), prefill=1, decode=1, env=env) as cluster:
         yield cluster

@@ -20,23 +20,26 @@ class PackedWeight:
     columns PANEL*q.. side by side for every input column, so the product broadcasts one x value against a whole
     panel (see linear.c). Stacked weights (MoE experts) pack each matrix on its own; index one out with [e]."""
 
-    __slots__ = ("panels",)
+    __slots__ = ("panels", "dense")
 
-    def __init__(self, panels: torch.Tensor) -> None:
+    def __init__(self, panels: torch.Tensor, dense: torch.Tensor | None = None) -> None:
         self.panels = panels
+        # The weight unpacked [..., n, k] in bf16 as well, where PyTorch's bf16 product runs a step's many rows
+        # faster than the panels (engine/precision.py); None elsewhere.
+        self.dense = dense
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, dtype: torch.dtype | None = None) -> PackedWeight:
-        """`weight` packed with panels in `dtype` (fp32 or bf16; default: the weight's own). fp32 to bf16 rounds to
-        nearest even, as `weight.to(torch.bfloat16)`."""
+    def pack(cls, weight: torch.Tensor, dtype: torch.dtype | None = None, dense: bool = False) -> PackedWeight:
+        """`weight` packed with panels in `dtype` (fp32 or bf16; default: the weight's own), and kept unpacked in
+        bf16 too if `dense`. fp32 to bf16 rounds to nearest even, as `weight.to(torch.bfloat16)`."""
         dtype = dtype or weight.dtype
         if not packable(weight) or dtype not in PANEL_DTYPES:
             raise ValueError(f"PackedWeight.pack wants fp32 or bf16 CPU weights with rows a multiple of {PANEL}, "
                              f"packed as fp32 or bf16, got {tuple(weight.shape)} {weight.dtype} as {dtype}")
         *lead, n, k = weight.shape
-        panels = weight.reshape(*lead, n // PANEL, PANEL, k).transpose(-1, -2)
-        # Rounded before the copy that lays out the panels, so a large fp32 matrix is never copied whole in fp32.
-        return cls(panels.to(dtype).contiguous())
+        rounded = weight.to(dtype)  # before the copy that lays out the panels: no whole fp32 copy of a large matrix
+        panels = rounded.reshape(*lead, n // PANEL, PANEL, k).transpose(-1, -2).contiguous()
+        return cls(panels, rounded.to(torch.bfloat16).contiguous() if dense else None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -51,10 +54,10 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.panels.nbytes
+        return self.panels.nbytes + (self.dense.nbytes if self.dense is not None else 0)
 
     def __getitem__(self, index: int) -> PackedWeight:
-        return PackedWeight(self.panels[index])
+        return PackedWeight(self.panels[index], self.dense[index] if self.dense is not None else None)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the unpacked matrix (an embedding lookup in a tied, packed LM head): row v is column

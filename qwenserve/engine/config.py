@@ -31,8 +31,12 @@ class EngineConfig:
     """How the engine runs a model. `None` means "derive from the model and the device"."""
 
     device: str | None = option(None, help="cpu or cuda[:N] (default: cuda when available)")
+    # "auto" on a CPU with the C kernels is fp32 math over bf16 weights and KV where a start-up probe finds them
+    # faster (engine/precision.py); "float32" there is fp32 throughout, token-exact with transformers.
     dtype: str | None = option(None, choices=tuple(DTYPES),
-                               help="weights and activations (default auto: float32 on CPU, bfloat16 on CUDA)")
+                               help="weights and activations (default auto: on CPU fp32 activations with bf16 "
+                                    "weights and KV cache where the C kernels load and a start-up probe finds them "
+                                    "faster, else float32; bfloat16 on CUDA)")
     # Longest request (prompt + output tokens). Default: the model's max_position_embeddings (at most 32768),
     # lowered to what the KV cache holds; an explicit value that does not fit stops the engine (resolve_max_model_len).
     max_model_len: int | None = option(
@@ -79,15 +83,17 @@ class EngineConfig:
     # Which kernels run is decided once per engine from these (engine/kernels.py); off, the same tokens, slower.
     cpu_kernel: bool = option(True, help="run qwenserve's C kernels for what runs on the CPU, where they load "
                                          "(off: PyTorch's ops)")
-    # bf16 halves the weight bytes a CPU decode step streams (bench/kernels_bench.py); activations and KV stay fp32.
+    # bf16 halves the weight bytes a CPU decode step streams (bench/kernels_bench.py); activations stay fp32.
     cpu_weight_dtype: str = option(
-        "float32", choices=("float32", "bfloat16"),
+        "auto", choices=("auto", "float32", "bfloat16"),
         help="an fp32 model on CPU with the C kernels: the linear layers' packed weights in this dtype (bfloat16: "
-             "rounded once at load, products still accumulate in fp32)")
+             "rounded once at load, products still accumulate in fp32; auto: bfloat16 under --dtype auto where "
+             "the start-up probe finds it faster, else float32)")
     # A decode step reads the whole KV context: in bf16 it is half the bytes of fp32 (the model's math stays fp32).
     kv_cache_dtype: str = option(
         "auto", choices=("auto", "float32", "bfloat16"),
-        help="the paged KV cache's dtype (auto: the model's; bfloat16 for an fp32 model: K/V rounded to nearest "
+        help="the paged KV cache's dtype (auto: bfloat16 under --dtype auto on a CPU with the C kernels, except "
+             "for hybrid models, else the model's; bfloat16 for an fp32 model: K/V rounded to nearest "
              "even as they are stored, widened to fp32 where attention reads them; half the KV memory and bytes "
              "read per decode step; prefill and decode workers must agree, or handoffs are refused)")
     linear_attention_kernels: bool = option(
@@ -138,7 +144,8 @@ class EngineConfig:
         return 2048 if self.torch_device().type == "cuda" else 512
 
     def torch_dtype(self) -> torch.dtype:
-        """The serving dtype: fp32 on CPU (bf16 matmuls are far slower there), bf16 on CUDA."""
+        """The model's dtype, its activations': fp32 on CPU (PyTorch's bf16 products are far slower there at decode's
+        few rows; the weights and KV may still be bf16: engine/precision.py), bf16 on CUDA."""
         import torch
 
         from qwenserve.kv_layout import TORCH_DTYPES
@@ -150,13 +157,6 @@ class EngineConfig:
             except KeyError:
                 raise ValueError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16") from None
         return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
-
-
-    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The KV cache's dtype for a model served in `model_dtype` ("auto": the same)."""
-        from qwenserve.kv_layout import TORCH_DTYPES
-
-        return model_dtype if self.kv_cache_dtype == "auto" else TORCH_DTYPES[self.kv_cache_dtype]
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,14 +66,15 @@ class LLMEngine:
     def __init__(self, model_cfg: ModelConfig, config: EngineConfig, checkpoint: str | Path) -> None:
         self.config = config
         self.model_config = model_cfg
-        device, dtype = config.torch_device(), config.torch_dtype()
+        device = config.torch_device()
         if device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
             keep_freed_memory()
         # Chosen once for this engine, from its config, and handed down (engine/kernels.py).
-        self.kernels = kernels = select_kernels(config, device, dtype)
-        block_size = kernels.block_size
-        kv_dtype = config.kv_torch_dtype(dtype)
+        self.kernels = kernels = select_kernels(config, device, model_cfg)
+        self.precision = precision = kernels.precision
+        dtype, kv_dtype, block_size = precision.dtype, precision.kv_dtype, kernels.block_size
+        log.info("precision: %s (%s)", precision.name, precision.reason)
         if model_cfg.is_hybrid and kv_dtype != dtype:
             # A hybrid model's handoff carries its convolution state in the layout's one dtype, the KV's.
             raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype}: a hybrid model ({model_cfg.model_type}) keeps "

@@ -4,9 +4,12 @@
 backend to the model runner, its C kernels (`cpu`) to the runner (a KV import's scatter) and the grammar (the
 logits' token masks). Nothing below asks again which kernels run.
 
+- The precision (engine/precision.py): the dtypes of the activations, the packed weights and the KV cache, under
+  `--dtype auto` from a start-up probe of this CPU's products.
 - The C kernels (qwenserve.cpu_kernels) unless `cpu_kernel` is off: a CPU model's products on packed weights
-  (fp32 models; the weights packed in `cpu_weight_dtype`, fp32 or bf16), its decode attention (fp32 queries over an fp32 or bf16 KV cache) and its
-  linear-attention layers' recurrent update; on any device, the grammar's masks of the logits, which are on the CPU.
+  (fp32 models; the weights packed in fp32 or bf16, and PyTorch's bf16 product from the row count where the probe
+  found it faster), its decode attention (fp32 queries over an fp32 or bf16 KV cache) and its linear-attention
+  layers' recurrent update; on any device, the grammar's masks of the logits, which are on the CPU.
 - On CUDA, flash-attn's paged attention where it imports and the dtype and block size suit it, and a hybrid model's
   recurrences in flash-linear-attention's and causal-conv1d's kernels unless `linear_attention_kernels` is off
   (models/linear_attention_gpu.py: each only where installed and agreeing with PyTorch's forms on the device).
@@ -24,7 +27,8 @@ from qwenserve.cpu_kernels import loader
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.engine.attention import default_block_size, select_backend
 from qwenserve.engine.config import EngineConfig
-from qwenserve.models import linear_attention_gpu
+from qwenserve.engine.precision import Precision, resolve_precision
+from qwenserve.models import ModelConfig, linear_attention_gpu
 from qwenserve.models.forward_context import AttentionBackend
 from qwenserve.models.ops import TORCH_OPS, Ops, cpu_kernel_ops
 
@@ -35,12 +39,13 @@ log = logging.getLogger("qwenserve.engine")
 class KernelSet:
     """What one engine computes with. `cpu`: the C kernels, or None (off, or none load here); `ops`: what the
     model's layers call; `attention`: the attention backend over the paged KV cache, for `block_size`-token
-    blocks."""
+    blocks; `precision`: the dtypes they compute in."""
 
     cpu: CpuKernels | None
     ops: Ops
     attention: AttentionBackend
     block_size: int
+    precision: Precision
 
     @property
     def name(self) -> str:
@@ -48,15 +53,20 @@ class KernelSet:
         return f"ops={self.ops.name} attention={self.attention.name}"
 
 
-def select_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> KernelSet:
-    """The kernels of an engine with `config` on `device` in `dtype`."""
+def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfig | None = None) -> KernelSet:
+    """The kernels of an engine with `config` on `device` for `model` (its shape sizes the precision probe; its
+    being hybrid keeps its KV in its own dtype)."""
     cpu = None
     if config.cpu_kernel:
         cpu = loader.load()
     else:
         log.warning("CPU kernels off (--no-cpu-kernel, QWENSERVE_CPU_KERNEL=0): PyTorch's ops run instead, slower")
+    shape = (model.hidden_size, model.intermediate_size or model.moe_intermediate_size) if model else None
+    precision = resolve_precision(config, device, cpu if device.type == "cpu" else None, shape,
+                                  bool(model and model.is_hybrid))
+    dtype = precision.dtype
     backend = config.attention_backend
-    if config.kv_torch_dtype(dtype) != dtype:
+    if precision.kv_dtype != dtype:
         # flash-attn's paged kernels read a cache of the query's dtype; the torch backend widens what it reads.
         if backend == "flash_attn":
             raise ValueError(f"attention backend 'flash_attn' needs the KV cache in the model's dtype ({dtype}); "
@@ -64,17 +74,17 @@ def select_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtyp
         backend = "torch"
     block_size = config.block_size or default_block_size(device, dtype)
     attention = select_backend(backend, device, dtype, block_size, cpu if device.type == "cpu" else None)
-    return KernelSet(cpu, model_ops(config, device, dtype, cpu), attention, block_size)
+    return KernelSet(cpu, model_ops(config, device, precision, cpu), attention, block_size, precision)
 
 
-def model_ops(config: EngineConfig, device: torch.device, dtype: torch.dtype, cpu: CpuKernels | None) -> Ops:
+def model_ops(config: EngineConfig, device: torch.device, precision: Precision, cpu: CpuKernels | None) -> Ops:
     """The model's ops: the C kernels' on a CPU where they load (the packed product runs several times PyTorch's
     BLAS at decode sizes, the recurrent update ~50x PyTorch's ops: bench/kernels_bench.py), the kernel packages'
     recurrences on CUDA where installed and switched on, PyTorch's everywhere else."""
     if device.type == "cpu" and cpu is not None:
-        return cpu_kernel_ops(cpu, dtype, getattr(torch, config.cpu_weight_dtype))
+        return cpu_kernel_ops(cpu, precision.dtype, precision.weight_dtype, precision.onednn_rows)
     if device.type == "cuda" and config.linear_attention_kernels:
-        return cuda_ops(device, dtype)
+        return cuda_ops(device, precision.dtype)
     return TORCH_OPS
 
 

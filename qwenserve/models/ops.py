@@ -72,13 +72,17 @@ def _nothing_to_prepare(model: nn.Module) -> int:
 TORCH_OPS = Ops("torch", _torch_linear, _torch_embedding, _nothing_to_prepare)
 
 
-def _packed_linear(kernels: CpuKernels, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+def _packed_linear(kernels: CpuKernels, onednn_rows: int | None, x: torch.Tensor, weight: Weight,
+                   bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The packed product on PackedWeights; weights that could not be packed (rows not a multiple of 16) stay
-    tensors and go to F.linear. `out` is a buffer for a 2-D product (the logits: fresh memory of that size
-    would be faulted in page by page at every step)."""
+    tensors and go to F.linear. From `onednn_rows` rows up (None: never), a weight kept unpacked in bf16 too is
+    multiplied there by PyTorch's bf16 product, x rounded to bf16. `out` is a buffer for a 2-D product (the
+    logits: fresh memory of that size would be faulted in page by page at every step)."""
     if not isinstance(weight, PackedWeight):
         return F.linear(x, weight, bias)
+    if weight.dense is not None and onednn_rows is not None and x.numel() >= onednn_rows * x.shape[-1]:
+        y = F.linear(x.to(torch.bfloat16), weight.dense).float()
+        return y if bias is None else y.add_(bias)
     y = kernels.linear_packed(x.reshape(-1, x.shape[-1]).contiguous(), weight, out if x.dim() == 2 else None)
     y = y.view(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y.add_(bias)
@@ -89,27 +93,33 @@ def _packed_embedding(table: Weight, ids: torch.Tensor) -> torch.Tensor:
     return table.rows(ids) if isinstance(table, PackedWeight) else table[ids]
 
 
-def pack_linear_weights(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+def pack_linear_weights(model: nn.Module, dtype: torch.dtype = torch.float32, dense: bool = False) -> int:
     """Replace the model's packable linear weights by PackedWeights with panels in `dtype` (after the checkpoint
-    is loaded: checkpoint_targets describes the unpacked layout); returns how many were packed."""
+    is loaded: checkpoint_targets describes the unpacked layout), each kept unpacked in bf16 too if `dense`;
+    returns how many were packed."""
     found = [(module, name) for module in model.modules() for name in PACKED_WEIGHTS
              if (param := module._parameters.get(name)) is not None and packable(param.data)]
     with progress.step("packing weights for the CPU kernels", total=len(found), unit="matrices",
                        total_bytes=sum(module._parameters[name].nbytes for module, name in found)) as step:
         for module, name in found:
-            packed = PackedWeight.pack(module._parameters.pop(name).data, dtype)
+            packed = PackedWeight.pack(module._parameters.pop(name).data, dtype, dense)
             setattr(module, name, packed)  # a plain attribute now: nothing trains or moves it
             step.advance(1, packed.nbytes)
     return len(found)
 
 
-def cpu_kernel_ops(kernels: CpuKernels, dtype: torch.dtype, weight_dtype: torch.dtype = torch.float32) -> Ops:
+def cpu_kernel_ops(kernels: CpuKernels, dtype: torch.dtype, weight_dtype: torch.dtype = torch.float32,
+                   onednn_rows: int | None = None) -> Ops:
     """The C kernels' ops for a model in `dtype` on the CPU: for fp32 the packed product (the weights packed once
-    after loading, in `weight_dtype`: fp32, or bf16 for half the bytes per decode step with fp32 activations) and
+    after loading, in `weight_dtype`: fp32, or bf16 for half the bytes per decode step with fp32 activations; with
+    bf16 weights and `onednn_rows`, PyTorch's bf16 product from that many rows up, on an unpacked bf16 copy) and
     the recurrent update; for bf16 / fp16 PyTorch's products (the packed kernel's activations are fp32) and the C
     kernel's recurrent update (a hybrid model's state is fp32 in every dtype)."""
     if dtype == torch.float32:
+        onednn_rows = onednn_rows if weight_dtype == torch.bfloat16 else None
         name = "cpu_kernels" if weight_dtype == torch.float32 else "cpu_kernels+bf16_weights"
-        return Ops(name, functools.partial(_packed_linear, kernels), _packed_embedding,
-                   functools.partial(pack_linear_weights, dtype=weight_dtype), kernels.gated_delta_step)
+        name += f"+onednn>={onednn_rows}" if onednn_rows else ""
+        return Ops(name, functools.partial(_packed_linear, kernels, onednn_rows), _packed_embedding,
+                   functools.partial(pack_linear_weights, dtype=weight_dtype, dense=onednn_rows is not None),
+                   kernels.gated_delta_step)
     return dataclasses.replace(TORCH_OPS, name="torch+cpu_gated_delta", gated_delta_step=kernels.gated_delta_step)

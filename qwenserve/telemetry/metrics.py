@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -277,6 +277,11 @@ class EngineMetrics:
             "1 where this process's engine runs the C kernels (for what runs on the CPU), 0 where PyTorch's slower "
             "ops stand in (switched off, or none load here).",
             registry=r)
+        self.precision = Info(
+            "qwenserve_engine_precision",
+            "The dtypes this worker's engine computes in, by part (activations, weights, kv), and why "
+            "(engine/precision.py: --dtype auto chooses from a start-up probe).",
+            registry=r)
         self.grammar_refusals = Counter(
             "qwenserve_grammar_refusals_total",
             "Requests refused for a structured-output constraint past one of this worker's bounds, by the flag "
@@ -291,6 +296,10 @@ class EngineMetrics:
         self.batch_size.observe(batch_size)
         self.step_tokens.observe(tokens)
         self.step_time.observe(seconds)
+
+    def record_precision(self, labels: dict[str, str], reason: str) -> None:
+        """Publish the engine's precision (Precision.labels()) and the reason it was chosen, once at start."""
+        self.precision.info({**labels, "reason": reason})
 
     def record_grammar_refusal(self, flag: str) -> None:
         """Count one request refused for a grammar bound; `flag` is the option naming it ("--max-grammar-choices")."""

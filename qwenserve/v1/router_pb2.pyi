@@ -86,7 +86,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("stage", "address", "state", "metrics_address", "load_known", "running", "waiting", "kv_usage", "tokens_per_second", "max_model_len", "restarts")
+    __slots__ = ("stage", "address", "state", "metrics_address", "load_known", "running", "waiting", "kv_usage", "tokens_per_second", "max_model_len", "restarts", "precision")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class StageStatus(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     stage: str
     address: str
     state: str
@@ -109,7 +110,8 @@ class StageStatus(_message.Message):
     tokens_per_second: float
     max_model_len: int
     restarts: int
-    def __init__(self, stage: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., metrics_address: _Optional[str] = ..., load_known: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., max_model_len: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
+    precision: str
+    def __init__(self, stage: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., metrics_address: _Optional[str] = ..., load_known: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., max_model_len: _Optional[int] = ..., restarts: _Optional[int] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("stages",)

@@ -45,9 +45,11 @@ async def warm_up_engine(engine: LLMEngine) -> None:
 
 
 def observe_engine_steps(engine: LLMEngine) -> EngineStepObserver:
-    """Per-step metrics (batch size, tokens, step time), queue timing for traces, and grammar refusals."""
+    """Per-step metrics (batch size, tokens, step time), queue timing for traces, grammar refusals, and the
+    engine's precision (an info metric, set once)."""
     observer = EngineStepObserver(engine_metrics())
     engine.observe_steps(observer)
+    engine_metrics().record_precision(engine.precision.labels(), engine.precision.reason)
     engine.on_grammar_refusal(engine_metrics().record_grammar_refusal)
     return observer
 

@@ -83,7 +83,8 @@ DRAINED = [Prompt(p.ids, 300 + 80 * i) for i, p in enumerate(_prompts(8, 0, seed
 def reference(tiny_model: Path) -> dict[Prompt, list[int]]:
     """Greedy tokens of every prompt from one in-process engine on the same checkpoint."""
     prompts = [*PLAIN, *STREAMS, *DRAINED]
-    engine = LLMEngine.from_pretrained(tiny_model, EngineConfig(kv_cache_memory_gb=0.05, num_threads=1))
+    engine = LLMEngine.from_pretrained(tiny_model, EngineConfig(kv_cache_memory_gb=0.05, num_threads=1,
+                                                                   dtype="float32"))
     try:
         outputs = engine.generate_sync(
             [list(p.ids) for p in prompts],

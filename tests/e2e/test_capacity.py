@@ -121,7 +121,7 @@ def test_a_prompt_of_the_limit_less_one_is_served_and_one_over_is_refused_before
 def test_an_explicit_max_model_len_the_kv_cache_cannot_hold_stops_the_stage_with_one_line(tiny_model: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "qwenserve.cli", "serve", "decode", "--model", str(tiny_model), "--port", "0",
-         "--max-model-len", "1000", "--kv-cache-gb", KV_CACHE_GB, "--threads", "1"],
+         "--max-model-len", "1000", "--kv-cache-gb", KV_CACHE_GB, "--threads", "1", "--dtype", "float32"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode != 0

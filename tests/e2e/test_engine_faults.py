@@ -151,7 +151,7 @@ async def test_a_handoff_larger_than_the_prefill_pool_reaches_decode_intact(star
               "max_position_embeddings": 1024}
     model = write_checkpoint(tmp_path / "kv-heavy", config, seed=5)
     prompt = [(7919 * i) % 150_000 for i in range(300)]
-    engine = LLMEngine.from_pretrained(model, EngineConfig(kv_cache_memory_gb=0.05, num_threads=1))
+    engine = LLMEngine.from_pretrained(model, EngineConfig(kv_cache_memory_gb=0.05, num_threads=1, dtype="float32"))
     try:
         want = engine.generate_sync([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     finally:

@@ -91,11 +91,12 @@ def reference(checkpoint: Callable[[str], Path]) -> Callable[[str, list[int], in
 @pytest.fixture
 def make_engine(checkpoint: Callable[[str], Path]) -> Iterator[Callable[..., LLMEngine]]:
     """make_engine(name, **EngineConfig fields) -> a running engine; after the test every engine must be
-    idle with zero KV blocks in use, then it is shut down."""
+    idle with zero KV blocks in use, then it is shut down. fp32 throughout unless a test asks otherwise: the
+    exactness tests compare with transformers in fp32 (`--dtype auto` has tests of its own)."""
     engines: list[LLMEngine] = []
 
     def make(name: str, **overrides: object) -> LLMEngine:
-        settings = dict(num_kv_blocks=128, block_size=8, max_num_batched_tokens=256, num_threads=2)
+        settings = dict(num_kv_blocks=128, block_size=8, max_num_batched_tokens=256, num_threads=2, dtype="float32")
         settings.update(overrides)
         engine = LLMEngine.from_pretrained(checkpoint(name), EngineConfig(**settings))
         engines.append(engine)

@@ -193,7 +193,7 @@ def test_kernels_refuse_what_they_cannot_read(kernels: CpuKernels) -> None:
 def test_switched_off_by_the_config_says_so_and_loads_nothing(fresh_load: None, tmp_path: Path,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     cpu = torch.device("cpu")
-    kernels = select_kernels(EngineConfig(cpu_kernel=False), cpu, torch.float32)
+    kernels = select_kernels(EngineConfig(cpu_kernel=False), cpu)
     assert kernels.cpu is None and kernels.ops is TORCH_OPS and kernels.attention.cpu_kernels is None
     assert [r.levelname for r in caplog.records if r.name == "qwenserve.engine"] == ["WARNING"]
     assert "--no-cpu-kernel" in caplog.text
@@ -226,7 +226,7 @@ def test_a_failing_compiler_leaves_the_portable_path(fresh_load: None, monkeypat
     broken.write_text("#!/bin/sh\necho 'cc: out of order' >&2\nexit 1\n")
     broken.chmod(0o755)
     monkeypatch.setenv("CC", str(broken))
-    kernels = select_kernels(EngineConfig(), torch.device("cpu"), torch.float32)
+    kernels = select_kernels(EngineConfig(), torch.device("cpu"))
     assert kernels.cpu is None and kernels.ops is TORCH_OPS
     assert "out of order" in caplog.text
     assert "CPU kernels unavailable" in caplog.text
@@ -235,14 +235,14 @@ def test_a_failing_compiler_leaves_the_portable_path(fresh_load: None, monkeypat
 @needs_compiler
 def test_ops_are_chosen_for_the_device_and_dtype(kernels: CpuKernels) -> None:
     cpu = torch.device("cpu")
-    chosen = select_kernels(EngineConfig(), cpu, torch.float32)
+    chosen = select_kernels(EngineConfig(dtype="float32"), cpu)
     assert chosen.cpu is kernels and chosen.ops.name == "cpu_kernels" and chosen.attention.cpu_kernels is kernels
     assert chosen.ops.gated_delta_step == kernels.gated_delta_step
     # bf16: PyTorch's products, the C kernel's recurrent update (a hybrid model's state is fp32 in every dtype).
-    bf16 = select_kernels(EngineConfig(), cpu, torch.bfloat16).ops
+    bf16 = select_kernels(EngineConfig(dtype="bfloat16"), cpu).ops
     assert bf16.name == "torch+cpu_gated_delta" and bf16.linear is TORCH_OPS.linear
     assert bf16.gated_delta_step == kernels.gated_delta_step
-    assert select_kernels(EngineConfig(), torch.device("meta"), torch.float32).ops is TORCH_OPS
+    assert select_kernels(EngineConfig(dtype="float32"), torch.device("meta")).ops is TORCH_OPS
 
 
 @needs_compiler
@@ -284,7 +284,8 @@ def test_engine_tokens_equal_with_and_without_kernels(checkpoint) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     runs = []
     for switch in (True, False):
-        engine = LLMEngine.from_pretrained(folder, EngineConfig(block_size=4, num_kv_blocks=256, num_threads=2, cpu_kernel=switch))
+        engine = LLMEngine.from_pretrained(folder, EngineConfig(block_size=4, num_kv_blocks=256, num_threads=2, cpu_kernel=switch,
+                                                                dtype="float32"))
         try:
             assert (engine.runner.backend.cpu_kernels is not None) is switch
             assert engine.stats().cpu_kernels is switch

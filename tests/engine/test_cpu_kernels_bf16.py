@@ -16,7 +16,7 @@ from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.packed_weight import PackedWeight, packable
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
-from qwenserve.engine.kernels import model_ops
+from qwenserve.engine.kernels import select_kernels
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.models.ops import TORCH_OPS
 
@@ -145,12 +145,14 @@ def test_the_product_refuses_wrong_dtypes_and_shapes() -> None:
 
 
 def greedy_and_teacher_forced(folder: Path, weight_dtype: str, prompts: list[list[int]],
-                              reference: list[list[int]] | None, max_tokens: int) -> list[list[int]]:
-    """An fp32 CPU engine whose packed weights are `weight_dtype`: its greedy tokens for `prompts`, or, given
-    `reference` tokens, its greedy next token after every prefix of them (teacher forcing)."""
-    engine = LLMEngine.from_pretrained(folder, EngineConfig(device="cpu", dtype="float32", block_size=4,
-                                                            num_kv_blocks=1024, num_threads=2,
-                                                            cpu_weight_dtype=weight_dtype))
+                              reference: list[list[int]] | None, max_tokens: int,
+                              dtype: str = "float32") -> list[list[int]]:
+    """An fp32 CPU engine whose packed weights are `weight_dtype` (`dtype` "auto": chosen by --dtype auto, and must
+    come out as `weight_dtype`): its greedy tokens for `prompts`, or, given `reference` tokens, its greedy next
+    token after every prefix of them (teacher forcing)."""
+    explicit = {} if dtype == "auto" else dict(cpu_weight_dtype=weight_dtype)
+    engine = LLMEngine.from_pretrained(folder, EngineConfig(device="cpu", dtype=dtype, block_size=4,
+                                                            num_kv_blocks=1024, num_threads=2, **explicit))
     try:
         packed = [w for m in engine.runner.model.modules() for w in vars(m).values() if isinstance(w, PackedWeight)]
         assert packed and {w.dtype for w in packed} == {getattr(torch, weight_dtype)}
@@ -185,14 +187,67 @@ def test_the_weight_dtype_is_a_flag_honoured_only_for_fp32_on_cpu() -> None:
 
     parser = StrictParser(prog="test")
     add_options(parser, EngineConfig)
-    assert parser.parse_config(EngineConfig, []).cpu_weight_dtype == "float32"
+    assert parser.parse_config(EngineConfig, []).cpu_weight_dtype == "auto"
     assert parser.parse_config(EngineConfig, ["--cpu-weight-dtype", "bfloat16"]).cpu_weight_dtype == "bfloat16"
     kernels = loader.load()
     if kernels is None:
         pytest.skip("no CPU kernels here")
-    config = EngineConfig(cpu_weight_dtype="bfloat16")
     cpu = torch.device("cpu")
-    assert model_ops(config, cpu, torch.float32, kernels).name == "cpu_kernels+bf16_weights"
-    assert model_ops(EngineConfig(), cpu, torch.float32, kernels).name == "cpu_kernels"
+    config = EngineConfig(dtype="float32", cpu_weight_dtype="bfloat16")
+    assert select_kernels(config, cpu).ops.name == "cpu_kernels+bf16_weights"
+    assert select_kernels(EngineConfig(dtype="float32"), cpu).ops.name == "cpu_kernels"
     # A bf16 or fp16 model keeps PyTorch's products: nothing is packed, whatever the flag says.
-    assert model_ops(config, cpu, torch.bfloat16, kernels).linear is TORCH_OPS.linear
+    bf16 = select_kernels(EngineConfig(dtype="bfloat16", cpu_weight_dtype="bfloat16"), cpu)
+    assert bf16.ops.linear is TORCH_OPS.linear and bf16.precision.weight_dtype == torch.bfloat16
+
+
+# A teacher-forced position whose fp32 top-1 leads its top-2 by at least this many nats (a tenth: ~10% in probability)
+# is "clear": rounding to bf16
+# must not flip it. A tiny random model's logits are nearly flat, so a few positions are not clear.
+CLEAR_MARGIN = 0.1
+
+
+def fp32_margins(folder: Path, prompts: list[list[int]], tokens: list[list[int]]) -> list[list[float]]:
+    """For every teacher-forced position (the next token after prompt + tokens[:j]), the fp32 engine's logprob lead
+    of its top-1 over its top-2, from one prompt_logprobs pass over prompt + tokens."""
+    engine = LLMEngine.from_pretrained(folder, EngineConfig(device="cpu", dtype="float32", block_size=4,
+                                                            num_kv_blocks=1024, num_threads=2))
+    try:
+        outputs = engine.generate_sync_outputs([p + t for p, t in zip(prompts, tokens, strict=True)],
+                                               SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))
+        margins = []
+        for prompt, forced, outs in zip(prompts, tokens, outputs, strict=True):
+            entries = outs[0].prompt_logprobs
+            assert entries is not None
+            # Entry i scores position i + 1; position len(prompt) + j is forced token j's.
+            tops = [entries[len(prompt) + j - 1].top for j in range(1, len(forced))]
+            margins.append([float("inf")] + [top[0][1] - top[1][1] for top in tops])
+        return margins
+    finally:
+        engine.shutdown()
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["qwen3_gqa4", "qwen3_untied"])
+def test_dtype_auto_with_onednn_rows_agrees_with_fp32_at_top1(name: str, checkpoint,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dtype auto where the probe found bf16 panels faster and PyTorch's bf16 product faster from 4 rows (stood
+    in, as on a CPU with AMX): bf16 weights, a bf16 KV cache, every prefill chunk through the bf16 product with its
+    activations rounded to bf16. After every prefix of the fp32 engine's greedy tokens, the next token is the fp32
+    engine's wherever fp32's top-1 is clear (CLEAR_MARGIN), and at 95% of all positions."""
+    from qwenserve.cpu_kernels import linear_probe
+    from tests.engine.test_precision import probe_result
+
+    monkeypatch.setattr(linear_probe, "measure", lambda *args: probe_result(2.0, 4))
+    folder = checkpoint(name)
+    prompts = [[(13 * i + 5 * j) % 997 + 2 for j in range(3 + 9 * i)] for i in range(4)]
+    max_tokens = 32
+    fp32 = greedy_and_teacher_forced(folder, "float32", prompts, None, max_tokens)
+    forced = greedy_and_teacher_forced(folder, "bfloat16", prompts, fp32, max_tokens, dtype="auto")
+    margins = fp32_margins(folder, prompts, fp32)
+    pairs = [(a == b, margin) for want, got, lead in zip(fp32, forced, margins, strict=True)
+             for a, b, margin in zip(want, got, lead, strict=True)]
+    flipped = [margin for same, margin in pairs if not same]
+    assert all(margin < CLEAR_MARGIN for margin in flipped), f"clear positions flipped: {flipped}"
+    assert sum(margin >= CLEAR_MARGIN for _, margin in pairs) >= len(pairs) // 2, "too few clear positions to test"
+    assert len(pairs) - len(flipped) >= 0.95 * len(pairs), f"top-1 agreement {len(pairs) - len(flipped)}/{len(pairs)}"

@@ -22,6 +22,7 @@ import torch
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.kernels import cuda_ops, model_ops, select_kernels
+from qwenserve.engine.precision import Precision
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.models import gated_delta
 from qwenserve.models import linear_attention_gpu as gpu
@@ -73,7 +74,7 @@ def test_an_engine_on_flash_linear_attention_matches_transformers(interpreted, r
 
 
 def test_without_cuda_or_the_packages_pytorch_runs() -> None:
-    chosen = select_kernels(EngineConfig(), torch.device("cpu"), torch.float32)
+    chosen = select_kernels(EngineConfig(dtype="float32"), torch.device("cpu"))
     assert chosen.ops.gated_delta_prefills is gated_delta.chunk_gated_delta_prefills
     if not torch.cuda.is_available():
         assert not gpu.fla_available() and not gpu.causal_conv1d_available()
@@ -88,8 +89,9 @@ def test_the_switch_turns_the_packages_off(monkeypatch: pytest.MonkeyPatch) -> N
     for name in ("fla_agrees", "causal_conv1d_agrees"):
         monkeypatch.setattr(gpu, name, lambda *device_and_dtype: True)
     cuda = torch.device("cuda")
-    assert model_ops(EngineConfig(), cuda, torch.bfloat16, None).name == "torch+fla+causal_conv1d"
-    assert model_ops(EngineConfig(linear_attention_kernels=False), cuda, torch.bfloat16, None) is TORCH_OPS
+    bf16 = Precision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    assert model_ops(EngineConfig(), cuda, bf16, None).name == "torch+fla+causal_conv1d"
+    assert model_ops(EngineConfig(linear_attention_kernels=False), cuda, bf16, None) is TORCH_OPS
 
 
 def test_the_start_up_check_passes_what_agrees_and_refuses_what_raises_or_differs(caplog) -> None:

@@ -39,6 +39,7 @@ def deployment(fuzz_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "QWENSERVE_THREADS": "1",
         "QWENSERVE_KV_CACHE_GB": repr(POOL_TOKENS * KV_BYTES_PER_TOKEN / 2**30),  # exact: a power of two
         "QWENSERVE_KV_POOL_MIB": "16",
+        "QWENSERVE_DTYPE": "float32",  # KV_BYTES_PER_TOKEN is fp32's
         "QWENSERVE_API_KEYS": f"{API_KEY}:fuzz",
     }
     cluster = LocalCluster(model=fuzz_model, env=env, log_dir=tmp_path_factory.mktemp("fuzz-logs"))

@@ -50,7 +50,7 @@ def silent_checkpoint(path: Path) -> Path:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     tmp = tmp_path_factory.mktemp("silent")
     env = {"QWENSERVE_KV_CACHE_GB": str(KV_POOL_TOKENS * KV_BYTES_PER_TOKEN / 2**30), "QWENSERVE_THREADS": "1",
-           "QWENSERVE_KV_POOL_MIB": "8"}
+           "QWENSERVE_KV_POOL_MIB": "8", "QWENSERVE_DTYPE": "float32"}  # KV_BYTES_PER_TOKEN is fp32's
     with LocalCluster(model=silent_checkpoint(tmp / "model"), env=env, log_dir=tmp / "logs") as running:
         yield running
 

@@ -252,12 +252,16 @@ def test_status_prints_one_row_per_process(traced_cluster: LocalCluster) -> None
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
-    assert lines[0].split() == ["STAGE", "ADDRESS", "STATE", "RUN/WAIT", "KV", "USE", "TOK/S", "RESTARTS"]
-    rows = {line.split()[1]: line.split() for line in lines[1:]}
+    assert lines[0].split() == ["STAGE", "ADDRESS", "STATE", "RUN/WAIT", "KV", "USE", "TOK/S", "RESTARTS",
+                                "PRECISION"]
+    rows = {line.split()[1]: line.split(maxsplit=7) for line in lines[1:]}
     assert set(rows) == {c.address for c in traced_cluster.children}
     for child in traced_cluster.children:
-        stage, _, state, run_wait, kv, tok_s, restarts = rows[child.address]
+        stage, _, state, run_wait, kv, tok_s, restarts, precision = rows[child.address]
         assert stage == child.name.split("-")[0] and state == "SERVING" and restarts == "0"
+        # --dtype auto (the default) on a CPU with the C kernels: fp32 math over a bf16 KV cache, and the weights
+        # in whichever dtype the start-up probe found faster.
+        assert precision == "-" if stage in ("router", "tokenizer") else "kv=bfloat16 activations=float32" in precision
         if stage in ("prefill", "decode"):
             running, waiting = run_wait.split("/")
             assert int(running) >= 0 and int(waiting) >= 0 and float(tok_s) >= 0

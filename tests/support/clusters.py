@@ -10,7 +10,10 @@ from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import router_pb2_grpc
 
 # Small KV pools and one thread keep four engine processes light on a two-core machine.
-WORKER_ENV = {"QWENSERVE_KV_CACHE_GB": "0.05", "QWENSERVE_THREADS": "1", "QWENSERVE_KV_POOL_MIB": "16"}
+# fp32 throughout: the tests size KV caches and pools in fp32 bytes and compare tokens across processes (under
+# --dtype auto each process chooses its bf16 products from its own start-up timing); the auto path has its own tests.
+WORKER_ENV = {"QWENSERVE_KV_CACHE_GB": "0.05", "QWENSERVE_THREADS": "1", "QWENSERVE_KV_POOL_MIB": "16",
+              "QWENSERVE_DTYPE": "float32"}
 
 
 def make_cluster(model: Path, tmp: Path, **kwargs: object) -> LocalCluster:

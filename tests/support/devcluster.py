@@ -24,9 +24,11 @@ REPO = Path(__file__).resolve().parents[2]
 # The port every pod serves /metrics on (the operator's manifests).
 METRICS_PORT = 9090
 STAGE_ARGS = {  # small engines: six pods share two cores
-    "prefill": ["--kv-cache-gb", "0.05", "--threads", "1", "--kv-pool-mib", "16"],
+    # fp32 throughout: the tests compare the pods' tokens with one in-process fp32 engine's (under --dtype auto each
+    # process would choose its bf16 products from its own start-up timing).
+    "prefill": ["--kv-cache-gb", "0.05", "--threads", "1", "--kv-pool-mib", "16", "--dtype", "float32"],
     # The stage's drain on SIGTERM (--grace-s, 10 s by default) within the pod's terminationGracePeriodSeconds.
-    "decode": ["--kv-cache-gb", "0.05", "--threads", "1", "--grace-s", "60"],
+    "decode": ["--kv-cache-gb", "0.05", "--threads", "1", "--grace-s", "60", "--dtype", "float32"],
     "router": ["--resolve-interval-s", "1"],  # a pod that joins or leaves is seen within a second
 }
 

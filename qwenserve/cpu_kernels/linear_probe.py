@@ -1,0 +1,116 @@
+"""A start-up measurement of this CPU's linear products, from which `--dtype auto` chooses an engine's precision
+(engine/precision.py).
+
+Which product is fastest depends on the CPU and on a step's row count, and no flag in /proc/cpuinfo says it:
+bf16 panels halve the bytes a decode step streams and win wherever decode is memory-bound, while at prefill's
+hundreds of rows oneDNN's bf16 product (AMX tiles, AVX512_BF16 dot products) can run several times our fp32
+panels on one CPU and far slower on another (AVX2 only). So it is measured, once per process, on a matrix the
+model's shape: our fp32 and bf16 panels at one row, and our bf16 panels against PyTorch's bf16 `F.linear` at
+`ROWS` rows. A few hundred milliseconds at start.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qwenserve.cpu_kernels.library import CpuKernels
+from qwenserve.cpu_kernels.packed_weight import PANEL, PackedWeight
+
+# Row counts where our bf16 panels and PyTorch's bf16 product are compared: decode batches to prefill chunks.
+ROWS = (4, 16, 64, 256)
+# The probe's matrix is the model's MLP input projection, capped so the probe stays short and small.
+MAX_PROBE_N, MAX_PROBE_K = 6144, 2048
+# Each timing is the best of this many runs (a one-off stall is not the product's speed) ...
+REPEATS = 5
+# ... of a loop at least this long (a 0.1 ms product is timed over many calls).
+MIN_LOOP_S = 0.004
+
+
+@dataclass(frozen=True)
+class LinearProbe:
+    """Milliseconds per product on an n x k matrix: `fp32_ms` and `bf16_ms` our panels at one row; `panels_ms` and
+    `onednn_ms` our bf16 panels and PyTorch's bf16 product at each of `ROWS` rows (keys)."""
+
+    n: int
+    k: int
+    fp32_ms: float
+    bf16_ms: float
+    panels_ms: dict[int, float]
+    onednn_ms: dict[int, float]
+    seconds: float  # what the probe took
+
+    def bf16_speedup(self) -> float:
+        """fp32 panels' time over bf16 panels' at one row: above 1, bf16 weights decode faster."""
+        return self.fp32_ms / self.bf16_ms
+
+    def onednn_from(self, margin: float = 0.9) -> int | None:
+        """The fewest probed rows from which PyTorch's bf16 product beats our bf16 panels (takes at most `margin`
+        of their time) at that count and every larger one probed; None where it never does."""
+        start = None
+        for rows in sorted(self.panels_ms, reverse=True):
+            if self.onednn_ms[rows] > margin * self.panels_ms[rows]:
+                break
+            start = rows
+        return start
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        rows = ", ".join(f"{r} rows {self.panels_ms[r]:.2f}/{self.onednn_ms[r]:.2f}" for r in sorted(self.panels_ms))
+        return (f"{self.n}x{self.k} at 1 row: fp32 panels {self.fp32_ms:.3f} ms, bf16 panels {self.bf16_ms:.3f} ms; "
+                f"bf16 panels/oneDNN bf16 ms: {rows} ({self.seconds:.2f} s)")
+
+
+def _best_ms(run: Callable[[], object]) -> float:
+    run()  # first call: page faults, oneDNN's primitive creation
+    start = time.perf_counter()
+    run()
+    once = max(time.perf_counter() - start, 1e-6)
+    calls = max(1, int(MIN_LOOP_S / once))
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e3
+
+
+def probe_shape(hidden_size: int, intermediate_size: int) -> tuple[int, int]:
+    """The probe's n x k for a model: its gate/up projection, capped at MAX_PROBE_N x MAX_PROBE_K, n a whole
+    number of panels."""
+    n = min(2 * max(intermediate_size, hidden_size), MAX_PROBE_N) // PANEL * PANEL
+    return max(n, PANEL), max(1, min(hidden_size, MAX_PROBE_K))
+
+
+@functools.cache
+def measure(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProbe:
+    """The products' times on an n x k matrix with `threads` threads, measured once per process and shape."""
+    started = time.perf_counter()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(n, k, generator=generator) / k**0.5
+        fp32, bf16 = PackedWeight.pack(weight), PackedWeight.pack(weight, torch.bfloat16)
+        dense = weight.to(torch.bfloat16)
+        del weight
+        x = torch.randn(max(ROWS), k, generator=generator)
+        one = x[:1].contiguous()
+        fp32_ms = _best_ms(functools.partial(kernels.linear_packed, one, fp32))
+        del fp32  # a model-sized fp32 matrix need not outlive its timing
+        bf16_ms = _best_ms(functools.partial(kernels.linear_packed, one, bf16))
+        panels_ms, onednn_ms = {}, {}
+        for rows in ROWS:
+            xs = x[:rows].contiguous()
+            xb = xs.to(torch.bfloat16)
+            panels_ms[rows] = _best_ms(functools.partial(kernels.linear_packed, xs, bf16))
+            onednn_ms[rows] = _best_ms(lambda xb=xb: F.linear(xb, dense).float())
+    finally:
+        torch.set_num_threads(previous)
+    return LinearProbe(n, k, fp32_ms, bf16_ms, panels_ms, onednn_ms, time.perf_counter() - started)

@@ -1,0 +1,146 @@
+"""`--dtype auto`'s choice of precision (engine/precision.py) from the probe of this CPU's products, with the probe
+stood in where the choice is the subject, and the oneDNN rows of the packed product against PyTorch's forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwenserve.cpu_kernels import loader
+from qwenserve.cpu_kernels.library import CpuKernels
+from qwenserve.cpu_kernels.linear_probe import ROWS, LinearProbe, measure, probe_shape
+from qwenserve.cpu_kernels.packed_weight import PackedWeight
+from qwenserve.engine.config import EngineConfig
+from qwenserve.engine.kernels import select_kernels
+from qwenserve.engine.precision import Precision, resolve_precision
+from qwenserve.models.ops import cpu_kernel_ops
+
+CPU = torch.device("cpu")
+FP32, BF16 = torch.float32, torch.bfloat16
+
+
+def probe_result(bf16_speedup: float, onednn_wins_from: int | None) -> LinearProbe:
+    """A probe whose bf16 panels decode `bf16_speedup` times fp32's and whose oneDNN product wins from
+    `onednn_wins_from` probed rows up."""
+    panels = {rows: float(rows) for rows in ROWS}
+    onednn = {rows: rows * (0.5 if onednn_wins_from is not None and rows >= onednn_wins_from else 2.0)
+              for rows in ROWS}
+    return LinearProbe(64, 32, 1.0, 1.0 / bf16_speedup, panels, onednn, 0.01)
+
+
+class StandIn:
+    """A probe that answers `result` and remembers what it was asked."""
+
+    def __init__(self, result: LinearProbe) -> None:
+        self.result = result
+        self.calls: list[tuple[int, int, int]] = []
+
+    def __call__(self, kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProbe:
+        self.calls.append((n, k, threads))
+        return self.result
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    loaded = loader.load()
+    if loaded is None:
+        pytest.skip("no CPU kernels here")
+    return loaded
+
+
+def test_auto_takes_bf16_weights_and_kv_where_the_probe_finds_them_faster(kernels: CpuKernels) -> None:
+    probe = StandIn(probe_result(1.8, 16))
+    precision = resolve_precision(EngineConfig(), CPU, kernels, (1024, 3072), probe=probe)
+    assert (precision.dtype, precision.weight_dtype, precision.kv_dtype) == (FP32, BF16, BF16)
+    assert precision.onednn_rows == 16
+    assert "1.80x" in precision.reason and "16 rows" in precision.reason
+    assert precision.labels() == {"activations": "float32", "weights": "bfloat16", "kv": "bfloat16"}
+    # The model's MLP input projection is what was measured.
+    assert probe.calls == [(6144, 1024, torch.get_num_threads())]
+
+
+def test_auto_keeps_fp32_weights_where_bf16_is_no_faster_but_the_kv_choice_does_not_follow_the_timing(
+        kernels: CpuKernels) -> None:
+    """The KV dtype is what a prefill and a decode worker must agree on, so it never depends on a measurement."""
+    precision = resolve_precision(EngineConfig(), CPU, kernels, (1024, 3072), probe=StandIn(probe_result(1.02, 4)))
+    assert (precision.weight_dtype, precision.kv_dtype, precision.onednn_rows) == (FP32, BF16, None)
+    assert "only 1.02x" in precision.reason
+
+
+def test_onednn_rows_are_none_where_it_never_wins(kernels: CpuKernels) -> None:
+    precision = resolve_precision(EngineConfig(), CPU, kernels, probe=StandIn(probe_result(2.0, None)))
+    assert precision.weight_dtype == BF16 and precision.onednn_rows is None
+    assert select_kernels(EngineConfig(cpu_weight_dtype="bfloat16"), CPU).ops.name == "cpu_kernels+bf16_weights"
+
+
+def test_explicit_dtypes_are_honoured_and_measure_nothing(kernels: CpuKernels) -> None:
+    probe = StandIn(probe_result(2.0, 4))
+    exact = resolve_precision(EngineConfig(dtype="float32"), CPU, kernels, probe=probe)
+    assert exact == Precision(FP32, FP32, FP32, None, "--dtype float32") and exact.name == "float32"
+    mixed = resolve_precision(EngineConfig(dtype="float32", cpu_weight_dtype="bfloat16", kv_cache_dtype="bfloat16"),
+                              CPU, kernels, probe=probe)
+    assert (mixed.weight_dtype, mixed.kv_dtype, mixed.onednn_rows) == (BF16, BF16, None)
+    assert "--cpu-weight-dtype" in mixed.reason and "--kv-cache-dtype" in mixed.reason
+    # Under auto, one explicit part is kept and the other still chosen.
+    kv_fp32 = resolve_precision(EngineConfig(kv_cache_dtype="float32"), CPU, kernels, probe=probe)
+    assert (kv_fp32.weight_dtype, kv_fp32.kv_dtype, kv_fp32.onednn_rows) == (BF16, FP32, 4)
+    assert probe.calls and len(probe.calls) == 1  # only the auto weights were measured
+
+
+def test_hybrid_models_keep_their_kv_in_the_models_dtype(kernels: CpuKernels) -> None:
+    precision = resolve_precision(EngineConfig(), CPU, kernels, hybrid=True, probe=StandIn(probe_result(2.0, 64)))
+    assert (precision.weight_dtype, precision.kv_dtype) == (BF16, FP32)
+
+
+def test_without_the_kernels_or_on_cuda_auto_is_one_dtype() -> None:
+    probe = StandIn(probe_result(2.0, 4))
+    plain = resolve_precision(EngineConfig(), CPU, None, probe=probe)
+    assert plain == Precision(FP32, FP32, FP32, None, "auto without the C kernels (PyTorch's ops)")
+    cuda = resolve_precision(EngineConfig(device="cuda"), torch.device("cuda"), None, probe=probe)
+    assert (cuda.dtype, cuda.weight_dtype, cuda.kv_dtype) == (BF16, BF16, BF16) and cuda.name == "bfloat16"
+    assert not probe.calls
+
+
+def test_onednn_from_needs_every_larger_probed_count_to_win() -> None:
+    panels = dict.fromkeys(ROWS, 1.0)
+    assert LinearProbe(16, 16, 1, 1, panels, dict.fromkeys(ROWS, 0.5), 0).onednn_from() == min(ROWS)
+    assert LinearProbe(16, 16, 1, 1, panels, dict.fromkeys(ROWS, 0.95), 0).onednn_from() is None  # within margin
+    uneven = {4: 0.5, 16: 0.5, 64: 2.0, 256: 0.5}
+    assert LinearProbe(16, 16, 1, 1, panels, uneven, 0).onednn_from() == 256
+
+
+def test_the_probe_measures_the_models_shape_capped(kernels: CpuKernels) -> None:
+    assert probe_shape(1024, 3072) == (6144, 1024)
+    assert probe_shape(5120, 25600) == (6144, 2048)
+    assert probe_shape(40, 24) == (80, 40)
+    result = measure(kernels, 64, 48, 1)
+    assert set(result.panels_ms) == set(result.onednn_ms) == set(ROWS)
+    assert min(result.fp32_ms, result.bf16_ms, *result.panels_ms.values(), *result.onednn_ms.values()) > 0
+    assert "64x48" in result.summary()
+
+
+@pytest.mark.parametrize(("n", "k"), [(48, 37), (16, 5), (80, 130)])
+def test_the_packed_product_hands_many_rows_to_pytorchs_bf16(kernels: CpuKernels, n: int, k: int) -> None:
+    """Below the oneDNN rows the bf16 panels' fp32 product, from them up PyTorch's bf16 product of x rounded to
+    bf16 (what the probe timed), bias added after either; 3-D inputs count their rows."""
+    gen = torch.Generator().manual_seed(n * k)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    ops = cpu_kernel_ops(kernels, FP32, BF16, onednn_rows=4)
+    model = torch.nn.Module()
+    model.down_proj = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    assert ops.prepare(model) == 1
+    packed = model.down_proj
+    assert isinstance(packed, PackedWeight) and packed.dense is not None and packed.dense.dtype == BF16
+    assert torch.equal(packed.dense, weight.to(BF16))
+    rounded = weight.to(BF16).float()
+    few = torch.randn(3, k, generator=gen)
+    torch.testing.assert_close(ops.linear(few, packed, bias), few @ rounded.t() + bias, rtol=1e-5, atol=1e-4)
+    many = torch.randn(2, 3, k, generator=gen)  # six rows
+    torch.testing.assert_close(ops.linear(many, packed, bias), F.linear(many.to(BF16), weight.to(BF16)).float() + bias)
+    assert ops.name == "cpu_kernels+bf16_weights+onednn>=4"
+    # Stacked weights (MoE experts) index their dense copy with their panels.
+    stacked = PackedWeight.pack(torch.randn(2, 16, 8, generator=gen), BF16, dense=True)
+    assert stacked[1].dense is not None and stacked[1].dense.shape == (16, 8) and stacked[1].shape == (16, 8)
+    # fp32 weights never take that path: nothing is kept twice.
+    assert cpu_kernel_ops(kernels, FP32, FP32, onednn_rows=4).name == "cpu_kernels"
