@@ -66,19 +66,24 @@ class LinearProbe:
                 f"bf16 panels/oneDNN bf16 ms: {rows} ({self.seconds:.2f} s)")
 
 
-def _best_ms(run: Callable[[], object]) -> float:
-    run()  # first call: page faults, oneDNN's primitive creation
-    start = time.perf_counter()
-    run()
-    once = max(time.perf_counter() - start, 1e-6)
-    calls = max(1, int(MIN_LOOP_S / once))
-    best = float("inf")
-    for _ in range(REPEATS):
+def _best_ms(*runs: Callable[[], object]) -> list[float]:
+    """Each run's best time per call, in ms. The runs' loops alternate, so a burst of load from another process
+    (a sibling stage loading its weights at the same start) weighs on every run alike, not on whichever was timed
+    then."""
+    calls = []
+    for run in runs:
+        run()  # first call: page faults, oneDNN's primitive creation
         start = time.perf_counter()
-        for _ in range(calls):
-            run()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e3
+        run()
+        calls.append(max(1, int(MIN_LOOP_S / max(time.perf_counter() - start, 1e-6))))
+    best = [float("inf")] * len(runs)
+    for _ in range(REPEATS):
+        for i, (run, count) in enumerate(zip(runs, calls, strict=True)):
+            start = time.perf_counter()
+            for _ in range(count):
+                run()
+            best[i] = min(best[i], (time.perf_counter() - start) / count)
+    return [b * 1e3 for b in best]
 
 
 def probe_shape(hidden_size: int, intermediate_size: int) -> tuple[int, int]:
@@ -102,15 +107,15 @@ def measure(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProbe:
         del weight
         x = torch.randn(max(ROWS), k, generator=generator)
         one = x[:1].contiguous()
-        fp32_ms = _best_ms(functools.partial(kernels.linear_packed, one, fp32))
+        fp32_ms, bf16_ms = _best_ms(functools.partial(kernels.linear_packed, one, fp32),
+                                    functools.partial(kernels.linear_packed, one, bf16))
         del fp32  # a model-sized fp32 matrix need not outlive its timing
-        bf16_ms = _best_ms(functools.partial(kernels.linear_packed, one, bf16))
         panels_ms, onednn_ms = {}, {}
         for rows in ROWS:
             xs = x[:rows].contiguous()
             xb = xs.to(torch.bfloat16)
-            panels_ms[rows] = _best_ms(functools.partial(kernels.linear_packed, xs, bf16))
-            onednn_ms[rows] = _best_ms(lambda xb=xb: F.linear(xb, dense).float())
+            panels_ms[rows], onednn_ms[rows] = _best_ms(functools.partial(kernels.linear_packed, xs, bf16),
+                                                        lambda xb=xb: F.linear(xb, dense).float())
     finally:
         torch.set_num_threads(previous)
     return LinearProbe(n, k, fp32_ms, bf16_ms, panels_ms, onednn_ms, time.perf_counter() - started)
