@@ -137,6 +137,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, redis_url: str, key_file: 
         "QWENSERVE_API_KEYS_FILE": str(key_file),
         "QWENSERVE_REDIS_URL": redis_url,
         "QWENSERVE_RATELIMIT_FAILURE_MODE": "closed",
+        # fp32: answers are compared token for token and logprob for logprob across requests whose batches differ
+        # (under --dtype auto a step's row count picks the bf16 product it runs).
+        "QWENSERVE_DTYPE": "float32",
     }
     with LocalCluster(model=ensure_default_model(), env=env, log_dir=logs) as running:
         _wait_for_http(running.http_port, logs)
