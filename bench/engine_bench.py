@@ -145,22 +145,25 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int = 64, steps:
     return gaps[len(gaps) // 2]
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now (VmRSS)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+def weight_bytes_held(engine: LLMEngine) -> int:
+    """The bytes of the model's weights as the engine holds them: parameters, buffers and packed weights (their
+    panels and any bf16 copy kept for PyTorch's product). Counted, not read from RSS: the engine keeps the memory
+    an earlier engine freed (host_memory.py), so a process's RSS growth undercounts the next one."""
+    from qwenserve.cpu_kernels.packed_weight import PackedWeight
+
+    model = engine.runner.model
+    held = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+    return held + sum(w.nbytes for m in model.modules() for w in vars(m).values() if isinstance(w, PackedWeight))
 
 
 def precision_rates(folder: Path, threads: int | None, context: int = 1000, batches: tuple[int, ...] = (1, 32),
                     long_prompt: int = 2000) -> None:
     """Per precision (fp32 throughout; bf16 KV; bf16 weights + bf16 KV; `--dtype auto`, which may add PyTorch's bf16
     product at many rows): decode tokens/s at `context` tokens for each batch size, the time to first token of one
-    `long_prompt`-token prompt (its prefill), and the resident memory the engine added, with ratios to fp32.
+    `long_prompt`-token prompt (its prefill), and the memory its weights take (weight_bytes_held), with ratios to
+    fp32; every engine has the same KV budget.
     The batch shares one prompt prefix, so its prefill runs once (prefix caching); every sequence's attention
-    still reads its whole context, through its own block table. Memory: freed memory is returned between engines
-    (the engine's allocator setting), so each engine's growth is its own."""
+    still reads its whole context, through its own block table."""
     settings = {"float32": dict(dtype="float32"),
                 "bf16 KV": dict(dtype="float32", kv_cache_dtype="bfloat16"),
                 "bf16 weights + KV": dict(dtype="float32", kv_cache_dtype="bfloat16", cpu_weight_dtype="bfloat16"),
@@ -168,10 +171,9 @@ def precision_rates(folder: Path, threads: int | None, context: int = 1000, batc
     prefix = [(13 * j) % 1000 + 1 for j in range(context - 8)]
     rows: dict[str, dict[str, float]] = {}
     for name, overrides in settings.items():
-        before = resident_bytes()
         engine = LLMEngine.from_pretrained(folder, EngineConfig(num_threads=threads, kv_cache_memory_gb=1.0,
                                                                 max_num_seqs=64, **overrides))
-        row = rows[name] = {"memory_gib": (resident_bytes() - before) / 2**30}
+        row = rows[name] = {"weights_gib": weight_bytes_held(engine) / 2**30}
         print(f"{name}: {engine.precision.name} ({engine.precision.reason})", flush=True)
         # Two different long prompts (no prefix shared), the better time: the first also pays first-call costs.
         row["ttft_2k_s"] = min(run_engine(engine, [[(11 * j + r) % 5000 + 7 for j in range(long_prompt)]],
