@@ -60,7 +60,7 @@ class Up:
     def stage_pid(self, stage: str) -> int:
         """The pid of `up`'s child that serves `stage` (tokenizer, prefill, decode)."""
         pids = [int(p) for task in os.listdir(f"/proc/{self.process.pid}/task")
-                for p in Path(f"/proc/{self.process.pid}/task/{task}/children").read_text().split()]
+                for p in _read(Path(f"/proc/{self.process.pid}/task/{task}/children")).split()]
         found = [pid for pid in pids if f"serve\0{stage}\0" in _cmdline(pid)]
         assert len(found) == 1, (stage, found)
         return found[0]
@@ -71,6 +71,14 @@ class Up:
             assert self.process.poll() is None, f"up exited ({self.process.returncode}): {self.log()[-3000:]}"
             assert time.monotonic() < deadline, f"no {text!r} in up's log within {within_s:g} s: {self.log()[-3000:]}"
             time.sleep(0.2)
+
+
+def _read(path: Path) -> str:
+    """A /proc file's text, "" where its task or process is gone (one of up's threads may end while we look)."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _cmdline(pid: int) -> str:
