@@ -9,6 +9,7 @@ import math
 import torch
 
 from qwenserve.cpu_kernels.packed_weight import PANEL, PANEL_DTYPES, PackedWeight
+from qwenserve.cpu_kernels.quant_weight import QuantWeight
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -21,6 +22,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.linear_packed.argtypes = [pointer] * 3 + [i64] * 4
     lib.linear_packed_bf16.restype = None
     lib.linear_packed_bf16.argtypes = [pointer] * 3 + [i64] * 4
+    lib.linear_quant.restype = ctypes.c_int
+    lib.linear_quant.argtypes = [pointer] * 5 + [i64] * 6
     lib.kv_checksum_chunks.restype = None
     lib.kv_checksum_chunks.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] + [i64] * 2
     lib.kv_checksum_combine.restype = ctypes.c_uint64
@@ -112,6 +115,29 @@ class CpuKernels:
         _check_cpu_fp32("linear_packed", out)
         product = self.lib.linear_packed if packed.dtype == torch.float32 else self.lib.linear_packed_bf16
         product(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n, torch.get_num_threads())
+        return out
+
+    def linear_quant(self, x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, k] @ Wᵀ -> [m, n] for a weight kept as 4- or 8-bit codes (W4A16, W8A16: linear_quant.c), x and `out`
+        contiguous fp32 CPU tensors, written into `out` [m, n] when given. The GIL is released while it runs."""
+        _check_cpu_fp32("linear_quant", x)
+        weight.check()
+        n, k = weight.shape
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"linear_quant: x must be [m, {k}], got {tuple(x.shape)}")
+        if weight.perm is not None:
+            x = x.index_select(1, weight.perm)
+        m = x.shape[0]
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32)
+        elif out.shape != (m, n):
+            raise ValueError(f"linear_quant: out must have shape {(m, n)}")
+        _check_cpu_fp32("linear_quant", out)
+        status = self.lib.linear_quant(x.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(),
+                                       weight.zeros.data_ptr(), out.data_ptr(), m, k, n, weight.bits, weight.group_size,
+                                       torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("linear_quant could not allocate its scratch")
         return out
 
     def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:

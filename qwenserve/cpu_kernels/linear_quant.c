@@ -1,0 +1,248 @@
+/* y = x · Wᵀ (a linear layer without bias) on CPU, x and y fp32, W held as 4- or 8-bit integer codes with a scale
+ * and a zero point per output column and group of input columns (W4A16 / W8A16 checkpoints: AWQ, GPTQ,
+ * compressed-tensors), never dequantized in memory: W[o][i] = (c[o][i] - z[o][g]) * s[o][g], g = i / group.
+ *
+ * Layout (quant_weight.py's QuantWeight.pack), output columns in panels of 16 as in linear.c:
+ *   codes  uint8 [n/16][k/2][16] at 4 bits: byte j of pair p holds column j's codes for inputs 2p (low nibble) and
+ *          2p + 1 (high nibble), a half of the bytes of a panel per input pair; uint8 [n/16][k][16] at 8 bits;
+ *   scales, zeros  fp32 [n/16][groups][16].
+ * A group's scale and zero point are constant over its inputs, so they leave its sum:
+ *   y[r][o] = sum_g s[o][g] * (sum_{i in g} c[o][i] x[r][i] - z[o][g] * xsum[r][g]),  xsum[r][g] = sum_{i in g} x[r][i]
+ * and the inner loop is one widening of 16 codes to fp32 (zero-extend, convert) and one FMA per row of x, the x
+ * value broadcast from memory. The codes stay exact integers in fp32; what differs from the product of the
+ * dequantized weights is the rounding order (the tests bound it).
+ *
+ * Decode (a few rows) streams the codes from memory once: a quarter (4-bit) or half (8-bit) of bf16 panels' bytes.
+ * Each thread takes strips of STRIP panels over all k and runs every row tile of x over a strip while it is in
+ * L1/L2; the codes are prefetched PREFETCH_BYTES ahead. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QPANEL 16
+#if defined(__AVX512F__)
+#define QPLANES 16
+#elif defined(__AVX__)
+#define QPLANES 8
+#else
+#define QPLANES 4
+#endif
+#define QPER_PANEL (QPANEL / QPLANES)
+typedef float vecf __attribute__((vector_size(QPLANES * 4)));
+typedef int32_t veci __attribute__((vector_size(QPLANES * 4)));
+typedef uint8_t vecb __attribute__((vector_size(QPLANES)));
+
+/* A strip of STRIP panels is a thread's unit of work. Tiles of x's rows x panels keep their accumulators in
+ * registers: with AVX-512's 32, 4 rows x 4 panels where m <= 4 (16 accumulators, 8 widened code vectors) and 8 rows
+ * x 2 panels above (16 and 4: the codes' widening then spreads over twice the rows); with AVX2's 16, 4 rows x 1
+ * panel (2 vectors); without AVX, 2 x 1. */
+#if QPLANES == 16
+#define STRIP 4
+#define FEW_ROWS 4
+#define MANY_ROWS 8
+#define MANY_PANELS 2
+#elif QPLANES == 8
+#define STRIP 1
+#define FEW_ROWS 4
+#define MANY_ROWS 4
+#define MANY_PANELS 1
+#else
+#define STRIP 1
+#define FEW_ROWS 2
+#define MANY_ROWS 2
+#define MANY_PANELS 1
+#endif
+#define MAX_ROWS (MANY_ROWS > FEW_ROWS ? MANY_ROWS : FEW_ROWS)
+#define STRIP_VECS (STRIP * QPER_PANEL)
+#define TOT_STRIDE (STRIP * QPANEL) /* floats per row of a strip's results */
+#define PREFETCH_BYTES 1024 /* per panel stream, a few cache lines ahead */
+
+/* QPLANES codes widened to int32: one vpmovzxbd from memory with AVX2 or AVX-512 (GCC turns the portable form
+ * below into byte-by-byte inserts there). */
+#if defined(__AVX512F__) && QPLANES == 16
+#include <immintrin.h>
+static inline veci load_codes(const uint8_t *p) {
+    return (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+#elif defined(__AVX2__) && QPLANES == 8
+#include <immintrin.h>
+static inline veci load_codes(const uint8_t *p) {
+    return (veci)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+#else
+static inline veci load_codes(const uint8_t *p) {
+    vecb b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, veci);
+}
+#endif
+
+static inline vecf loadf(const float *p) {
+    vecf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#define S4(s) s, s, s, s
+#if QPLANES == 16
+#define SPLATF(s) ((vecf){S4(s), S4(s), S4(s), S4(s)})
+#define SPLATI(s) ((veci){S4(s), S4(s), S4(s), S4(s)})
+#elif QPLANES == 8
+#define SPLATF(s) ((vecf){S4(s), S4(s)})
+#define SPLATI(s) ((veci){S4(s), S4(s)})
+#else
+#define SPLATF(s) ((vecf){S4(s)})
+#define SPLATI(s) ((veci){S4(s)})
+#endif
+
+/* Rows [0, rows) of x against panels [q, q + panels), over all k, into tot[r][16 * p + j] (column 16 (q + p) + j of
+ * row r; x, xsum and tot already offset to the tile's first row and panel). At 4 bits x is `xt`, transformed so that
+ * a pair of inputs needs two conversions: with b = lo + 16 hi the pair's byte, lo * x0 + hi * x1 =
+ * lo * (x0 - x1 / 16) + b * (x1 / 16), so xt[2p] = x[2p] - x[2p + 1] / 16 and xt[2p + 1] = x[2p + 1] / 16 (the
+ * shift of the high nibble saved; a missing last input is 0). Constant rows, panels and bits (inlined into a
+ * switch) keep the accumulators in registers. */
+static inline __attribute__((always_inline)) void quant_tile(const float *x, const float *xsum, const uint8_t *codes,
+                                                             const float *scales, const float *zeros, float *tot,
+                                                             int64_t k, int64_t group, int64_t groups, int64_t q,
+                                                             const int rows, const int panels, const int bits) {
+    const int vecs = panels * QPER_PANEL;
+    const int64_t steps = bits == 4 ? (k + 1) / 2 : k; /* a panel's k steps: pairs of inputs, or inputs */
+    const int64_t stride = bits == 4 ? 2 * steps : k;  /* x's (or xt's) row length */
+    const int64_t panel_bytes = steps * QPANEL;
+    const uint8_t *cq = codes + q * panel_bytes;
+    const float *sq = scales + q * groups * QPANEL, *zq = zeros + q * groups * QPANEL;
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vecs; v++) memset(tot + r * TOT_STRIDE + v * QPLANES, 0, sizeof(vecf));
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t i1 = (g + 1) * group < k ? (g + 1) * group : k;
+        /* At 4 bits, steps are pairs: a group's (even) start, and its end rounded up to take an odd last input. */
+        const int64_t s0 = bits == 4 ? g * group / 2 : g * group, s1 = bits == 4 ? (i1 + 1) / 2 : i1;
+        vecf acc[MAX_ROWS][STRIP_VECS];
+        for (int r = 0; r < rows; r++)
+            for (int v = 0; v < vecs; v++) acc[r][v] = SPLATF(0.0f);
+        for (int64_t i = s0; i < s1; i++) {
+            vecf lo[STRIP_VECS], all[STRIP_VECS];
+            for (int v = 0; v < vecs; v++) {
+                const uint8_t *p = cq + (v / QPER_PANEL) * panel_bytes + i * QPANEL + (v % QPER_PANEL) * QPLANES;
+                __builtin_prefetch(p + PREFETCH_BYTES);
+                const veci c = load_codes(p);
+                all[v] = __builtin_convertvector(c, vecf);
+                if (bits == 4) lo[v] = __builtin_convertvector(c & SPLATI(15), vecf);
+            }
+            for (int r = 0; r < rows; r++) {
+                if (bits == 4) {
+                    const vecf a = SPLATF(x[r * stride + 2 * i]), b = SPLATF(x[r * stride + 2 * i + 1]);
+                    for (int v = 0; v < vecs; v++) acc[r][v] += lo[v] * a + all[v] * b;
+                } else {
+                    const vecf a = SPLATF(x[r * stride + i]);
+                    for (int v = 0; v < vecs; v++) acc[r][v] += all[v] * a;
+                }
+            }
+        }
+        for (int v = 0; v < vecs; v++) {
+            const int64_t at = (v / QPER_PANEL) * groups * QPANEL + g * QPANEL + (v % QPER_PANEL) * QPLANES;
+            const vecf s = loadf(sq + at), z = loadf(zq + at);
+            for (int r = 0; r < rows; r++) {
+                float *t = tot + r * TOT_STRIDE + v * QPLANES;
+                const vecf sum = loadf(t) + s * (acc[r][v] - z * SPLATF(xsum[r * groups + g]));
+                memcpy(t, &sum, sizeof sum);
+            }
+        }
+    }
+}
+
+#define QUANT_TILE(r, p, b) quant_tile(x, xsum, codes, scales, zeros, tot, k, group, groups, q, r, p, b)
+#define ROWS_2(p, b) case 2: QUANT_TILE(2, p, b); break; default: QUANT_TILE(1, p, b); break;
+#define ROWS_4(p, b) case 4: QUANT_TILE(4, p, b); break; case 3: QUANT_TILE(3, p, b); break; ROWS_2(p, b)
+#define ROWS_8(p, b) case 8: QUANT_TILE(8, p, b); break; case 7: QUANT_TILE(7, p, b); break;                 \
+    case 6: QUANT_TILE(6, p, b); break; case 5: QUANT_TILE(5, p, b); break; ROWS_4(p, b)
+#define ROWS_OF(n) ROWS_##n
+#define TILE_OF(n, p, b) switch (rows) { ROWS_OF(n)(p, b) }
+
+/* A tile of `rows` x `panels`: at most FEW_ROWS x STRIP, or MANY_ROWS x MANY_PANELS. */
+static void any_quant_tile(const float *x, const float *xsum, const uint8_t *codes, const float *scales,
+                           const float *zeros, float *tot, int64_t k, int64_t group, int64_t groups, int64_t q,
+                           int rows, int panels, int bits) {
+#if STRIP == 4
+    if (rows > FEW_ROWS) {
+        if (panels >= MANY_PANELS) {
+            if (bits == 4) { TILE_OF(8, 2, 4) } else { TILE_OF(8, 2, 8) }
+        } else {
+            if (bits == 4) { TILE_OF(8, 1, 4) } else { TILE_OF(8, 1, 8) }
+        }
+    } else if (panels >= 4) {
+        if (bits == 4) { TILE_OF(4, 4, 4) } else { TILE_OF(4, 4, 8) }
+    } else if (panels == 3) {
+        if (bits == 4) { TILE_OF(4, 3, 4) } else { TILE_OF(4, 3, 8) }
+    } else if (panels == 2) {
+        if (bits == 4) { TILE_OF(4, 2, 4) } else { TILE_OF(4, 2, 8) }
+    } else {
+        if (bits == 4) { TILE_OF(4, 1, 4) } else { TILE_OF(4, 1, 8) }
+    }
+#elif FEW_ROWS == 4
+    (void)panels;
+    if (bits == 4) { TILE_OF(4, 1, 4) } else { TILE_OF(4, 1, 8) }
+#else
+    (void)panels;
+    if (bits == 4) { TILE_OF(2, 1, 4) } else { TILE_OF(2, 1, 8) }
+#endif
+}
+
+#undef QUANT_TILE
+#undef TILE_OF
+
+/* x [m, k] fp32, y [m, n] fp32, the weight as described above with `bits` 4 or 8 and groups of `group` inputs
+ * (the last one may be shorter; at 4 bits every group but the last has an even length, so no input pair
+ * straddles two groups). Returns 0, or -1 when the scratch for the groups' sums of x could not be allocated. */
+int linear_quant(const float *x, const uint8_t *codes, const float *scales, const float *zeros, float *y, int64_t m,
+                 int64_t k, int64_t n, int64_t bits, int64_t group, int64_t num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    const int64_t groups = (k + group - 1) / group, panels = (n + QPANEL - 1) / QPANEL;
+    const int64_t strips = (panels + STRIP - 1) / STRIP, stride = bits == 4 ? 2 * ((k + 1) / 2) : k;
+    float *xsum = malloc((size_t)(m * groups > 0 ? m * groups : 1) * sizeof(float));
+    float *xt = bits == 4 ? malloc((size_t)(m * stride > 0 ? m * stride : 1) * sizeof(float)) : NULL;
+    if (xsum == NULL || (bits == 4 && xt == NULL)) {
+        free(xsum);
+        free(xt);
+        return -1;
+    }
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * k;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t i1 = (g + 1) * group < k ? (g + 1) * group : k;
+            float s = 0.0f;
+            for (int64_t i = g * group; i < i1; i++) s += xr[i];
+            xsum[r * groups + g] = s;
+        }
+        if (bits == 4)
+            for (int64_t i = 0; i < stride; i += 2) {
+                const float x1 = i + 1 < k ? xr[i + 1] : 0.0f;
+                xt[r * stride + i] = xr[i] - x1 * 0.0625f;
+                xt[r * stride + i + 1] = x1 * 0.0625f;
+            }
+    }
+    const float *xs = bits == 4 ? xt : x;
+    const int rows_per_tile = m > FEW_ROWS ? MANY_ROWS : FEW_ROWS;
+    const int tile_panels = m > FEW_ROWS ? MANY_PANELS : STRIP;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t strip = 0; strip < strips; strip++) {
+        const int64_t q0 = strip * STRIP;
+        const int strip_panels = panels - q0 >= STRIP ? STRIP : (int)(panels - q0);
+        const int64_t col = q0 * QPANEL, width = n - col < TOT_STRIDE ? n - col : TOT_STRIDE;
+        float tot[MAX_ROWS * TOT_STRIDE];
+        for (int64_t m0 = 0; m0 < m; m0 += rows_per_tile) {
+            const int rows = m - m0 >= rows_per_tile ? rows_per_tile : (int)(m - m0);
+            for (int p = 0; p < strip_panels; p += tile_panels)
+                any_quant_tile(xs + m0 * stride, xsum + m0 * groups, codes, scales, zeros, tot + p * QPANEL, k, group,
+                               groups, q0 + p, rows,
+                               strip_panels - p < tile_panels ? strip_panels - p : tile_panels, (int)bits);
+            /* The padded columns of a last, partial panel are computed and dropped here. */
+            for (int r = 0; r < rows; r++)
+                memcpy(y + (m0 + r) * n + col, tot + r * TOT_STRIDE, (size_t)width * sizeof(float));
+        }
+    }
+    free(xsum);
+    free(xt);
+    return 0;
+}
