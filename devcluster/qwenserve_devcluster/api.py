@@ -1,7 +1,7 @@
 """The API side of the local cluster: the kmock Kubernetes emulator, the operator against it, and a client.
 
 The emulator is kmock's `KubernetesEmulator` (the one tests/operator runs the operator against) plus
-what a real API server does on create (a name from generateName, a uid). The operator is the real one
+what a real API server does that the operator and kubectl rely on (see `ApiServer`). The operator is the real one
 (kopf and our handlers) in a thread with its own event loop, as in production. `ApiClient` is the
 small REST client the pod runner and `dev-cluster scale` use: list, create, merge-patch, delete.
 """
@@ -9,29 +9,105 @@ small REST client the pod runner and `dev-cluster scale` use: list, create, merg
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
+import re
 import threading
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import aiohttp.web
 import kmock
 import kopf
 
-QD = "qwenserve.io/v1alpha1/qwendeployments"
-RESOURCES = {  # plural path -> kind; everything the operator and the pod runner touch
-    "apps/v1/deployments": "Deployment",
-    "v1/services": "Service",
-    "v1/configmaps": "ConfigMap",
-    "v1/secrets": "Secret",
-    "v1/pods": "Pod",
-    "v1/events": "Event",
-}
+from qwenserve_devcluster.discovery import (
+    QWENDEPLOYMENTS,
+    RESOURCES,
+    VERBS,
+    api_group,
+    api_group_list,
+    api_resource_list,
+    api_versions,
+    find,
+    openapi_v3,
+    unknown_fields,
+)
+from qwenserve_devcluster.tables import table, wants_table
+from qwenserve_operator.crd import openapi_schema
+
+QD = QWENDEPLOYMENTS.key
+
+
+def _header(request: kmock.Request, name: str) -> str:
+    return next((v for k, v in request.headers.items() if k.lower() == name.lower()), "")
+
+
+def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
+    """An error as the API server answers it (a meta/v1 Status), which kubectl prints as its message."""
+    return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                                      "code": code, "reason": reason, "message": message}, status=code)
+
+
+_TERM = re.compile(r"\s*(!?)([\w./-]+)\s*(?:(==|=|!=)\s*([\w.-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*")
+
+
+def label_selector(selector: str) -> Callable[[dict[str, str]], bool]:
+    """A predicate on labels for a list's `labelSelector` (`a=b`, `a!=b`, `a`, `!a`, `a in (x,y)`, `a notin (x)`)."""
+    checks: list[Callable[[dict[str, str]], bool]] = []
+    for term in filter(str.strip, re.split(r",(?![^(]*\))", selector)):
+        match = _TERM.fullmatch(term)
+        if match is None:
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message=f"unable to parse requirement: {term!r}")
+        negated, key, operator, value, set_operator, values = match.groups()
+        if set_operator:
+            allowed = {v.strip() for v in values.split(",")}
+            checks.append(lambda labels, k=key, a=allowed, o=set_operator: (labels.get(k) in a) == (o == "in")
+                          if k in labels else o == "notin")
+        elif operator:
+            checks.append(lambda labels, k=key, v=value, o=operator: (labels.get(k) == v) == (o != "!="))
+        else:
+            checks.append(lambda labels, k=key, n=bool(negated): (k in labels) != n)
+    return lambda labels: all(check(labels) for check in checks)
+
+
+DISCOVERY = (  # exact paths -> their document (None when not served: a 404)
+    (re.compile(r"/api/?"), lambda m: api_versions()),
+    (re.compile(r"/apis/?"), lambda m: api_group_list()),
+    (re.compile(r"/api/(v1)/?"), lambda m: api_resource_list(m.group(1))),
+    (re.compile(r"/apis/([^/]+)/?"), lambda m: api_group(m.group(1))),
+    (re.compile(r"/apis/([^/]+/[^/]+)/?"), lambda m: api_resource_list(m.group(1))),
+    (re.compile(r"/openapi/v3/?(.*)"), lambda m: openapi_v3(m.group(1).rstrip("/"))),
+)
 
 
 class ApiServer(kmock.KubernetesEmulator):
-    """kmock's emulator plus a name from generateName (kopf's Events use it) and a uid on create."""
+    """kmock's emulator plus what a real API server does that the operator and kubectl rely on.
+
+    On create: a name from generateName (kopf's Events use it), a uid and a creationTimestamp. For kubectl:
+    discovery and OpenAPI v3 (discovery.py), Tables (tables.py), lists with their kind, QwenDeployment fields
+    checked against the CRD under `fieldValidation=Strict`, and pod logs from the pod runner's files under
+    `pod_logs`. After a delete or an update, objects whose every owner is gone are deleted (the garbage
+    collector's background cascade), so deleting a QwenDeployment removes its Deployments and so its pods.
+    """
+
+    pod_logs: Path | None = None  # <pod_logs>/<pod name>/log, set by whoever runs the pods
 
     async def _handle(self, request: kmock.Request) -> Any:
+        path = request.url.path
+        if request.method == "GET":
+            for pattern, document in DISCOVERY:
+                if match := pattern.fullmatch(path):
+                    found = document(match)
+                    return aiohttp.web.json_response(found) if found is not None else \
+                        _status(404, "NotFound", f"the server could not find the requested resource ({path})")
+        if request.resource is not None and request.subresource == "log" and request.method == "GET":
+            return await self._serve_log(request)
+        if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
+            if refusal := self._check_fields(request):
+                return refusal
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             if not meta.get("name") and meta.get("generateName"):
@@ -39,20 +115,101 @@ class ApiServer(kmock.KubernetesEmulator):
             meta.setdefault("uid", str(uuid.uuid4()))
             meta.setdefault("resourceVersion", "1")
             meta.setdefault("generation", 1)
-        return await super()._handle(request)
+            meta.setdefault("creationTimestamp",
+                            datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        try:
+            return await super()._handle(request)
+        finally:
+            if request.action in (kmock.action.DELETE, kmock.action.UPDATE):
+                await self._collect_garbage()
+
+    def _check_fields(self, request: kmock.Request) -> aiohttp.web.Response | None:
+        """A 422 naming the fields the CRD does not declare, when the client asked for strict validation."""
+        resource = request.resource
+        if request.params.get("fieldValidation") != "Strict" or resource is None or request.subresource or \
+                find(resource.group or "", resource.version or "", resource.plural or "") != QWENDEPLOYMENTS:
+            return None
+        unknown = unknown_fields(request.data, openapi_schema())
+        if not unknown:
+            return None
+        return _status(422, "Invalid", f"{QWENDEPLOYMENTS.kind}.{QWENDEPLOYMENTS.group} "
+                       f"\"{request.name or request.data.get('metadata', {}).get('name', '')}\" is invalid: strict decoding error: "
+                       + ", ".join(f'unknown field "{f.lstrip(".")}"' for f in unknown))
+
+    def _kind(self, request: kmock.Request) -> tuple[str, str]:
+        """(kind, apiVersion) of the request's resource; ("", "") for one the catalogue does not hold."""
+        r = request.resource
+        found = find(r.group or "", r.version or "", r.plural or "") if r is not None else None
+        return (found.kind, found.group_version) if found is not None else ("", "")
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        listed = await super()._serve_list(request)
+        kind, api_version = self._kind(request)
+        wanted = label_selector(request.params.get("labelSelector", ""))
+        items = [{"kind": kind, "apiVersion": api_version, **item} for item in listed["items"]
+                 if wanted((item.get("metadata") or {}).get("labels") or {})]
+        if kind and wants_table(_header(request, "Accept")):
+            return table(kind, items, request.params.get("includeObject", "PartialObjectMetadata"))
+        return {**listed, "kind": f"{kind}List", "apiVersion": api_version, "items": items}
+
+    async def _serve_fetch(self, request: kmock.Request) -> Any:
+        obj = await super()._serve_fetch(request)
+        kind, api_version = self._kind(request)
+        if kind and request.subresource is None and wants_table(_header(request, "Accept")):
+            return table(kind, [{"kind": kind, "apiVersion": api_version, **obj}],
+                         request.params.get("includeObject", "PartialObjectMetadata"))
+        return obj
+
+    async def _serve_log(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """`kubectl logs POD [--tail N] [-f]`: the pod's log file, its last lines, or followed until the pod goes."""
+        log = self.pod_logs / str(request.name) / "log" if self.pod_logs is not None else None
+        if log is None or not log.exists():
+            return _status(404, "NotFound", f'pods "{request.name}" not found (or it has no log yet)')
+        text = log.read_bytes()
+        if (tail := request.params.get("tailLines", "")).isdigit():
+            text = b"".join(text.splitlines(keepends=True)[-int(tail):]) if int(tail) else b""
+        if request.params.get("follow") != "true":
+            return aiohttp.web.Response(body=text, content_type="text/plain")
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request._raw_request)
+        await response.write(text)
+        offset = log.stat().st_size
+        with contextlib.suppress(ConnectionResetError, FileNotFoundError):
+            while log.exists():  # the pod runner removes a pod's folder's volumes, not its log: stop on the pod
+                size = log.stat().st_size
+                if size > offset:
+                    with log.open("rb") as f:
+                        f.seek(offset)
+                        await response.write(f.read(size - offset))
+                    offset = size
+                if not any(o.get("metadata", {}).get("name") == request.name and not o.deleted
+                           for (r, _, _), o in self._objects.items() if r == request.resource):
+                    break
+                await asyncio.sleep(0.5)
+        return response
+
+    async def _collect_garbage(self) -> None:
+        """Delete every object all of whose owners are gone, until none is left (a cascade runs level by level)."""
+        async with self._lock:
+            while True:
+                live = {o.get("metadata", {}).get("uid") for o in self._objects.values() if not o.deleted}
+                orphans = [(key, o) for key, o in self._objects.items() if not o.deleted
+                           and (owners := o.get("metadata", {}).get("ownerReferences"))
+                           and not any(owner.get("uid") in live for owner in owners)]
+                if not orphans:
+                    return
+                for (resource, _, _), o in orphans:
+                    raw = o.raw
+                    o.delete()
+                    await self._buses[resource].put({"type": "DELETED", "object": raw})
 
 
 def declare_resources(api: kmock.KubernetesEmulator) -> None:
-    """Make every resource we use discoverable (kopf looks them up before watching)."""
-    api.resources[QD] = kmock.ResourceInfo(kind="QwenDeployment", namespaced=True, singular="qwendeployment",
-                                           verbs={"get", "list", "watch", "patch", "create", "delete"},
-                                           subresources={"status"})
-    for key, kind in RESOURCES.items():
-        api.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=True, subresources={"status"},
-                                                verbs={"get", "list", "watch", "patch", "create", "delete"})
-    # kopf waits until namespaces are discoverable, even when it watches one namespace.
-    api.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False,
-                                                        verbs={"get", "list", "watch"})
+    """Make every resource we serve known to kmock (it lists only those; kopf looks them up before watching)."""
+    for r in RESOURCES:
+        # kopf waits until namespaces are discoverable, even when it watches one namespace.
+        api.resources[r.key] = kmock.ResourceInfo(kind=r.kind, namespaced=r.namespaced, singular=r.kind.lower(),
+                                                  verbs=set(VERBS), subresources=set(r.subresources))
 
 
 def resource_path(resource: str, namespace: str, name: str = "", subresource: str = "") -> str:

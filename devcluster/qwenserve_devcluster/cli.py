@@ -4,8 +4,8 @@
     qwen-serve dev-cluster scale STAGE N
 
 `up` starts the API emulator, the operator, the DNS server and the pod runner, applies the
-QwenDeployment, prints `ready http=URL grpc=HOST:PORT` (the router pod's address, reachable from this
-machine through the bridge) once the operator reports it Ready, and runs until Ctrl-C or SIGTERM; then
+QwenDeployment, prints `ready http=URL grpc=HOST:PORT KUBECONFIG=PATH kubectl ...` (the router pod's address,
+reachable from this machine through the bridge, and a kubeconfig for kubectl) once the operator reports it Ready, and runs until Ctrl-C or SIGTERM; then
 it removes every namespace, veth, the bridge and every process it made. It first removes what a crashed
 run left behind (names starting with `qs-`).
 
@@ -164,6 +164,7 @@ async def up(args: argparse.Namespace) -> int:
     try:
         async with ApiServer() as server, kmock.Server(server) as http:
             declare_resources(server)
+            server.pod_logs = state_dir / "pods"
             api = ApiClient(str(http.url))
             try:
                 network.open()
@@ -180,15 +181,18 @@ async def up(args: argparse.Namespace) -> int:
                 if ready is None:
                     return 0 if stop.is_set() else 1
                 http_url, grpc_address = ready
+                kubeconfig = write_kubeconfig(state_dir / "kubeconfig", str(http.url).rstrip("/"), namespace)
                 state = {"api": str(http.url).rstrip("/"), "namespace": namespace, "name": name,
-                         "http": http_url, "grpc": grpc_address, "pid": os.getpid()}
+                         "http": http_url, "grpc": grpc_address, "pid": os.getpid(), "kubeconfig": str(kubeconfig)}
                 (state_dir / "state.json").write_text(json.dumps(state))
-                say(f"ready http={http_url} grpc={grpc_address} (Ctrl-C stops and cleans up)")
+                say(f"ready http={http_url} grpc={grpc_address} KUBECONFIG={kubeconfig} kubectl get qwendeployments "
+                    f"(Ctrl-C stops and cleans up)")
                 await stop.wait()
                 say("stopping")
                 return 0
             finally:
                 (state_dir / "state.json").unlink(missing_ok=True)
+                (state_dir / "kubeconfig").unlink(missing_ok=True)
                 if operator is not None:
                     await operator.stop()
                 if runner_task is not None:
@@ -206,6 +210,18 @@ async def up(args: argparse.Namespace) -> int:
         shutil.rmtree(paths.node_shm, ignore_errors=True)
         say("cleaned up")
         lock.close()
+
+
+def write_kubeconfig(path: Path, api_url: str, namespace: str) -> Path:
+    """A kubeconfig for kubectl against the emulator: plain HTTP on 127.0.0.1, no credentials, `namespace` as
+    the context's default."""
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": "dev-cluster",
+              "clusters": [{"name": "dev-cluster", "cluster": {"server": api_url}}],
+              "users": [{"name": "dev-cluster", "user": {}}],
+              "contexts": [{"name": "dev-cluster",
+                            "context": {"cluster": "dev-cluster", "user": "dev-cluster", "namespace": namespace}}]}
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
 
 
 async def _wait_ready(api: Any, runner: Any, name: str, namespace: str, timeout: float, stop: asyncio.Event,

@@ -9,7 +9,11 @@ with a tiny checkpoint written here standing for the example's model (`--model`)
   handoff crosses the network and none is refused, greedy tokens equal an in-process engine's, `qwen-serve status` has a row per pod;
 - a decode pod killed with SIGKILL mid-stream: the router resumes its streams on the other (same tokens), the
   pod runner restarts the pod and it serves again;
-- decode scaled to 3: the new pod gets traffic; scaled to 1 during streams: the removed pods drain them;
+- kubectl with the kubeconfig `up` wrote: the QwenDeployment's printer columns, every pod's IP (`-o wide`), a pod's
+  log;
+- decode scaled to 3 (`kubectl apply -f`): the new pod gets traffic; scaled to 1 during streams (`kubectl patch`):
+  the removed pods drain them;
+- `kubectl delete` of the QwenDeployment: its Deployments go (owner references) and every pod stops;
 - no pod's log has an "unknown flag" line (the stages parse strictly; the operator passes only their flags).
 """
 
@@ -20,6 +24,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +52,7 @@ from tests.support.devcluster import (
 from tests.support.metrics import by_labels, scrape, total
 
 PORTS = {"prefill": 50052, "decode": 50053}
+KUBECTL = shutil.which("kubectl")
 # max_tokens of a plain request and of a stream running when a pod is killed
 SHORT, LONG = 16, 300
 
@@ -244,6 +250,21 @@ def test_every_prefill_and_decode_pod_serves_and_handoffs_cross_the_network(
     assert all(row["state"] == "SERVING" for row in rows), rows
 
 
+@pytest.mark.skipif(not KUBECTL, reason="kubectl is not installed")
+def test_kubectl_shows_the_deployments_columns_every_pods_ip_and_a_pods_log(network_cluster: DevCluster) -> None:
+    cluster = network_cluster
+    ips = {p["metadata"]["name"]: p["status"]["podIP"]
+           for stage in ("tokenizer", "prefill", "decode", "router") for p in cluster.pods(stage)}
+    header, row = cluster.kubectl("get", "qwendeployments").strip().splitlines()
+    assert header.split() == ["NAME", "READY", "TOKENIZER", "PREFILL", "DECODE", "ROUTER", "AGE"], header
+    assert row.split()[:6] == ["qwen-cpu", "True", "1/1", "2/2", "2/2", "1/1"], row
+    wide = cluster.kubectl("get", "pods", "-o", "wide").strip().splitlines()
+    assert wide[0].split()[:7] == ["NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP", "NODE"], wide[0]
+    assert {line.split()[0]: line.split()[5] for line in wide[1:]} == ips, wide
+    decode = sorted(n for n in ips if "-decode-" in n)[0]
+    assert cluster.kubectl("logs", decode) == (cluster.state_dir / "pods" / decode / "log").read_text()
+
+
 def test_a_decode_pod_killed_mid_stream_is_replayed_on_the_other_and_restarted(
         network_cluster: DevCluster, reference: dict[Prompt, list[int]]) -> None:
     cluster = network_cluster
@@ -296,7 +317,10 @@ def test_decode_scaled_to_three_gives_the_new_pod_traffic_and_back_to_one_drains
     before = cluster.ready_pods("decode", 2, timeout=120)
     (router,) = cluster.ready_pods("router", 1, timeout=30).values()
 
-    cluster.scale("decode", 3)
+    if KUBECTL:  # as a user changes a deployment: the file applied again, with the ready line's kubeconfig
+        assert "qwendeployment.qwenserve.io/qwen-cpu configured" in cluster.apply_replicas("decode", 3)
+    else:
+        cluster.scale("decode", 3)
     decode = cluster.ready_pods("decode", 3, timeout=150)
     (new,) = set(decode) - set(before)
     _serves(cluster, decode[new], reference, f"new pod {new}")
@@ -377,3 +401,15 @@ async def _scale_down_under_load(cluster: DevCluster, pods: dict[str, str], stag
             await asyncio.sleep(0.2)
         await asyncio.gather(*tasks)
     return streams, removed, draining
+
+
+@pytest.mark.skipif(not KUBECTL, reason="kubectl is not installed")
+def test_kubectl_delete_of_the_qwendeployment_stops_every_pod(network_cluster: DevCluster) -> None:
+    cluster = network_cluster
+    assert 'qwendeployment.qwenserve.io "qwen-cpu" deleted' in cluster.kubectl("delete", "qwendeployment", "qwen-cpu")
+    # Its Deployments go with it (owner references), so the pod runner stops their pods (preStop, SIGTERM).
+    deadline = time.monotonic() + 90
+    while cluster.kubectl("get", "pods", "-o", "name").strip():
+        assert time.monotonic() < deadline, cluster.kubectl("get", "pods")
+        time.sleep(1)
+    assert cluster.kubectl("get", "deployments,services,configmaps,networkpolicies", "-o", "name").strip() == ""

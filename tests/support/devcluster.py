@@ -3,16 +3,20 @@ machine at a time (its lock)."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import fcntl
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +75,7 @@ class DevCluster:
         state_dir.mkdir(parents=True, exist_ok=True)
         spec_file = state_dir / "qwendeployment.yaml"
         spec_file.write_text(yaml.safe_dump(spec))
+        self.spec = spec
         self.lines: list[str] = []
         wait_for_lock(120)
         model_args = ["--model", str(model)] if model is not None else []
@@ -81,10 +86,20 @@ class DevCluster:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self.grpc = ""
+        self.kubeconfig = state_dir / "kubeconfig"
 
     def wait_ready(self) -> None:
-        """Until `up` prints its ready line; the router's gRPC address is then `self.grpc`."""
-        self.grpc = self.wait_for(r"ready http=(\S+) grpc=(\S+)", timeout=240).group(2)
+        """Until `up` prints its ready line; the router's gRPC address is then `self.grpc`, and the kubeconfig it
+        wrote `self.kubeconfig`."""
+        ready = self.wait_for(r"ready http=(\S+) grpc=(\S+) KUBECONFIG=(\S+) kubectl ", timeout=240)
+        self.grpc, self.kubeconfig = ready.group(2), Path(ready.group(3))
+
+    def kubectl(self, *args: str, timeout: float = 60) -> str:
+        """Run the installed kubectl against the cluster with the kubeconfig `up` wrote; its stdout."""
+        done = subprocess.run(["kubectl", "--kubeconfig", str(self.kubeconfig), *args], capture_output=True,
+                              text=True, timeout=timeout)
+        assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stdout}{done.stderr}"
+        return done.stdout
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -104,6 +119,15 @@ class DevCluster:
     def api(self, path: str) -> Any:
         state = json.loads((self.state_dir / "state.json").read_text())
         with urllib.request.urlopen(state["api"] + path, timeout=10) as response:
+            return json.load(response)
+
+    def api_write(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """POST, PATCH (a merge patch) or DELETE through the cluster's API; the answer's JSON."""
+        state = json.loads((self.state_dir / "state.json").read_text())
+        content = "application/merge-patch+json" if method == "PATCH" else "application/json"
+        request = urllib.request.Request(state["api"] + path, method=method, headers={"Content-Type": content},
+                                         data=json.dumps(body).encode() if body is not None else None)
+        with urllib.request.urlopen(request, timeout=10) as response:
             return json.load(response)
 
     def pods(self, stage: str) -> list[dict[str, Any]]:
@@ -127,9 +151,22 @@ class DevCluster:
                               cwd=REPO, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
 
+    def apply_replicas(self, stage: str, replicas: int) -> str:
+        """`kubectl apply -f` of the cluster's QwenDeployment file with `stage` at `replicas`; kubectl's output."""
+        spec = copy.deepcopy(self.spec)
+        spec["spec"]["stages"][stage]["replicas"] = replicas
+        changed = self.state_dir / f"qwendeployment-{stage}-{replicas}.yaml"
+        changed.write_text(yaml.safe_dump(spec))
+        return self.kubectl("apply", "-f", str(changed))
+
     def patch_replicas(self, stage: str, replicas: int) -> None:
-        """What `kubectl patch qwendeployment --type merge` does: a merge patch of the CR through the API."""
+        """`kubectl patch qwendeployment NAME --type merge` of a stage's replicas; where kubectl is not installed,
+        the same merge patch through the API."""
         state = json.loads((self.state_dir / "state.json").read_text())
+        if shutil.which("kubectl"):
+            patch = json.dumps({"spec": {"stages": {stage: {"replicas": replicas}}}})
+            assert "patched" in self.kubectl("patch", "qwendeployment", state["name"], "--type", "merge", "-p", patch)
+            return
         body = json.dumps({"spec": {"stages": {stage: {"replicas": replicas}}}}).encode()
         request = urllib.request.Request(
             f"{state['api']}/apis/qwenserve.io/v1alpha1/namespaces/{state['namespace']}/qwendeployments/"
@@ -168,3 +205,36 @@ def example_deployment(mode: str, replicas: dict[str, int]) -> dict[str, Any]:
     for stage, args in STAGE_ARGS.items():
         body["spec"]["stages"][stage]["args"] = args
     return body
+
+
+OUTSIDER_NETNS = "qs-outsider"  # the dev cluster's prefix: a run's cleanup (or the next one's) removes it
+
+
+@contextlib.contextmanager
+def outsider(bridge: str = "qs-br0", address: str = "10.213.0.250/24") -> Iterator[str]:
+    """A network namespace on the cluster's bridge that is no pod (no labels any policy selects); its name."""
+    host_veth, inner = "qs-vout", "qs-pout"
+    steps = [["netns", "add", OUTSIDER_NETNS], ["link", "add", host_veth, "type", "veth", "peer", "name", inner],
+             ["link", "set", inner, "netns", OUTSIDER_NETNS], ["link", "set", host_veth, "master", bridge],
+             ["link", "set", host_veth, "up"], ["-n", OUTSIDER_NETNS, "addr", "add", address, "dev", inner],
+             ["-n", OUTSIDER_NETNS, "link", "set", inner, "up"]]
+    try:
+        for step in steps:
+            subprocess.run(["ip", *step], check=True, capture_output=True)
+        yield OUTSIDER_NETNS
+    finally:
+        subprocess.run(["ip", "netns", "del", OUTSIDER_NETNS], capture_output=True)
+        subprocess.run(["ip", "link", "del", host_veth], capture_output=True)
+
+
+def connects(netns: str, ip: str, port: int, timeout: float = 1.5) -> bool:
+    """Whether a TCP connection from inside `netns` to ip:port opens within `timeout` seconds (a policy drops the
+    opening packet: the attempt times out)."""
+    probe = ("import socket, sys\n"
+             "try:\n"
+             f"    socket.create_connection(({ip!r}, {port}), timeout={timeout}).close()\n"
+             "except OSError:\n"
+             "    sys.exit(1)\n")
+    done = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", probe], capture_output=True,
+                          timeout=timeout + 30)
+    return done.returncode == 0
