@@ -89,6 +89,11 @@ class EngineConfig:
         help="an fp32 model on CPU with the C kernels: the linear layers' packed weights in this dtype (bfloat16: "
              "rounded once at load, products still accumulate in fp32; auto: bfloat16 under --dtype auto where "
              "the start-up probe finds it faster, else float32)")
+    # A 4-bit weight is a quarter of the bytes of a bf16 one that a memory-bound decode step streams.
+    dequantize_weights: bool = option(
+        False, help="a 4- or 8-bit checkpoint (AWQ, GPTQ, compressed-tensors) on CPU with the C kernels: dequantize its "
+                    "linear weights to the model's dtype at load instead of keeping them as codes for the W4A16 / "
+                    "W8A16 products (more memory; elsewhere they are always dequantized)")
     # A decode step reads the whole KV context: in bf16 it is half the bytes of fp32 (the model's math stays fp32).
     kv_cache_dtype: str = option(
         "auto", choices=("auto", "float32", "bfloat16"),

@@ -106,7 +106,7 @@ class LLMEngine:
                                       kernels.cpu, config.grammar_limits())
         with torch.device(device):
             model = model_class(model_cfg)(model_cfg, dtype, self.max_model_len, kernels.ops)
-        fingerprint = load_checkpoint(model, checkpoint)
+        fingerprint = load_checkpoint(model, checkpoint, keep_codes=kernels.quantized is not None)
         model.eval()
         backend = kernels.attention
         self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, num_state_slots, kernels.cpu,

@@ -10,6 +10,9 @@ logits' token masks). Nothing below asks again which kernels run.
   (fp32 models; the weights packed in fp32 or bf16, and PyTorch's bf16 product from the row count where the probe
   found it faster), its decode attention (fp32 queries over an fp32 or bf16 KV cache) and its linear-attention
   layers' recurrent update; on any device, the grammar's masks of the logits, which are on the CPU.
+- A checkpoint stored in 4- or 8-bit integer codes (AWQ, GPTQ, compressed-tensors) on a CPU with the C kernels:
+  its linear weights kept as codes and multiplied by the W4A16 / W8A16 kernel (models/quantized_linear.py), unless
+  `dequantize_weights`; elsewhere, and for FP8, they are dequantized to the model's dtype at load.
 - On CUDA, flash-attn's paged attention where it imports and the dtype and block size suit it, and a hybrid model's
   recurrences in flash-linear-attention's and causal-conv1d's kernels unless `linear_attention_kernels` is off
   (models/linear_attention_gpu.py: each only where installed and agreeing with PyTorch's forms on the device).
@@ -28,9 +31,11 @@ from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.engine.attention import default_block_size, select_backend
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.precision import Precision, resolve_precision
+from qwenserve.engine.quantization import Quantization, quantization_of
 from qwenserve.models import ModelConfig, linear_attention_gpu
 from qwenserve.models.forward_context import AttentionBackend
 from qwenserve.models.ops import TORCH_OPS, Ops, cpu_kernel_ops
+from qwenserve.models.quantized_linear import with_quantized_linears
 
 log = logging.getLogger("qwenserve.engine")
 
@@ -39,13 +44,15 @@ log = logging.getLogger("qwenserve.engine")
 class KernelSet:
     """What one engine computes with. `cpu`: the C kernels, or None (off, or none load here); `ops`: what the
     model's layers call; `attention`: the attention backend over the paged KV cache, for `block_size`-token
-    blocks; `precision`: the dtypes they compute in."""
+    blocks; `precision`: the dtypes they compute in; `quantized`: the checkpoint's quantization where its linear
+    weights stay codes for the W4A16 / W8A16 kernel (None: dequantized at load, or none)."""
 
     cpu: CpuKernels | None
     ops: Ops
     attention: AttentionBackend
     block_size: int
     precision: Precision
+    quantized: Quantization | None = None
 
     @property
     def name(self) -> str:
@@ -74,7 +81,27 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
         backend = "torch"
     block_size = config.block_size or default_block_size(device, dtype)
     attention = select_backend(backend, device, dtype, block_size, cpu if device.type == "cpu" else None)
-    return KernelSet(cpu, model_ops(config, device, precision, cpu), attention, block_size, precision)
+    ops = model_ops(config, device, precision, cpu)
+    quantized = kept_quantization(config, device, cpu, model)
+    if quantized is not None:
+        assert cpu is not None
+        label = f"w{quantized.bits}a16"
+        ops = with_quantized_linears(ops, cpu, label)
+        precision = dataclasses.replace(precision, reason=f"{precision.reason}; linear weights {label.upper()}: "
+                                                          f"{quantized.describe()} kept as codes")
+    return KernelSet(cpu, ops, attention, block_size, precision, quantized)
+
+
+def kept_quantization(config: EngineConfig, device: torch.device, cpu: CpuKernels | None,
+                      model: ModelConfig | None) -> Quantization | None:
+    """The quantization of `model`'s checkpoint where its linears stay 4- or 8-bit codes: on a CPU with the C kernels,
+    integer formats (not FP8), unless `dequantize_weights`."""
+    if device.type != "cpu" or cpu is None or model is None or config.dequantize_weights:
+        return None
+    quantization = quantization_of(model.raw)
+    if quantization is None or quantization.block is not None or quantization.bits not in (4, 8):
+        return None
+    return quantization
 
 
 def model_ops(config: EngineConfig, device: torch.device, precision: Precision, cpu: CpuKernels | None) -> Ops:

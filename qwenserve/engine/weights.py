@@ -2,7 +2,8 @@
 
 Files are memory-mapped by safetensors; each tensor is copied once, straight into the (possibly fused)
 parameter view the model declares for it, and cast to the serving dtype on the way. A linear stored quantized
-(AWQ, GPTQ, compressed-tensors, FP8: engine/quantization/) is dequantized into that view once its tensors are read.
+(AWQ, GPTQ, compressed-tensors, FP8: engine/quantization/) is dequantized into that view once its tensors are read,
+or, where the engine's kernels multiply 4- and 8-bit codes (`keep_codes`), kept as codes (quantization/kept.py).
 Then the model's ops adapt the loaded weights to themselves (the CPU kernels' packed layout), once.
 """
 
@@ -18,8 +19,11 @@ import torch
 from safetensors import safe_open
 
 from qwenserve import progress
+from qwenserve.cpu_kernels.quant_weight import QuantWeight
 from qwenserve.engine.errors import CheckpointError
 from qwenserve.engine.quantization import QuantizedLinears, quantization_of
+from qwenserve.engine.quantization.kept import keep_codes as keep_codes_in
+from qwenserve.engine.quantization.scheme import IntegerWeight
 from qwenserve.models import ModelConfig, QwenForCausalLM
 
 log = logging.getLogger("qwenserve.engine")
@@ -56,9 +60,10 @@ def tensor_names(files: list[Path]) -> list[str]:
     return names
 
 
-def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
+def load_checkpoint(model: QwenForCausalLM, folder: str | Path, keep_codes: bool = False) -> str:
     """Fill `model` from the checkpoint in `folder` and prepare its weights for its ops; returns the model
-    fingerprint (hex).
+    fingerprint (hex). `keep_codes`: the model's ops multiply QuantWeights (W4A16 / W8A16), so a checkpoint's 4- and
+    8-bit linears stay codes where they can (the fingerprint is the same either way).
 
     Raises CheckpointError naming the tensor when one is missing, unexpected or of the wrong shape, and in one line
     when the checkpoint's quantization is not supported.
@@ -72,20 +77,21 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
     samples: dict[str, bytes] = {}
     files = checkpoint_files(folder)
     in_memory = sum(dst.numel() * dst.element_size() for dst in targets.values())
-    quantized = QuantizedLinears.find(quantization_of(model.cfg.raw), tensor_names(files), targets)
-    if quantized is not None:
-        log.info("quantized checkpoint, %s: %d linear weights dequantized to %s at load; the weights take %.2f GiB "
-                 "in memory (%.2f GiB on disk)", quantized.quant.describe(), len(quantized),
-                 str(next(iter(targets.values())).dtype).removeprefix("torch."), in_memory / 2**30,
-                 sum(p.stat().st_size for p in files) / 2**30)
+    quantized = QuantizedLinears.find(quantization_of(model.cfg.raw), tensor_names(files), targets, keep_codes)
+    kept: dict[str, IntegerWeight] = {}
     with torch.inference_mode(), progress.step(f"loading weights from {folder}", total=len(targets),
                                                unit="tensors", total_bytes=in_memory) as step:
 
-        def copy_in(name: str, tensor: torch.Tensor) -> None:
+        def copy_in(name: str, tensor: torch.Tensor | IntegerWeight) -> None:
             dst = targets[name]
-            dst.copy_(tensor)
-            stride = max(1, tensor.numel() // FINGERPRINT_SAMPLES)
-            samples[name] = tensor.reshape(-1)[::stride][:FINGERPRINT_SAMPLES].float().numpy().tobytes()
+            stride = max(1, dst.numel() // FINGERPRINT_SAMPLES)
+            if isinstance(tensor, IntegerWeight):  # kept as codes: placed after the load, sampled as dequantized
+                kept[name] = tensor
+                sample = tensor.values_at(torch.arange(0, dst.numel(), stride)[:FINGERPRINT_SAMPLES])
+            else:
+                dst.copy_(tensor)
+                sample = tensor.reshape(-1)[::stride][:FINGERPRINT_SAMPLES].float()
+            samples[name] = sample.numpy().tobytes()
             seen.add(name)
             step.advance(1, dst.numel() * dst.element_size())
 
@@ -125,9 +131,34 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path) -> str:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"tensor {missing[0]!r}{more} is missing from the checkpoint in {folder}", missing[0])
+    if quantized is not None:
+        _place_quantized(model, files, targets, quantized, kept, in_memory)
     fingerprint = model_fingerprint(model.cfg, {n: tuple(t.shape) for n, t in targets.items()}, samples)
     model.ops.prepare(model)  # a progress step where it changes anything: it says how many
     return fingerprint
+
+
+def _place_quantized(model: QwenForCausalLM, files: list[Path], targets: dict[str, torch.Tensor],
+                     quantized: QuantizedLinears, kept: dict[str, IntegerWeight], in_memory: int) -> None:
+    """Put the linears read as codes into the model as QuantWeights where they fit, dequantize the others into their
+    views, and say in one line what the weights take."""
+    replaced, left = keep_codes_in(model, targets, kept) if kept else (0, {})
+    with torch.inference_mode():
+        for name, weight in left.items():
+            targets[name].copy_(weight.dequantize())
+    dtype = str(next(iter(targets.values())).dtype).removeprefix("torch.")
+    if replaced:
+        codes = sum(w.nbytes for m in model.modules() for w in vars(m).values() if isinstance(w, QuantWeight))
+        plain = sum(p.nbytes for p in model.parameters())
+        log.info("quantized checkpoint, %s: %d linear weights kept as %d-bit codes in %d matrices for the W%dA16 "
+                 "kernels (%.2f GiB), %d dequantized to %s; the weights take %.2f GiB in memory (%.2f GiB on disk)",
+                 quantized.quant.describe(), len(kept) - len(left), quantized.quant.bits, replaced,
+                 quantized.quant.bits, codes / 2**30, len(quantized) - len(kept) + len(left), dtype,
+                 (codes + plain) / 2**30, sum(p.stat().st_size for p in files) / 2**30)
+    else:
+        log.info("quantized checkpoint, %s: %d linear weights dequantized to %s at load; the weights take %.2f GiB "
+                 "in memory (%.2f GiB on disk)", quantized.quant.describe(), len(quantized), dtype, in_memory / 2**30,
+                 sum(p.stat().st_size for p in files) / 2**30)
 
 
 def model_fingerprint(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], samples: dict[str, bytes]) -> str:

@@ -5,8 +5,10 @@ fp32 summation order, on odd shapes, group sizes 32/64/128 and one group per col
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,15 @@ import torch
 from qwenserve.cpu_kernels import builder, loader
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.quant_weight import QuantWeight
+from qwenserve.engine.config import EngineConfig
+from qwenserve.engine.engine import LLMEngine
+from qwenserve.engine.kernels import select_kernels
+from qwenserve.engine.sampling_params import SamplingParams
+from qwenserve.engine.weights import load_checkpoint
+from qwenserve.models import ModelConfig, model_class
+from tests.support import quantized_checkpoints as qc
+from tests.support.checkpoints import tiny_checkpoint
+from tests.support.engine_checkpoints import load_reference, random_prompts, reference_greedy
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler: the kernels cannot be built here")
@@ -169,3 +180,99 @@ def test_the_product_refuses_wrong_dtypes_and_shapes() -> None:
     weight.codes = weight.codes.transpose(0, 1)
     with pytest.raises(ValueError, match="codes must be"):
         kernels.linear_quant(torch.randn(2, 8), weight)
+
+
+# --- a quantized checkpoint served on the CPU keeps its codes ----------------------------------------------------
+
+# (method, options) of the checkpoints written in the formats' documented layouts (tests/support): 4 and 8 bits,
+# act-order groups, asymmetric per-channel zero points; intermediate_size 160 leaves GPTQ's group of 64 partial.
+KEPT = {
+    "awq_g32": ("awq", dict(group_size=32)),
+    "gptq4_g64_desc_act": ("gptq", dict(bits=4, group_size=64, desc_act=True)),
+    "gptq8_g32_asym_v2": ("gptq", dict(bits=8, group_size=32, sym=False, checkpoint_format="gptq_v2")),
+    "pack_quantized_int8_channel_asym": ("compressed-tensors", dict(bits=8, group_size=None, symmetric=False)),
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Path]]:
+    """quantized(name) -> (the checkpoint in KEPT[name]'s format, the plain fp32 checkpoint of its reference
+    dequantization)."""
+    base = tiny_checkpoint(tmp_path_factory.mktemp("plain"), seed=5, intermediate_size=160)
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(name: str) -> tuple[Path, Path]:
+        if name not in made:
+            method, options = KEPT[name]
+            root = tmp_path_factory.mktemp(name)
+            reference = qc.quantize_checkpoint(base, root / "quantized", method, **options)
+            made[name] = root / "quantized", qc.write_reference(base, root / "reference", reference)
+        return made[name]
+
+    return get
+
+
+def quant_weights(model: torch.nn.Module) -> list[QuantWeight]:
+    return [w for m in model.modules() for w in vars(m).values() if isinstance(w, QuantWeight)]
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", list(KEPT))
+def test_the_loader_keeps_every_decoder_linear_as_codes_with_the_same_fingerprint(name: str, quantized) -> None:
+    """With kernels that multiply codes, each fused weight (q/k/v, gate/up) and o/down of every layer is one
+    QuantWeight that dequantizes to the reference checkpoint's weight exactly, and the model's fingerprint is the
+    one the same checkpoint dequantized at load has."""
+    folder, reference = quantized(name)
+    cfg = ModelConfig.from_folder(folder)
+    kernels = select_kernels(EngineConfig(dtype="float32"), torch.device("cpu"), cfg)
+    bits = KEPT[name][1].get("bits", 4)
+    assert kernels.quantized is not None and kernels.ops.name.endswith(f"+w{bits}a16")
+    kept = model_class(cfg)(cfg, torch.float32, 64, kernels.ops)
+    plain = model_class(cfg)(cfg, torch.float32, 64)
+    assert load_checkpoint(kept, folder, keep_codes=True) == load_checkpoint(plain, folder)
+    expected = model_class(cfg)(cfg, torch.float32, 64)
+    load_checkpoint(expected, reference)
+    for layer, theirs in zip(kept.layers, expected.layers, strict=True):
+        for ours, want in ((layer.self_attn.qkv_proj, theirs.self_attn.qkv_proj),
+                           (layer.self_attn.o_proj, theirs.self_attn.o_proj),
+                           (layer.mlp.gate_up_proj, theirs.mlp.gate_up_proj), (layer.mlp.down_proj, theirs.mlp.down_proj)):
+            assert isinstance(ours, QuantWeight)
+            assert torch.equal(ours.dequantize(), want.data)
+    assert len(quant_weights(kept)) == 4 * cfg.num_layers
+    assert not quant_weights(plain)
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", list(KEPT))
+def test_greedy_tokens_over_kept_codes_equal_transformers_on_the_dequantized_weights(name: str, quantized) -> None:
+    folder, reference = quantized(name)
+    prompts = random_prompts(3, 5, 30, seed=8)
+    hf = load_reference(reference)
+    expected = [reference_greedy(hf, p, GREEDY.max_tokens)[0] for p in prompts]
+    engine = LLMEngine.from_pretrained(folder, EngineConfig(dtype="float32", num_kv_blocks=32, block_size=8,
+                                                            num_threads=2))
+    try:
+        assert engine.kernels.quantized is not None and quant_weights(engine.runner.model)
+        assert engine.generate_sync(prompts, GREEDY) == expected
+    finally:
+        engine.shutdown()
+
+
+@needs_compiler
+def test_dequantize_weights_and_fp8_load_dequantized(quantized) -> None:
+    cpu = torch.device("cpu")
+    cfg = ModelConfig.from_folder(quantized("awq_g32")[0])
+    kept = select_kernels(EngineConfig(dtype="float32"), cpu, cfg)
+    assert kept.quantized is not None and "W4A16: AWQ 4-bit, group size 32" in kept.precision.reason
+    off = select_kernels(EngineConfig(dtype="float32", dequantize_weights=True), cpu, cfg)
+    assert off.quantized is None and "w4a16" not in off.ops.name
+    assert select_kernels(EngineConfig(dtype="float32", cpu_kernel=False), cpu, cfg).quantized is None
+    fp8 = dataclasses.replace(cfg, raw={**cfg.raw, "quantization_config": {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
+    assert select_kernels(EngineConfig(dtype="float32"), cpu, fp8).quantized is None
+    from qwenserve.flags import StrictParser, add_options
+
+    parser = StrictParser(prog="test")
+    add_options(parser, EngineConfig)
+    assert parser.parse_config(EngineConfig, ["--dequantize-weights"]).dequantize_weights

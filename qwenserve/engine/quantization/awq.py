@@ -15,7 +15,14 @@ from typing import Any
 import torch
 
 from qwenserve.engine.errors import CheckpointError
-from qwenserve.engine.quantization.scheme import FLOAT_DTYPES, INT32, Part, Quantization, unpack_int32
+from qwenserve.engine.quantization.scheme import (
+    FLOAT_DTYPES,
+    INT32,
+    IntegerWeight,
+    Part,
+    Quantization,
+    unpack_int32,
+)
 
 # Column of its group of eight that each 4-bit value of a word holds (AutoAWQ's packing order)...
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -44,13 +51,15 @@ class AwqLayout:
 
     def dequantize(self, parts: dict[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
         """(q - z) * s per group, transposed to [out, in]."""
+        return self.integer(parts, out_features, in_features).dequantize()
+
+    def integer(self, parts: dict[str, torch.Tensor], out_features: int, in_features: int) -> IntegerWeight:
+        """The codes, zero points and scales unpacked and transposed to [out, ...]."""
         if out_features % 8 or in_features % self.group_size:
             raise ValueError(f"AWQ needs out_features ({out_features}) divisible by 8 and in_features ({in_features}) "
                              f"by the group size ({self.group_size})")
-        q = unpack_awq(parts["qweight"])
-        z = unpack_awq(parts["qzeros"]).repeat_interleave(self.group_size, dim=0)
-        s = parts["scales"].float().repeat_interleave(self.group_size, dim=0)
-        return ((q - z).float() * s).t()
+        return IntegerWeight(unpack_awq(parts["qweight"]).t(), parts["scales"].float().t(),
+                             unpack_awq(parts["qzeros"]).float().t(), 4, self.group_size)
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:

@@ -23,10 +23,9 @@ from qwenserve.engine.errors import CheckpointError
 from qwenserve.engine.quantization.scheme import (
     FLOAT_DTYPES,
     INT32,
+    IntegerWeight,
     Part,
     Quantization,
-    expand_groups,
-    groups_in_order,
     num_groups,
     unpack_int32,
 )
@@ -62,21 +61,23 @@ class PackQuantizedLayout:
 
     def dequantize(self, parts: dict[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
         """(q - zp) * s per group, with the storage offset taken off q and zp."""
+        return self.integer(parts, out_features, in_features).dequantize()
+
+    def integer(self, parts: dict[str, torch.Tensor], out_features: int, in_features: int) -> IntegerWeight:
+        """The stored (offset, so unsigned) codes and zero points unpacked, the offset itself the zero point of a
+        symmetric scheme (the offset cancels in q - zp)."""
         stored = tuple(int(n) for n in parts["weight_shape"].tolist())
         if stored != (out_features, in_features):
             raise ValueError(f"weight_shape says {list(stored)}, the model's weight is [{out_features}, {in_features}]")
         if self.group_size and in_features % self.group_size:
             raise ValueError(f"in_features ({in_features}) is not a multiple of the group size ({self.group_size})")
-        offset = 1 << (self.bits - 1)
-        q = unpack_int32(parts["weight_packed"], self.bits, dim=1)[:, :in_features] - offset
-        groups = parts.get("weight_g_idx")
-        if groups is None:
-            groups = groups_in_order(in_features, self.group_size)
-        scales = expand_groups(parts["weight_scale"].float().t(), groups).t()
+        codes = unpack_int32(parts["weight_packed"], self.bits, dim=1)[:, :in_features]
+        scales = parts["weight_scale"].float()
         if "weight_zero_point" in parts:
-            zeros = unpack_int32(parts["weight_zero_point"], self.bits, dim=0)[:out_features] - offset
-            q = q - expand_groups(zeros.t(), groups).t()
-        return q.float() * scales
+            zeros = unpack_int32(parts["weight_zero_point"], self.bits, dim=0)[:out_features].float()
+        else:
+            zeros = torch.full_like(scales, float(1 << (self.bits - 1)))
+        return IntegerWeight(codes, scales, zeros, self.bits, self.group_size, parts.get("weight_g_idx"))
 
 
 def parse(qc: dict[str, Any]) -> Quantization:

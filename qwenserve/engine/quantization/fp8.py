@@ -45,6 +45,10 @@ class Fp8BlockLayout:
         scales = scales.repeat_interleave(rows, dim=0)[:out_features].repeat_interleave(cols, dim=1)[:, :in_features]
         return parts["weight"].float() * scales
 
+    def integer(self, parts: dict[str, torch.Tensor], out_features: int, in_features: int) -> None:
+        """None: FP8 values are floats, dequantized at load."""
+        return None
+
 
 def parse(qc: dict[str, Any]) -> Quantization:
     """The Quantization an FP8 quantization_config describes; CheckpointError (one line) for what is not supported."""

@@ -28,10 +28,9 @@ from qwenserve.engine.errors import CheckpointError
 from qwenserve.engine.quantization.scheme import (
     FLOAT_DTYPES,
     INT32,
+    IntegerWeight,
     Part,
     Quantization,
-    expand_groups,
-    groups_in_order,
     num_groups,
     unpack_int32,
 )
@@ -63,18 +62,20 @@ class GptqLayout:
 
     def dequantize(self, parts: dict[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
         """(q - zero) * s with each input row's group, transposed to [out, in]."""
+        return self.integer(parts, out_features, in_features).dequantize()
+
+    def integer(self, parts: dict[str, torch.Tensor], out_features: int, in_features: int) -> IntegerWeight:
+        """The codes, zero points (with the format's offset) and scales unpacked and transposed to [out, ...], with
+        g_idx where the checkpoint stores it."""
         if in_features % self.per_word or out_features % self.per_word:
             raise ValueError(f"{self.bits}-bit GPTQ needs in_features ({in_features}) and out_features "
                              f"({out_features}) divisible by {self.per_word}")
         groups = parts.get("g_idx")
-        if groups is None:
-            groups = groups_in_order(in_features, self.group_size)
-        elif int(groups.min()) < 0 or int(groups.max()) >= parts["scales"].shape[0]:
+        if groups is not None and (int(groups.min()) < 0 or int(groups.max()) >= parts["scales"].shape[0]):
             raise ValueError(f"g_idx names groups outside 0..{parts['scales'].shape[0] - 1}")
         q = unpack_int32(parts["qweight"], self.bits, dim=0)
         zeros = unpack_int32(parts["qzeros"], self.bits, dim=1) + self.zero_offset
-        scales = parts["scales"].float()
-        return ((q - expand_groups(zeros, groups)).float() * expand_groups(scales, groups)).t()
+        return IntegerWeight(q.t(), parts["scales"].float().t(), zeros.float().t(), self.bits, self.group_size, groups)
 
 
 def parse(qc: dict[str, Any]) -> Quantization:

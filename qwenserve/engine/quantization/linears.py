@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from qwenserve.engine.errors import CheckpointError
-from qwenserve.engine.quantization.scheme import Part, Quantization
+from qwenserve.engine.quantization.scheme import IntegerWeight, Part, Quantization
 
 # The part that marks a stored quantized linear, in every format we know.
 MARKERS = (".qweight", ".weight_packed", ".weight_scale_inv")
@@ -21,20 +21,23 @@ MARKERS = (".qweight", ".weight_packed", ".weight_scale_inv")
 
 class QuantizedLinears:
     """The quantized linears of one checkpoint (weight name -> the parts it stores), found from the tensor names before
-    any is read; `add` collects a linear's parts as they come (from any shard) and dequantizes it when the last
-    arrives."""
+    any is read; `add` collects a linear's parts as they come (from any shard) and, when the last arrives, dequantizes
+    it, or with `keep_codes` unpacks its integers (IntegerWeight) for the W4A16 / W8A16 kernels."""
 
-    def __init__(self, quant: Quantization, stored: dict[str, dict[str, Part]], shapes: dict[str, tuple[int, int]]) -> None:
+    def __init__(self, quant: Quantization, stored: dict[str, dict[str, Part]], shapes: dict[str, tuple[int, int]],
+                 keep_codes: bool = False) -> None:
         self.quant = quant
+        self.keep_codes = keep_codes
         self._stored = stored
         self._shapes = shapes
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
 
     @classmethod
-    def find(cls, quant: Quantization | None, names: Iterable[str],
-             targets: dict[str, torch.Tensor]) -> QuantizedLinears | None:
+    def find(cls, quant: Quantization | None, names: Iterable[str], targets: dict[str, torch.Tensor],
+             keep_codes: bool = False) -> QuantizedLinears | None:
         """The quantized linears among the checkpoint's tensor `names` whose weight is one of the model's `targets`
-        (others are left to the loader: skipped, or unexpected); None for a checkpoint in plain weights.
+        (others are left to the loader: skipped, or unexpected); None for a checkpoint in plain weights. `keep_codes`:
+        `add` gives integer formats' linears as their codes.
 
         CheckpointError names the tensor when a linear lacks a part, is stored both plain and quantized, is stored
         quantized where the config says it is not, or when a checkpoint without a quantization_config holds one.
@@ -67,7 +70,7 @@ class QuantizedLinears:
                 raise CheckpointError(f"tensor {weight!r} is stored both plain and quantized ({name})", weight)
             stored[weight] = {part: spec for part, spec in allowed.items() if f"{prefix}.{part}" in names}
             shapes[weight] = (out_features, in_features)
-        return cls(quant, stored, shapes)
+        return cls(quant, stored, shapes, keep_codes)
 
     def __len__(self) -> int:
         return len(self._stored)
@@ -77,9 +80,10 @@ class QuantizedLinears:
         prefix, _, part = name.rpartition(".")
         return part in self._stored.get(f"{prefix}.weight", ())
 
-    def add(self, name: str, tensor: torch.Tensor, source: str) -> tuple[str, torch.Tensor] | None:
+    def add(self, name: str, tensor: torch.Tensor, source: str) -> tuple[str, torch.Tensor | IntegerWeight] | None:
         """Take part `name` (read from file `source`); when it is its linear's last, that linear's weight name and its
-        dequantized fp32 value. CheckpointError names the tensor whose shape, dtype or values do not fit."""
+        dequantized fp32 value, or its codes where kept. CheckpointError names the tensor whose shape, dtype or values
+        do not fit."""
         prefix, _, part = name.rpartition(".")
         weight = f"{prefix}.weight"
         spec = self._stored[weight][part]
@@ -94,8 +98,10 @@ class QuantizedLinears:
         if len(pending) < len(self._stored[weight]):
             return None
         del self._pending[weight]
+        layout = self.quant.layout
         try:
-            return weight, self.quant.layout.dequantize(pending, out_features, in_features)
+            kept = layout.integer(pending, out_features, in_features) if self.keep_codes else None
+            return weight, kept if kept is not None else layout.dequantize(pending, out_features, in_features)
         except ValueError as e:
             raise CheckpointError(f"{prefix} ({self.quant.method}): {e}", f"{prefix}.{self.quant.layout.marker}") from None
 

@@ -39,6 +39,43 @@ class LinearLayout(Protocol):
         ValueError names what is inconsistent in their values."""
         ...
 
+    def integer(self, parts: dict[str, torch.Tensor], out_features: int, in_features: int) -> IntegerWeight | None:
+        """The stored integers unpacked (what the W4A16 / W8A16 kernels keep), or None for a format whose values are
+        not integer codes (FP8); ValueError as `dequantize`."""
+        ...
+
+
+@dataclass(frozen=True)
+class IntegerWeight:
+    """A linear's weight [out, in] as integer codes: W[o, i] = (codes[o, i] - zeros[o, g]) * scales[o, g], g the group
+    of input i: `groups[i]` (GPTQ's g_idx) where given, else i // group_size (None: one group). `codes` are unsigned,
+    below 2^bits; `zeros` [out, num_groups] are in code units, as fp32 (GPTQ's v1 offset can make them 2^bits);
+    `scales` [out, num_groups] fp32."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group_size: int | None
+    groups: torch.Tensor | None = None
+
+    def group_of_inputs(self) -> torch.Tensor:
+        """Each input's group, [in]."""
+        if self.groups is not None:
+            return self.groups.long()
+        return groups_in_order(self.codes.shape[1], self.group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in fp32."""
+        groups = self.group_of_inputs()
+        return (self.codes.float() - self.zeros[:, groups]) * self.scales[:, groups]
+
+    def values_at(self, flat: torch.Tensor) -> torch.Tensor:
+        """The dequantized weight's elements at row-major positions `flat` (a sample, without dequantizing it all)."""
+        rows, cols = flat // self.codes.shape[1], flat % self.codes.shape[1]
+        groups = self.group_of_inputs()[cols]
+        return (self.codes[rows, cols].float() - self.zeros[rows, groups]) * self.scales[rows, groups]
+
 
 @dataclass(frozen=True)
 class Quantization:
@@ -91,11 +128,6 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     words = packed.movedim(dim, -1).unsqueeze(-1)
     values = ((words >> shifts) & ((1 << bits) - 1)).flatten(-2)
     return values.movedim(-1, dim)
-
-
-def expand_groups(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """Rows of `values` [num_groups, n] picked per input row by `groups` [in_features]: [in_features, n]."""
-    return values.index_select(0, groups.long())
 
 
 def groups_in_order(in_features: int, group_size: int | None) -> torch.Tensor:
