@@ -5,6 +5,7 @@ Run by hand (not a test):
     .venv/bin/python bench/engine_bench.py                          # Qwen3-0.6B shape (slow on 2 cores)
     .venv/bin/python bench/engine_bench.py --bounds-only            # memcpy / matmul bounds, batch-1/64 steps
     .venv/bin/python bench/engine_bench.py --precisions             # fp32 vs bf16 KV / weights vs --dtype auto
+    .venv/bin/python bench/engine_bench.py --precisions --quantized # + W8A16 (GPTQ) and W4A16 (AWQ) checkpoints
 Options: --requests N, --hf-requests N (subset for sequential generate()), --cb-requests N (for transformers'
 continuous batching), --skip-transformers.
 
@@ -51,6 +52,27 @@ def make_checkpoint(shape: str) -> Path:
     with torch.device("cpu"):
         model = Qwen3ForCausalLM(cfg)
     model.save_pretrained(folder)
+    return folder
+
+
+# The quantized rows' checkpoints: the random checkpoint's decoder linears in GPTQ 8-bit and AWQ 4-bit, groups of 128
+# (the LM head stays in 16 bits, as Qwen's own AWQ and GPTQ checkpoints leave it).
+QUANTIZED = {"W8A16": ("gptq", dict(bits=8, group_size=128)), "W4A16": ("awq", dict(group_size=128))}
+
+
+def make_quantized_checkpoint(shape: str, name: str) -> Path:
+    """make_checkpoint(shape) with its decoder linears quantized as QUANTIZED[name] says, written once under /tmp by
+    the formats' writers that the tests use (tests/support/quantized_checkpoints.py)."""
+    folder = Path(f"/tmp/qwenserve-bench/{shape}-{name.lower()}")
+    if (folder / "config.json").is_file():
+        return folder
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, where tests/ lives
+    from tests.support.quantized_checkpoints import quantize_checkpoint
+
+    method, options = QUANTIZED[name]
+    quantize_checkpoint(make_checkpoint(shape), folder, method, **options)
     return folder
 
 
@@ -150,29 +172,34 @@ def weight_bytes_held(engine: LLMEngine) -> int:
     panels and any bf16 copy kept for PyTorch's product). Counted, not read from RSS: the engine keeps the memory
     an earlier engine freed (host_memory.py), so a process's RSS growth undercounts the next one."""
     from qwenserve.cpu_kernels.packed_weight import PackedWeight
+    from qwenserve.cpu_kernels.quant_weight import QuantWeight
 
     model = engine.runner.model
     held = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
-    return held + sum(w.nbytes for m in model.modules() for w in vars(m).values() if isinstance(w, PackedWeight))
+    return held + sum(w.nbytes for m in model.modules() for w in vars(m).values()
+                      if isinstance(w, PackedWeight | QuantWeight))
 
 
 def precision_rates(folder: Path, threads: int | None, context: int = 1000, batches: tuple[int, ...] = (1, 32),
-                    long_prompt: int = 2000) -> None:
+                    long_prompt: int = 2000, quantized: dict[str, Path] | None = None) -> None:
     """Per precision (fp32 throughout; bf16 KV; bf16 weights + bf16 KV; `--dtype auto`, which may add PyTorch's bf16
-    product at many rows): decode tokens/s at `context` tokens for each batch size, the time to first token of one
-    `long_prompt`-token prompt (its prefill), and the memory its weights take (weight_bytes_held), with ratios to
-    fp32; every engine has the same KV budget.
+    product at many rows; and for each of `quantized`'s checkpoints (row name -> folder) its decoder linears kept as
+    codes, the rest as in 'bf16 weights + KV'): decode tokens/s at `context` tokens for each batch size, the time to
+    first token of one `long_prompt`-token prompt (its prefill), and the memory its weights take
+    (weight_bytes_held), with ratios to fp32; every engine has the same KV budget.
     The batch shares one prompt prefix, so its prefill runs once (prefix caching); every sequence's attention
     still reads its whole context, through its own block table."""
-    settings = {"float32": dict(dtype="float32"),
-                "bf16 KV": dict(dtype="float32", kv_cache_dtype="bfloat16"),
-                "bf16 weights + KV": dict(dtype="float32", kv_cache_dtype="bfloat16", cpu_weight_dtype="bfloat16"),
-                "auto": {}}
+    bf16 = dict(dtype="float32", kv_cache_dtype="bfloat16", cpu_weight_dtype="bfloat16")
+    settings = {"float32": (folder, dict(dtype="float32")),
+                "bf16 KV": (folder, dict(dtype="float32", kv_cache_dtype="bfloat16")),
+                "bf16 weights + KV": (folder, bf16),
+                "auto": (folder, {})}
+    settings.update({name: (path, bf16) for name, path in (quantized or {}).items()})
     prefix = [(13 * j) % 1000 + 1 for j in range(context - 8)]
     rows: dict[str, dict[str, float]] = {}
-    for name, overrides in settings.items():
-        engine = LLMEngine.from_pretrained(folder, EngineConfig(num_threads=threads, kv_cache_memory_gb=1.0,
-                                                                max_num_seqs=64, **overrides))
+    for name, (path, overrides) in settings.items():
+        engine = LLMEngine.from_pretrained(path, EngineConfig(num_threads=threads, kv_cache_memory_gb=1.0,
+                                                              max_num_seqs=64, **overrides))
         row = rows[name] = {"weights_gib": weight_bytes_held(engine) / 2**30}
         print(f"{name}: {engine.precision.name} ({engine.precision.reason})", flush=True)
         # Two different long prompts (no prefix shared), the better time: the first also pays first-call costs.
@@ -255,6 +282,9 @@ def main() -> None:
     ap.add_argument("--precisions", action="store_true",
                     help="only decode tok/s at ~1,000 tokens of context, a 2,000-token prefill and memory, for fp32, "
                          "bf16 KV, bf16 weights + KV and --dtype auto")
+    ap.add_argument("--quantized", action="store_true",
+                    help="with --precisions: W8A16 (GPTQ 8-bit) and W4A16 (AWQ 4-bit) rows too, groups of 128, "
+                         "on the same random weights quantized")
     args = ap.parse_args()
     shape = "small" if args.small else "0.6b"
     spec = SHAPES[shape]
@@ -262,7 +292,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.precisions:
-        precision_rates(folder, args.threads)
+        quantized = {name: make_quantized_checkpoint(shape, name) for name in QUANTIZED} if args.quantized else None
+        precision_rates(folder, args.threads, quantized=quantized)
         return
     print(f"shape {shape}: {json.dumps(spec)}; torch threads {torch.get_num_threads()}; "
           f"token budget {EngineConfig(max_num_batched_tokens=args.token_budget).token_budget()}")
