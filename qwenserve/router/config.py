@@ -32,6 +32,9 @@ class RouterConfig:
     sampling_defaults: dict[str, float | int] = field(default_factory=dict, repr=False)
     # The deployment's stage secret (--stage-secret-file): every call to a stage proves the router is one of its own.
     stage_secret: StageSecret | None = field(default=None, repr=False)
+    # The model has a fallback: a prefill's first token waits until a decode worker has taken the call (its headers),
+    # so a request whose decode stage is stopped or gone goes to the fallback with nothing sent to the client yet.
+    first_token_waits_for_decode: bool = field(default=False, repr=False)
 
     # -- options (flags) --
     # The longest request accepted, prompt + output tokens; None until the stage sets the checkpoint's context.
@@ -51,6 +54,11 @@ class RouterConfig:
     # A worker busy on the request's long prompt sends empty heartbeats meanwhile (decode_worker.HEARTBEAT_S).
     stall_timeout_s: float = option(
         30.0, help="a decode stream silent this long (first token included) fails over to another worker")
+    # Decode workers send a call's headers as soon as they take it (EngineInfo.sends_headers_on_accept), so this
+    # bound is on the worker's event loop, not on a long prompt or a busy engine.
+    accept_timeout_s: float = option(
+        5.0, help="a decode worker that has not taken a call within this many seconds is taken for stopped: the "
+                  "request fails over, or goes to the model's fallback")
     # A new pod gets traffic, a removed one drains, this soon.
     resolve_interval_s: float = option(
         5.0, help="how often --prefill / --decode names (a headless Service) are resolved again to their pods")

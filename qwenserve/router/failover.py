@@ -117,9 +117,13 @@ async def prefill(fleet: WorkerFleet, prep: PreparedRequest) -> prefill_pb2.Pref
 
 
 async def decode(
-    fleet: WorkerFleet, prep: PreparedRequest, progress: Progress, start: decode_pb2.PrefilledStart | None
+    fleet: WorkerFleet, prep: PreparedRequest, progress: Progress, start: decode_pb2.PrefilledStart | None,
+    held: Step | None = None,
 ) -> AsyncIterator[Step]:
-    """Stream from a decode worker; on a worker fault resume on another from the tokens so far."""
+    """Stream from a decode worker; on a worker fault resume on another from the tokens so far.
+
+    `held` (the prefill's first token) is yielded first, once a decode worker has taken the call: when none does,
+    the request ends with nothing sent, and a model's fallback can still answer it."""
     tried: list[str] = []
     budget = prep.sampling.max_tokens or 0
     while True:
@@ -158,8 +162,14 @@ async def decode(
             else:
                 call = start_decode(fleet, worker.address, request, span, prep)
                 progress.handoff_sent = progress.handoff_sent or request.HasField("prefilled")
-                watch = StreamWatch(call, fleet.config.stall_timeout_s, lambda: fleet.drain_deadline)
+                accept_s = fleet.config.accept_timeout_s if worker.address in fleet.sends_headers_on_accept else None
+                watch = StreamWatch(call, fleet.config.stall_timeout_s, lambda: fleet.drain_deadline, accept_s)
                 fleet.watches.add(watch)
+                if held is not None:
+                    await watch.accepted()
+                    answered = True  # its handler runs: it releases the handoff
+                    step, held = held, None
+                    yield step
                 while True:
                     msg = await watch.read()
                     if msg is grpc.aio.EOF:
@@ -179,8 +189,8 @@ async def decode(
                         yield list(msg.token_ids), list(msg.logprobs), msg.finish_reason, error
                         return
                     yield list(msg.token_ids), list(msg.logprobs), 0, None
-        except StreamStalled:
-            fault, failed = f"no message for {fleet.config.stall_timeout_s:g}s", True
+        except StreamStalled as e:
+            fault, failed = str(e), True
             fleet.decode_pool.mark_dead(worker)
         except StreamOutOfTime:
             yield [], [], common_pb2.FINISH_REASON_ABORT, fleet.cutoff_detail(prep)

@@ -68,6 +68,7 @@ class WorkerFleet:
         self._closing = asyncio.Event()  # set by close(): delayed releases go out at once
         self.watches: set[StreamWatch] = set()  # decode streams in flight, told when a drain starts
         self.worker_limits: dict[str, int] = {}  # engine worker address -> the max_model_len it reported
+        self.sends_headers_on_accept: set[str] = set()  # decode workers that said so: their calls get accept_timeout_s
         self._limit_asks: dict[str, asyncio.Task[None]] = {}  # worker -> its GetInfo call, until it answers
         self._limits_changed = asyncio.Event()  # a worker reported, stopped being asked, or joined
         self._asking = False  # start() asks every worker for its limits, and from then on every new one
@@ -174,6 +175,7 @@ class WorkerFleet:
             if task is not None:
                 task.cancel()
             self.worker_limits.pop(address, None)
+            self.sends_headers_on_accept.discard(address)
             pool.remove(address)
         self._limits_changed.set()
 
@@ -248,6 +250,8 @@ class WorkerFleet:
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # wait_for_ready has waited already
                     await asyncio.sleep(1.0)
                 continue
+            if info.sends_headers_on_accept:
+                self.sends_headers_on_accept.add(address)
             self._note_limit(stage, address, info.max_model_len)
             return
 

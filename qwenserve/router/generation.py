@@ -330,9 +330,12 @@ class Router:
         )
         if resp.HasField("first_logprob"):
             start.first_logprob.CopyFrom(resp.first_logprob)
+        first: Step = ([resp.first_token_id], logprobs, 0, None)
+        held = first if self.config.first_token_waits_for_decode else None
         try:
-            yield [resp.first_token_id], logprobs, 0, None
-            async with contextlib.aclosing(decode(self.fleet, prep, progress, start)) as stream:
+            if held is None:
+                yield first
+            async with contextlib.aclosing(decode(self.fleet, prep, progress, start, held)) as stream:
                 async for item in stream:
                     yield item
         finally:

@@ -7,7 +7,9 @@ a model may send a share of tenants to a canary (a stable hash of the tenant, or
 whose decode workers are all unavailable (none found, or every circuit open) hands its requests to its
 fallback, which the answer's `model` field names and `qwenserve_router_fallbacks_total` counts. A request
 admitted to the primary whose workers then fail it before its first token (a retryable error: they died
-since the last look) is handed over too, so the first request after a failure is not lost. Once a worker
+since the last look) is handed over too, so the first request after a failure is not lost; so is one whose decode
+worker is stopped (it sends no headers within --accept-timeout-s, and a model with a fallback holds back the
+prefill's first token until a decode worker has taken the call). Once a worker
 of the primary is back (its circuit closes), the primary answers again. A fallback must share its
 primary's vocabulary: the prompt is tokenized once.
 

@@ -269,9 +269,11 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("max_model_len", "kv_cache_tokens")
+    __slots__ = ("max_model_len", "kv_cache_tokens", "sends_headers_on_accept")
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SENDS_HEADERS_ON_ACCEPT_FIELD_NUMBER: _ClassVar[int]
     max_model_len: int
     kv_cache_tokens: int
-    def __init__(self, max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ...) -> None: ...
+    sends_headers_on_accept: bool
+    def __init__(self, max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., sends_headers_on_accept: _Optional[bool] = ...) -> None: ...

@@ -1,9 +1,9 @@
 """Several models behind one router: routing by `model`, tenants' allowed models, a canary share, and a fallback
 that takes a model's requests while its decode workers are gone and gives them back when they return.
 
-Two deployments run as local clusters (tokenizer + decode each, different checkpoints): "qwen-main" and
-"qwen-backup"; a third router serves both (and "qwen-main-next", a canary of qwen-main on the backup's
-stages) from a models file, as `qwen-serve serve router --models-file` does in a pod.
+Two deployments run as local clusters (different checkpoints): "qwen-main" (tokenizer, prefill, decode) and
+"qwen-backup" (tokenizer + decode); a third router serves both (and "qwen-main-next", a canary of qwen-main on
+the backup's stages) from a models file, as `qwen-serve serve router --models-file` does in a pod.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     root = tmp_path_factory.mktemp("multi")
     clusters = {}
     try:
-        for name, seed in (("main", 41), ("backup", 43)):
+        # The primary hands off from prefill: a request's first token is computed before its decode call starts.
+        for name, seed, prefill in (("main", 41, 1), ("backup", 43, 0)):
             model = write_checkpoint(root / f"qwen3-{name}", TINY, seed=seed)
-            cluster = make_cluster(model, root / name, prefill=0, decode=1)
+            cluster = make_cluster(model, root / name, prefill=prefill, decode=1)
             cluster.start()
             clusters[name] = cluster
         yield clusters
@@ -61,7 +62,7 @@ def router(deployments: dict[str, LocalCluster], tmp_path_factory: pytest.TempPa
                 "decode": [cluster.child("decode-0").address], **more}
 
     main, backup = deployments["main"], deployments["backup"]
-    models = {"models": [entry("qwen-main", main, fallback="qwen-backup",
+    models = {"models": [entry("qwen-main", main, fallback="qwen-backup", prefill=[main.child("prefill-0").address],
                                canary={"model": "qwen-main-next", "percent": 10}),
                          entry("qwen-backup", backup), entry("qwen-main-next", backup)]}
     (root / "models.yaml").write_text(yaml.safe_dump(models))
@@ -179,3 +180,30 @@ def _available_decode_workers(port: int, model: str) -> float:
     found = re.search(rf'qwenserve_router_available_workers{{model="{model}",worker_stage="decode"}} (\S+)', metrics)
     assert found, metrics[-2000:]
     return float(found.group(1))
+
+
+def test_a_stopped_primary_decode_hands_its_requests_to_the_fallback_within_seconds(
+        router: int, deployments: dict[str, LocalCluster]) -> None:
+    user = next(f"user-{i}" for i in range(1000) if canary_share(f"user-{i}", "qwen-main") >= 10)
+    deadline = time.monotonic() + 60  # the previous test may have left the primary's circuit open
+    while _complete(router, "qwen-main", user=user)[1].get("model") != "qwen-main":
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    decode = deployments["main"].child("decode-0").process
+    decode.send_signal(signal.SIGSTOP)
+    try:
+        # The first request is prefilled and its decode call is never taken (no headers within the router's
+        # 5 s accept timeout): its first token was held back, so the fallback answers it, and the circuit that
+        # stall opened sends the next ones straight there. Before, each waited for the 30 s stall timeout (or
+        # ~20 s of keepalive) and got a 503.
+        started = time.monotonic()
+        seen = [_complete(router, "qwen-main", user=user) for _ in range(3)]
+        took = time.monotonic() - started
+    finally:
+        decode.send_signal(signal.SIGCONT)
+    assert [(status, body.get("model")) for status, body in seen] == [(200, "qwen-backup")] * 3, seen
+    assert took < 15, took
+    deadline = time.monotonic() + 60
+    while (answer := _complete(router, "qwen-main", user=user))[1].get("model") != "qwen-main":
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.5)

@@ -42,6 +42,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Decode(  # noqa: N802 - gRPC method name
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        # Headers at once, before the import and the engine: the router's sign that this worker took the call
+        # (a stopped one sends none, and a model with a fallback hands its request over within seconds).
+        await context.send_initial_metadata(())
         try:
             async for msg in self.worker.decode(request):
                 yield msg
@@ -51,7 +54,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def GetInfo(  # noqa: N802 - gRPC method name
         self, request: common_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.EngineInfo:
-        return engine_info(self.worker.engine)
+        info = engine_info(self.worker.engine)
+        info.sends_headers_on_accept = True
+        return info
 
 
 #: What decode fetches over, by --kv-transfer (None: whatever prefill's default and network modes hand out).

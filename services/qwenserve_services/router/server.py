@@ -153,7 +153,8 @@ def _think_token_ids(tokenizer: Tokenizer) -> tuple[int, int] | None:
 
 
 def _router(config: RouterServiceConfig, metrics: RouterMetrics, name: str, model: str | None, tokenizer: str,
-            prefill: list[str], decode: list[str], stage_secret_file: str | None = None) -> Router:
+            prefill: list[str], decode: list[str], stage_secret_file: str | None = None,
+            has_fallback: bool = False) -> Router:
     """One model's Router: the flags' settings (config.router) with the model's wiring, its vocabulary and
     sampling defaults from its checkpoint; its stages' secret is `stage_secret_file` (another deployment's), else
     --stage-secret-file."""
@@ -168,6 +169,7 @@ def _router(config: RouterServiceConfig, metrics: RouterMetrics, name: str, mode
             model_name=name or folder_name, max_model_len=config.router.max_model_len or model_len,
             think_token_ids=_think_token_ids(vocabulary), sampling_defaults=defaults,
             stage_secret=load_stage_secret(stage_secret_file or config.stage_secret_file),
+            first_token_waits_for_decode=has_fallback,
         ),
         lambda skip: IncrementalDetokenizer(vocabulary, skip_special_tokens=skip),
         metrics,
@@ -183,7 +185,7 @@ def build_routes(config: RouterServiceConfig, metrics: RouterMetrics) -> ModelRo
         return ModelRoutes({router.config.model_name: router}, router.config.model_name)
     models = load_models_file(config.models_file)
     routers = {e.name: _router(config, metrics, e.name, e.model, e.tokenizer, list(e.prefill), list(e.decode),
-                               e.stage_secret_file) for e in models.entries}
+                               e.stage_secret_file, e.fallback is not None) for e in models.entries}
     return ModelRoutes(routers, models.default, {e.name: e for e in models.entries},
                        on_fallback=lambda model, fallback: metrics.fallbacks.labels(model, fallback).inc())
 
