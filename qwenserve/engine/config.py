@@ -50,6 +50,11 @@ class EngineConfig:
     # Per-step token budget (prefill chunks + decodes); default: 512 on CPU, 2048 on CUDA (token_budget()).
     max_num_batched_tokens: int | None = option(None,
                                                 help="per-step token budget (default: 512 on CPU, 2048 on CUDA)")
+    # A step with no decode rows makes nobody wait, so its prompt chunks may be larger: each chunk re-reads every
+    # weight and attends to the chunks before it, and a 2,000-token prompt in 512-token chunks took 1.3x as long.
+    max_prefill_only_tokens: int | None = option(
+        None, help="per-step token budget of a step with no decodes in it, prompt chunks only (default: 2048, or "
+                   "--max-num-batched-tokens where that is set)")
     max_num_seqs: int = option(256, help="running sequences at once")
     enable_prefix_caching: bool = option(True, help="share the KV cache of common prompt prefixes")
     # Hybrid models' prefix caching: their linear-attention state is kept at these boundaries (state_snapshots.py).
@@ -148,9 +153,15 @@ class EngineConfig:
             return self.max_num_batched_tokens
         return 2048 if self.torch_device().type == "cuda" else 512
 
+    def prefill_only_budget(self) -> int:
+        """Tokens of a step with no decodes in it (see max_prefill_only_tokens); never below token_budget()."""
+        if self.max_prefill_only_tokens:
+            return max(self.max_prefill_only_tokens, self.token_budget())
+        return self.max_num_batched_tokens or max(2048, self.token_budget())
+
     def torch_dtype(self) -> torch.dtype:
-        """The model's dtype, its activations': fp32 on CPU (PyTorch's bf16 products are far slower there at decode's
-        few rows; the weights and KV may still be bf16: engine/precision.py), bf16 on CUDA."""
+        """The model's dtype as configured: the named one, else fp32 on CPU and bf16 on CUDA. Under `--dtype auto` a
+        CPU engine may still choose bf16 (engine/precision.py decides from this and a start-up probe)."""
         import torch
 
         from qwenserve.kv_layout import TORCH_DTYPES

@@ -133,6 +133,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_batched_tokens=config.token_budget(),
+                max_prefill_only_tokens=config.prefill_only_budget(),
                 max_num_seqs=config.max_num_seqs,
                 admission_policy=config.admission_policy,
                 max_queue_delay_s=config.max_queue_delay_s,

@@ -1,10 +1,15 @@
 """An engine's precision: the dtypes of its activations, its linear weights and its KV cache, and why.
 
-`--dtype auto` (the default) on a CPU where the C kernels load serves an fp32 model with
-- its linear weights packed in bf16 where the start-up probe (cpu_kernels/linear_probe.py) finds our bf16 panels
-  at least `MIN_BF16_SPEEDUP` times faster than fp32 at one row (a decode step streams half the bytes), and, from
-  the row count where the probe finds PyTorch's bf16 product faster than our panels (oneDNN: AMX or AVX512_BF16
-  on the CPUs that have them), those products in PyTorch's bf16 on an unpacked bf16 copy of each weight;
+`--dtype auto` (the default) on a CPU where the C kernels load serves
+- bf16 throughout where the start-up probe (cpu_kernels/linear_probe.py) finds our bf16 panels at least
+  `MIN_BF16_SPEEDUP` times faster than fp32 at one row (a decode step streams half the bytes): the linear weights
+  packed in bf16 (the panels widen them to fp32 and accumulate in fp32), and the activations in bf16, as a bf16
+  model in transformers or vLLM, so that a prefill's norms, rotary embeddings and attention move half the bytes and
+  run on the CPU's bf16 units; the logits stay fp32. From the row count where the probe finds PyTorch's bf16
+  product faster than our panels (oneDNN: AMX or AVX512_BF16 on the CPUs that have them), products run there, on an
+  unpacked bf16 copy of each weight. A hybrid model (Gated DeltaNet layers) keeps fp32 activations over its bf16
+  weights: its recurrent state is fp32;
+- fp32 elsewhere;
 - its KV cache in bf16, chosen from what loaded and never from a measurement: a prefill and a decode worker of
   one deployment must agree on it (a handoff between caches of different dtypes is refused), and a timing may
   differ between two processes where a kernel's presence does not.
@@ -41,7 +46,8 @@ class Precision:
     """`dtype`: the model's (activations, norms, embeddings, weights left unpacked); `weight_dtype`: the packed
     linear weights' (the model's where none are packed); `kv_dtype`: the paged KV cache's; `onednn_rows`: products
     of at least this many rows run in PyTorch's bf16 on an unpacked bf16 copy of the weight (None: never);
-    `reason`: why, for the start-up log and the metrics."""
+    `reason`: why, for the start-up log and the metrics. A bf16 `dtype` with bf16 `weight_dtype` on a CPU is the
+    packed product's too (ops.cpu_kernel_ops)."""
 
     dtype: torch.dtype
     weight_dtype: torch.dtype
@@ -56,11 +62,12 @@ class Precision:
 
     @property
     def name(self) -> str:
-        """e.g. 'float32' or 'weights=bfloat16 kv=bfloat16 activations=float32 onednn>=16'."""
+        """e.g. 'float32', 'bfloat16 onednn>=16' or 'weights=bfloat16 kv=float32 activations=float32'."""
         labels = self.labels()
         if len(set(labels.values())) == 1:
-            return labels["activations"]
-        text = f"weights={labels['weights']} kv={labels['kv']} activations={labels['activations']}"
+            text = labels["activations"]
+        else:
+            text = f"weights={labels['weights']} kv={labels['kv']} activations={labels['activations']}"
         return text + (f" onednn>={self.onednn_rows}" if self.onednn_rows else "")
 
 
@@ -81,18 +88,31 @@ def resolve_precision(config: EngineConfig, device: torch.device, cpu: CpuKernel
     auto = is_auto(config) and packs
     reasons = []
     weight_dtype, onednn_rows = dtype, None
-    if packs and config.cpu_weight_dtype != "auto":
-        weight_dtype = TORCH_DTYPES[config.cpu_weight_dtype]
-        reasons.append(f"weights {config.cpu_weight_dtype} (--cpu-weight-dtype)")
-    elif auto:
+
+    def measure() -> LinearProbe:
         assert cpu is not None
         n, k = linear_probe.probe_shape(*(model_shape or DEFAULT_PROBE_MODEL))
         measured = (probe or linear_probe.measure)(cpu, n, k, torch.get_num_threads())
         log.info("linear products on this CPU (%s): %s", cpu.variant, measured.summary())
+        return measured
+
+    if packs and config.cpu_weight_dtype != "auto":
+        weight_dtype = TORCH_DTYPES[config.cpu_weight_dtype]
+        reasons.append(f"weights {config.cpu_weight_dtype} (--cpu-weight-dtype)")
+    elif device.type == "cpu" and cpu is not None and dtype == torch.bfloat16:
+        # --dtype bfloat16: the packed bf16 panels for a step's few rows, PyTorch's product where it wins.
+        onednn_rows = measure().onednn_from()
+        reasons.append("--dtype bfloat16" + (f"; PyTorch's bf16 product from {onednn_rows} rows, where it beats the "
+                                             "panels" if onednn_rows else ""))
+    elif auto:
+        measured = measure()
         speedup = measured.bf16_speedup()
         if speedup >= MIN_BF16_SPEEDUP:
             weight_dtype, onednn_rows = torch.bfloat16, measured.onednn_from()
             reasons.append(f"weights bfloat16: bf16 panels decode {speedup:.2f}x fp32's here")
+            if not hybrid:
+                dtype = torch.bfloat16
+                reasons.append("activations bfloat16 (logits float32)")
             if onednn_rows:
                 reasons.append(f"PyTorch's bf16 product from {onednn_rows} rows, where it beats the panels")
         else:

@@ -1,7 +1,9 @@
 """Which sequences run in the next step, and how many tokens each computes.
 
 Every step has a token budget (max_num_batched_tokens) shared by decodes (one token each) and prefill
-chunks, so a long prompt is computed a chunk at a time and never stalls decoding for more than one step.
+chunks, so a long prompt is computed a chunk at a time and never stalls decoding for more than one step. A step
+with no decodes in it makes nobody wait: its budget is max_prefill_only_tokens (larger chunks re-read the weights
+fewer times).
 
 Admission reserves KV blocks for the sequence's whole known length (prompt, or prompt + output after a
 preemption) minus what the prefix cache already holds; decoding then allocates one block at a time. When
@@ -71,6 +73,8 @@ class SchedulerOutput:
 class SchedulerLimits:
     max_num_batched_tokens: int
     max_num_seqs: int
+    # The budget of a step with no decodes (prompt chunks only; None: max_num_batched_tokens).
+    max_prefill_only_tokens: int | None = None
     admission_policy: str = "short_first"
     max_queue_delay_s: float = 2.0
     watermark_blocks: int = 0
@@ -127,6 +131,8 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        if not decoding:  # no decode waits on this step: larger chunks, fewer passes over the weights
+            budget = max(budget, self.limits.max_prefill_only_tokens or 0)
         burst = self.policy.burst
         if burst is not None and burst.wanted(len(decoding), budget, self._waiting_tokens(prefilling)):
             self._admit(self._schedule_running(prefilling, self._admit(budget, out, only_whole=True), out),

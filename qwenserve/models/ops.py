@@ -4,9 +4,9 @@ Model files call `ops.linear(x, w)`, `ops.embedding(table, ids)` and a Gated Del
 (`ops.gated_delta_step`, `ops.gated_delta_prefills`, `ops.short_conv_step`) and never ask which kernels run.
 PyTorch's ops everywhere, except:
 - on a CPU where the C kernels load: a hybrid model's recurrent update at decode runs in the C kernel (its state is
-  fp32 whatever the serving dtype), and for fp32 `prepare` repacks the linear weights into `PackedWeight`s once
-  after the checkpoint is loaded (in fp32, or in bf16 where the engine asks: `--cpu-weight-dtype`), and `linear`
-  runs the packed product;
+  fp32 whatever the serving dtype), and for fp32 (and bf16 over bf16 weights) `prepare` repacks the linear weights
+  into `PackedWeight`s once after the checkpoint is loaded (in fp32, or in bf16 where the engine asks:
+  `--cpu-weight-dtype`, `--dtype auto`), and `linear` runs the packed product;
 - on CUDA, the recurrences run in flash-linear-attention's and causal-conv1d's kernels where those packages are
   installed (models/linear_attention_gpu.py); each is optional.
 A model built without ops runs PyTorch's.
@@ -40,8 +40,9 @@ Weight = torch.Tensor | PackedWeight
 
 @dataclass(frozen=True, slots=True)
 class Ops:
-    """What the layers compute with. `linear(x, w, bias, out)`: x · wᵀ (+ bias), into `out` where the op can
-    use a buffer; `embedding(table, ids)`: rows of a table; `prepare(model)`: adapt the loaded weights to these
+    """What the layers compute with. `linear(x, w, bias)`: x · wᵀ (+ bias) in x's dtype; `logits(x, w, out)`: the
+    LM head's x · wᵀ in fp32 for the sampler, into the fp32 buffer `out` where the op can use one;
+    `embedding(table, ids)`: rows of a table; `prepare(model)`: adapt the loaded weights to these
     ops, returning how many it changed; `gated_delta_step(q, k, v, g, beta, states, slots)`: one decode token of
     the gated delta rule, the states updated in place; `gated_delta_prefills(q, k, v, g, beta, states, prefills)`:
     a step's prefill chunks; `short_conv_step(x, conv_state, weight, slots)`: the decode rows' convolution
@@ -49,6 +50,7 @@ class Ops:
 
     name: str
     linear: Callable[..., torch.Tensor]
+    logits: Callable[..., torch.Tensor]
     embedding: Callable[[Weight, torch.Tensor], torch.Tensor]
     prepare: Callable[[nn.Module], int]
     gated_delta_step: Callable[..., torch.Tensor] = recurrent_gated_delta_step
@@ -56,9 +58,12 @@ class Ops:
     short_conv_step: Callable[..., torch.Tensor] = short_conv_step
 
 
-def _torch_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def _torch_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
+
+
+def _torch_logits(x: torch.Tensor, weight: Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight).float()
 
 
 def _torch_embedding(table: Weight, ids: torch.Tensor) -> torch.Tensor:
@@ -69,28 +74,43 @@ def _nothing_to_prepare(model: nn.Module) -> int:
     return 0
 
 
-TORCH_OPS = Ops("torch", _torch_linear, _torch_embedding, _nothing_to_prepare)
+TORCH_OPS = Ops("torch", _torch_linear, _torch_logits, _torch_embedding, _nothing_to_prepare)
 
 
 def _packed_linear(kernels: CpuKernels, onednn_rows: int | None, x: torch.Tensor, weight: Weight,
                    bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The packed product on PackedWeights; weights that could not be packed (rows not a multiple of 16) stay
-    tensors and go to F.linear. From `onednn_rows` rows up (None: never), a weight kept unpacked in bf16 too is
-    multiplied there by PyTorch's bf16 product, x rounded to bf16. `out` is a buffer for a 2-D product (the
-    logits: fresh memory of that size would be faulted in page by page at every step)."""
+    """The packed product on PackedWeights, in x's dtype (fp32, or bf16: the panels' product reads fp32 rows, so a
+    few rows are widened and the result rounded back); weights that could not be packed (rows not a multiple of 16)
+    stay tensors and go to F.linear. From `onednn_rows` rows up (None: never), a weight kept unpacked in bf16 too is
+    multiplied there by PyTorch's bf16 product, x rounded to bf16. `out`: an fp32 buffer for a 2-D product wanted
+    in fp32 (the logits: fresh memory of that size would be faulted in page by page at every step)."""
     if not isinstance(weight, PackedWeight):
-        return F.linear(x, weight, bias)
+        y = F.linear(x, weight, bias)
+        return y if out is None else y.float()
     if weight.dense is not None and onednn_rows is not None and x.numel() >= onednn_rows * x.shape[-1]:
-        y = F.linear(x.to(torch.bfloat16), weight.dense).float()
+        y = F.linear(x.to(torch.bfloat16), weight.dense)
+        y = y.to(x.dtype) if out is None else y.float()
         return y if bias is None else y.add_(bias)
-    y = kernels.linear_packed(x.reshape(-1, x.shape[-1]).contiguous(), weight, out if x.dim() == 2 else None)
+    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+    y = kernels.linear_packed(rows, weight, out if x.dim() == 2 else None)
     y = y.view(*x.shape[:-1], y.shape[-1])
+    if out is None and x.dtype != y.dtype:
+        y = y.to(x.dtype)
     return y if bias is None else y.add_(bias)
 
 
-def _packed_embedding(table: Weight, ids: torch.Tensor) -> torch.Tensor:
-    """A tied LM head is packed; its rows are the embeddings."""
-    return table.rows(ids) if isinstance(table, PackedWeight) else table[ids]
+def _packed_logits(kernels: CpuKernels, onednn_rows: int | None, x: torch.Tensor, weight: Weight,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The LM head's product in fp32 (`out`: a buffer for it): a bf16 model's hidden rows are widened first, so the
+    panels' product of its few sampled rows is fp32 throughout."""
+    if not isinstance(weight, PackedWeight):
+        return F.linear(x, weight).float()
+    return _packed_linear(kernels, onednn_rows, x.float(), weight, None, out)
+
+
+def _packed_embedding(dtype: torch.dtype, table: Weight, ids: torch.Tensor) -> torch.Tensor:
+    """A tied LM head is packed; its rows are the embeddings (in the model's `dtype`)."""
+    return table.rows(ids).to(dtype) if isinstance(table, PackedWeight) else table[ids]
 
 
 def pack_linear_weights(model: nn.Module, dtype: torch.dtype = torch.float32, dense: bool = False) -> int:
@@ -110,16 +130,19 @@ def pack_linear_weights(model: nn.Module, dtype: torch.dtype = torch.float32, de
 
 def cpu_kernel_ops(kernels: CpuKernels, dtype: torch.dtype, weight_dtype: torch.dtype = torch.float32,
                    onednn_rows: int | None = None) -> Ops:
-    """The C kernels' ops for a model in `dtype` on the CPU: for fp32 the packed product (the weights packed once
-    after loading, in `weight_dtype`: fp32, or bf16 for half the bytes per decode step with fp32 activations; with
-    bf16 weights and `onednn_rows`, PyTorch's bf16 product from that many rows up, on an unpacked bf16 copy) and
-    the recurrent update; for bf16 / fp16 PyTorch's products (the packed kernel's activations are fp32) and the C
-    kernel's recurrent update (a hybrid model's state is fp32 in every dtype)."""
-    if dtype == torch.float32:
+    """The C kernels' ops for a model in `dtype` on the CPU: for fp32 activations, and for bf16 activations over bf16
+    weights, the packed product (the weights packed once after loading, in `weight_dtype`: fp32, or bf16 for half the
+    bytes per decode step, widened to fp32 in the product; with bf16 weights and `onednn_rows`, PyTorch's bf16
+    product from that many rows up, on an unpacked bf16 copy) and the recurrent update; for other bf16 / fp16 models
+    PyTorch's products and the C kernel's recurrent update (a hybrid model's state is fp32 in every dtype)."""
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and weight_dtype == torch.bfloat16):
         onednn_rows = onednn_rows if weight_dtype == torch.bfloat16 else None
         name = "cpu_kernels" if weight_dtype == torch.float32 else "cpu_kernels+bf16_weights"
+        name += "+bf16_activations" if dtype == torch.bfloat16 else ""
         name += f"+onednn>={onednn_rows}" if onednn_rows else ""
-        return Ops(name, functools.partial(_packed_linear, kernels, onednn_rows), _packed_embedding,
+        return Ops(name, functools.partial(_packed_linear, kernels, onednn_rows),
+                   functools.partial(_packed_logits, kernels, onednn_rows),
+                   functools.partial(_packed_embedding, dtype),
                    functools.partial(pack_linear_weights, dtype=weight_dtype, dense=onednn_rows is not None),
                    kernels.gated_delta_step)
     return dataclasses.replace(TORCH_OPS, name="torch+cpu_gated_delta", gated_delta_step=kernels.gated_delta_step)

@@ -156,7 +156,7 @@ class QwenForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and LM head for the selected rows; logits in fp32 for the sampler (in `out` [rows, vocab]
         where the ops can use a buffer)."""
-        return self.ops.linear(self.norm(hidden), self.lm_head, None, out).float()
+        return self.ops.logits(self.norm(hidden), self.lm_head, out)
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """Every tensor the checkpoint must contain, mapped to the view of our parameters it fills.

@@ -171,24 +171,25 @@ def _retryable(answer: Answer) -> bool:
 
 
 def test_up_with_dtype_auto_says_which_precision_it_chose(up: Up) -> None:
-    """The default `qwen-serve up MODEL` is `--dtype auto`: on a CPU with the C kernels each engine stage computes
-    in fp32 over a bf16 KV cache, its weights in the dtype its start-up probe found faster; the stage's log says
-    which and why, its metrics and `qwen-serve status` show it, and prefill and decode agree on the KV (their
-    handoffs are accepted: the requests above and below are served)."""
+    """The default `qwen-serve up MODEL` is `--dtype auto`: on a CPU with the C kernels each engine stage keeps a
+    bf16 KV cache and computes in bf16 where its start-up probe found the bf16 weights faster, in fp32 over fp32
+    weights where not; the stage's log says which and why, its metrics and `qwen-serve status` show it, and prefill
+    and decode agree on the KV (their handoffs are accepted: the requests above and below are served)."""
     status = subprocess.run([sys.executable, "-m", "qwenserve.cli", "status", "--router", f"127.0.0.1:{up.grpc_port}",
                              "--json"], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stdout + status.stderr
     shown = {row["stage"]: row["precision"] for row in json.loads(status.stdout)}
     assert shown["router"] == shown["tokenizer"] == "", shown
-    assert shown["prefill"].startswith("weights=") and shown["prefill"] == shown["decode"], shown
-    assert shown["decode"].endswith(" kv=bfloat16 activations=float32"), shown
+    for stage in ("prefill", "decode"):
+        assert (shown[stage].startswith("bfloat16")
+                or shown[stage] == "weights=float32 kv=bfloat16 activations=float32"), shown
     for name in ("prefill-0", "decode-0"):
         with urllib.request.urlopen(f"http://{up.metrics[name]}/metrics", timeout=5) as reply:
             info = [line for line in reply.read().decode().splitlines()
                     if line.startswith("qwenserve_engine_precision_info{")]
         assert len(info) == 1 and 'kv="bfloat16"' in info[0] and "bf16 attention kernel" in info[0], info
     logs = "".join(path.read_text() for path in (up.stderr_path.parent / "logs").glob("*decode*"))
-    chose = [line for line in logs.splitlines() if "precision: weights=" in line]
+    chose = [line for line in logs.splitlines() if "precision: " in line and "(" in line]
     assert chose and "KV bfloat16" in chose[0] and ("panels decode" in chose[0]), logs[-2000:]
 
 

@@ -112,7 +112,7 @@ def test_packed_weights_keep_every_row_and_refuse_what_cannot_be_packed() -> Non
     # Row v is column v % 16 of panel v // 16: the embeddings of a tied, packed LM head.
     ids = torch.tensor([0, 21, 31, 5])
     assert torch.equal(packed[2].rows(ids), experts[2][ids])
-    assert torch.equal(_packed_embedding(packed[2], ids), TORCH_OPS.embedding(experts[2], ids))
+    assert torch.equal(_packed_embedding(torch.float32, packed[2], ids), TORCH_OPS.embedding(experts[2], ids))
     for weight in (torch.randn(24, 8), torch.randn(32, 8, dtype=torch.float64)):
         assert not packable(weight)
         with pytest.raises(ValueError, match="multiple of 16"):
@@ -238,10 +238,14 @@ def test_ops_are_chosen_for_the_device_and_dtype(kernels: CpuKernels) -> None:
     chosen = select_kernels(EngineConfig(dtype="float32"), cpu)
     assert chosen.cpu is kernels and chosen.ops.name == "cpu_kernels" and chosen.attention.cpu_kernels is kernels
     assert chosen.ops.gated_delta_step == kernels.gated_delta_step
-    # bf16: PyTorch's products, the C kernel's recurrent update (a hybrid model's state is fp32 in every dtype).
+    # bf16: the bf16 panels' product (PyTorch's bf16 product from the rows where it wins) and the C kernel's
+    # recurrent update (a hybrid model's state is fp32 in every dtype).
     bf16 = select_kernels(EngineConfig(dtype="bfloat16"), cpu).ops
-    assert bf16.name == "torch+cpu_gated_delta" and bf16.linear is TORCH_OPS.linear
+    assert bf16.name.startswith("cpu_kernels+bf16_weights+bf16_activations") and bf16.linear is not TORCH_OPS.linear
     assert bf16.gated_delta_step == kernels.gated_delta_step
+    # fp16: PyTorch's products (the panels hold fp32 or bf16).
+    fp16 = select_kernels(EngineConfig(dtype="float16"), cpu).ops
+    assert fp16.name == "torch+cpu_gated_delta" and fp16.linear is TORCH_OPS.linear
     assert select_kernels(EngineConfig(dtype="float32"), torch.device("meta")).ops is TORCH_OPS
 
 

@@ -92,3 +92,21 @@ def test_fcfs_and_a_zero_limit_never_leave_decodes_out():
             plan = _step(sched)
             assert all(plan[f"d{i}"] == 1 for i in range(8))
         assert sched.num_prefill_only_steps == 0
+
+
+def test_a_step_without_decodes_takes_the_larger_prefill_only_budget_and_one_with_decodes_does_not():
+    limits = SchedulerLimits(max_num_batched_tokens=64, max_num_seqs=32, admission_policy="fcfs",
+                             max_prefill_only_tokens=200)
+    sched = Scheduler(limits, BlockPool(num_blocks=256, block_size=16))
+    sched.add(_seq("long", 500))
+    assert _step(sched) == {"long": 200}  # nothing decodes: the prompt's chunk is the larger budget
+    assert _step(sched) == {"long": 200}
+    sched.add(_seq("short", 4))
+    assert _step(sched) == {"long": 100, "short": 4}  # the prompt's last 100 tokens, and the short one whole
+    # Both decode now: a prompt arriving beside them gets what the decodes leave of the smaller budget.
+    sched.add(_seq("next", 300))
+    assert _step(sched) == {"long": 1, "short": 1, "next": 62}
+    # Without the setting, every step has the one budget.
+    plain = _scheduler(policy="fcfs")
+    plain.add(_seq("long", 500))
+    assert _step(plain) == {"long": 64}

@@ -49,13 +49,14 @@ def kernels() -> CpuKernels:
     return loaded
 
 
-def test_auto_takes_bf16_weights_and_kv_where_the_probe_finds_them_faster(kernels: CpuKernels) -> None:
+def test_auto_takes_bf16_throughout_where_the_probe_finds_the_bf16_panels_faster(kernels: CpuKernels) -> None:
     probe = StandIn(probe_result(1.8, 16))
     precision = resolve_precision(EngineConfig(), CPU, kernels, (1024, 3072), probe=probe)
-    assert (precision.dtype, precision.weight_dtype, precision.kv_dtype) == (FP32, BF16, BF16)
+    assert (precision.dtype, precision.weight_dtype, precision.kv_dtype) == (BF16, BF16, BF16)
     assert precision.onednn_rows == 16
-    assert "1.80x" in precision.reason and "16 rows" in precision.reason
-    assert precision.labels() == {"activations": "float32", "weights": "bfloat16", "kv": "bfloat16"}
+    assert "1.80x" in precision.reason and "16 rows" in precision.reason and "activations bfloat16" in precision.reason
+    assert precision.labels() == {"activations": "bfloat16", "weights": "bfloat16", "kv": "bfloat16"}
+    assert precision.name == "bfloat16 onednn>=16"
     # The model's MLP input projection is what was measured.
     assert probe.calls == [(6144, 1024, torch.get_num_threads())]
 
@@ -64,14 +65,16 @@ def test_auto_keeps_fp32_weights_where_bf16_is_no_faster_but_the_kv_choice_does_
         kernels: CpuKernels) -> None:
     """The KV dtype is what a prefill and a decode worker must agree on, so it never depends on a measurement."""
     precision = resolve_precision(EngineConfig(), CPU, kernels, (1024, 3072), probe=StandIn(probe_result(1.02, 4)))
-    assert (precision.weight_dtype, precision.kv_dtype, precision.onednn_rows) == (FP32, BF16, None)
+    assert (precision.dtype, precision.weight_dtype, precision.kv_dtype, precision.onednn_rows) == (FP32, FP32, BF16,
+                                                                                                   None)
     assert "only 1.02x" in precision.reason
 
 
 def test_onednn_rows_are_none_where_it_never_wins(kernels: CpuKernels) -> None:
     precision = resolve_precision(EngineConfig(), CPU, kernels, probe=StandIn(probe_result(2.0, None)))
     assert precision.weight_dtype == BF16 and precision.onednn_rows is None
-    assert select_kernels(EngineConfig(cpu_weight_dtype="bfloat16"), CPU).ops.name == "cpu_kernels+bf16_weights"
+    assert select_kernels(EngineConfig(dtype="float32", cpu_weight_dtype="bfloat16"),
+                          CPU).ops.name == "cpu_kernels+bf16_weights"
 
 
 def test_explicit_dtypes_are_honoured_and_measure_nothing(kernels: CpuKernels) -> None:
@@ -86,11 +89,15 @@ def test_explicit_dtypes_are_honoured_and_measure_nothing(kernels: CpuKernels) -
     kv_fp32 = resolve_precision(EngineConfig(kv_cache_dtype="float32"), CPU, kernels, probe=probe)
     assert (kv_fp32.weight_dtype, kv_fp32.kv_dtype, kv_fp32.onednn_rows) == (BF16, FP32, 4)
     assert probe.calls and len(probe.calls) == 1  # only the auto weights were measured
+    # --dtype bfloat16 is bf16 throughout; only where PyTorch's product takes over is measured.
+    bf16 = resolve_precision(EngineConfig(dtype="bfloat16"), CPU, kernels, probe=probe)
+    assert (bf16.dtype, bf16.weight_dtype, bf16.kv_dtype, bf16.onednn_rows) == (BF16, BF16, BF16, 4)
+    assert bf16.reason.startswith("--dtype bfloat16") and len(probe.calls) == 2
 
 
 def test_hybrid_models_keep_their_kv_in_the_models_dtype(kernels: CpuKernels) -> None:
     precision = resolve_precision(EngineConfig(), CPU, kernels, hybrid=True, probe=StandIn(probe_result(2.0, 64)))
-    assert (precision.weight_dtype, precision.kv_dtype) == (BF16, FP32)
+    assert (precision.dtype, precision.weight_dtype, precision.kv_dtype) == (FP32, BF16, FP32)
 
 
 def test_without_the_kernels_or_on_cuda_auto_is_one_dtype() -> None:
@@ -144,3 +151,31 @@ def test_the_packed_product_hands_many_rows_to_pytorchs_bf16(kernels: CpuKernels
     assert stacked[1].dense is not None and stacked[1].dense.shape == (16, 8) and stacked[1].shape == (16, 8)
     # fp32 weights never take that path: nothing is kept twice.
     assert cpu_kernel_ops(kernels, FP32, FP32, onednn_rows=4).name == "cpu_kernels"
+
+
+def test_bf16_activations_run_the_panels_widened_and_keep_the_logits_fp32(kernels: CpuKernels) -> None:
+    """A bf16 model's few rows: widened to fp32 for the panels' product, the result rounded to bf16; its many rows:
+    PyTorch's bf16 product as it is; its logits (any row count): fp32, from its rows widened, never rounded."""
+    n, k = 48, 40
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(n, k, generator=gen).to(BF16)
+    ops = cpu_kernel_ops(kernels, BF16, BF16, onednn_rows=4)
+    assert ops.name == "cpu_kernels+bf16_weights+bf16_activations+onednn>=4"
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    assert ops.prepare(model) == 1
+    packed = model.lm_head
+    few = torch.randn(3, k, generator=gen).to(BF16)
+    exact = few.float() @ weight.float().t()
+    y = ops.linear(few, packed)
+    assert y.dtype == BF16
+    torch.testing.assert_close(y.float(), exact.to(BF16).float(), rtol=0, atol=0.02)
+    many = torch.randn(6, k, generator=gen).to(BF16)
+    assert torch.equal(ops.linear(many, packed), F.linear(many, weight))
+    logits = ops.logits(few, packed, torch.empty(3, n))
+    assert logits.dtype == FP32
+    torch.testing.assert_close(logits, exact, rtol=1e-5, atol=1e-4)
+    assert ops.logits(many, packed).dtype == FP32
+    # A tied head's rows are the embeddings, in the model's dtype.
+    ids = torch.tensor([0, 17, 47])
+    assert torch.equal(ops.embedding(packed, ids), weight[ids])

@@ -259,9 +259,10 @@ def test_status_prints_one_row_per_process(traced_cluster: LocalCluster) -> None
     for child in traced_cluster.children:
         stage, _, state, run_wait, kv, tok_s, restarts, precision = rows[child.address]
         assert stage == child.name.split("-")[0] and state == "SERVING" and restarts == "0"
-        # --dtype auto (the default) on a CPU with the C kernels: fp32 math over a bf16 KV cache, and the weights
-        # in whichever dtype the start-up probe found faster.
-        assert precision == "-" if stage in ("router", "tokenizer") else "kv=bfloat16 activations=float32" in precision
+        # --dtype auto (the default) on a CPU with the C kernels: a bf16 KV cache, and bf16 weights and math where the
+        # start-up probe found the bf16 weights faster, fp32 ones where not.
+        engine_precisions = ("bfloat16", "weights=float32 kv=bfloat16 activations=float32")
+        assert precision == "-" if stage in ("router", "tokenizer") else precision.startswith(engine_precisions)
         if stage in ("prefill", "decode"):
             running, waiting = run_wait.split("/")
             assert int(running) >= 0 and int(waiting) >= 0 and float(tok_s) >= 0
