@@ -203,14 +203,20 @@ async def run(config: RouterServiceConfig) -> None:
             runners.append(await start_http_front(routes, gatekeeper, config.front, routes.default, config.host,
                                                   config.http_port))
 
+    starting: list[asyncio.Task[None]] = []
+
     async def warm_up() -> None:
-        if not routes.single():
-            # Several models: one whose stages are down must not keep the others (or its fallback) off HTTP;
-            # until a model's router has started, its requests get a retryable 503 or go to its fallback.
-            await open_http()
-        await asyncio.gather(*(router.start() for router in routers))
         if routes.single():
+            await routers[0].start()
             await open_http()
+            return
+        # Several models: one whose stages are down must not keep the others (or its fallback) off HTTP, nor health
+        # at NOT_SERVING: HTTP opens at once, and the router serves once one model's router has started; the others
+        # start on meanwhile, their requests getting a retryable 503 or going to their fallback until then.
+        await open_http()
+        starts = {name: asyncio.ensure_future(_keep_starting(name, router)) for name, router in routes.routers.items()}
+        starting.extend(starts.values())
+        await _first_started(starts)
 
     def register(server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(routes, gatekeeper, metrics, config), server)
@@ -227,11 +233,35 @@ async def run(config: RouterServiceConfig) -> None:
     try:
         await serve(server_config, "router", [SERVICE_NAME], register, warm_up=warm_up, on_drain=drain)
     finally:
+        for task in starting:
+            task.cancel()
+        await asyncio.gather(*starting, return_exceptions=True)
         for runner in runners:
             await runner.cleanup()
         await close_gatekeeper(gatekeeper)
         for router in routers:
             await router.close()
+
+
+async def _keep_starting(name: str, router: Router) -> None:
+    """Start one of several models' routers, asking its tokenizer again until it answers: one model's stage down at
+    start must not stop the router serving the others (a single model's router exits and is restarted instead)."""
+    while True:
+        try:
+            await router.start()
+            return
+        except grpc.aio.AioRpcError as e:
+            log.warning("%s: its tokenizer did not answer (%s); asking again", name, e.code().name)
+
+
+async def _first_started(starts: dict[str, asyncio.Task[None]]) -> None:
+    """Return once one of the models' routers (`starts`, by name) has started, naming those still starting."""
+    done, _ = await asyncio.wait(starts.values(), return_when=asyncio.FIRST_COMPLETED)
+    for task in done:
+        task.result()  # a fault of the router itself: the stage stops
+    waiting = [name for name, task in starts.items() if not task.done()]
+    if waiting:
+        log.warning("router serving; still waiting for the workers of %s", ", ".join(waiting))
 
 
 def start(config: RouterServiceConfig) -> int:
