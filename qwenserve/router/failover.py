@@ -137,9 +137,10 @@ async def decode(
                     "cold_start_timeout", f"no decode worker is running (scaled to zero) and none became ready "
                     f"within {fleet.config.cold_start_wait_s:g}s; retry shortly", retryable=True)
                 return
+            # The addresses stay in the log lines above: clients are told none (GetStatus shows them to admins).
             yield [], [], common_pb2.FINISH_REASON_ERROR, stage_error(
-                "no_decode_worker", f"no decode worker could finish the request (tried {tried})", retryable=True
-            )
+                "no_decode_worker", f"no decode worker could finish the request ({len(tried)} tried); retry shortly",
+                retryable=True)
             return
         tried.append(worker.address)
         fleet.decode_pool.started(worker, budget)

@@ -207,7 +207,9 @@ class Router:
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequest(e.details() or "invalid input", "input") from e
-                raise ServiceUnavailable(f"tokenizer: {e.code().name}: {e.details()}") from e
+                # gRPC's details name the tokenizer's address: logged, never told to the client.
+                log.warning("tokenizer %s: %s: %s", self.config.tokenizer_address, e.code().name, e.details())
+                raise ServiceUnavailable(f"the tokenizer service did not answer ({e.code().name}); retry shortly") from e
             span.set_attribute(Attr.PROMPT_TOKENS, len(resp.ids))
         return list(resp.ids)
 
