@@ -24,6 +24,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.linear_packed_bf16.argtypes = [pointer] * 3 + [i64] * 4
     lib.linear_quant.restype = ctypes.c_int
     lib.linear_quant.argtypes = [pointer] * 5 + [i64] * 6
+    lib.linear_quant_amx.restype = ctypes.c_int
+    lib.linear_quant_amx.argtypes = [pointer] * 5 + [i64] * 5
     lib.kv_checksum_chunks.restype = None
     lib.kv_checksum_chunks.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] + [i64] * 2
     lib.kv_checksum_combine.restype = ctypes.c_uint64
@@ -138,6 +140,35 @@ class CpuKernels:
                                        torch.get_num_threads())
         if status != 0:
             raise MemoryError("linear_quant could not allocate its scratch")
+        return out
+
+    def linear_quant_amx(self, x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None
+                         ) -> torch.Tensor | None:
+        """`linear_quant` for a 4-bit weight with x rounded to bf16 first, on AMX tiles (linear_quant.c): many rows'
+        product, as PyTorch's bf16 product rounds x. None where it cannot run (no AMX here or in this build, 8-bit
+        codes, groups not a multiple of 32 inputs): then `linear_quant` does."""
+        _check_cpu_fp32("linear_quant_amx", x)
+        weight.check()
+        n, k = weight.shape
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"linear_quant_amx: x must be [m, {k}], got {tuple(x.shape)}")
+        if weight.bits != 4:
+            return None
+        if weight.perm is not None:
+            x = x.index_select(1, weight.perm)
+        m = x.shape[0]
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32)
+        elif out.shape != (m, n):
+            raise ValueError(f"linear_quant_amx: out must have shape {(m, n)}")
+        _check_cpu_fp32("linear_quant_amx", out)
+        status = self.lib.linear_quant_amx(x.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(),
+                                           weight.zeros.data_ptr(), out.data_ptr(), m, k, n, weight.group_size,
+                                           torch.get_num_threads())
+        if status == -3:
+            return None
+        if status != 0:
+            raise MemoryError("linear_quant_amx could not allocate its scratch")
         return out
 
     def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:

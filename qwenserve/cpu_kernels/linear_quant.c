@@ -246,3 +246,186 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
     free(xt);
     return 0;
 }
+
+/* Many rows at 4 bits (a prefill chunk, a large decode batch) on a CPU with AMX: x rounded to bf16 (as PyTorch's
+ * bf16 product rounds it, where the engine's precision allows that), the codes widened to bf16 tiles and multiplied
+ * by TDPBF16PS, 16 x 16 fp32 results from 16 rows x 32 inputs a tile.
+ *
+ * A B tile's row is one input pair of 16 columns, two bf16 per column (the layout TDPBF16PS reads): our packed pair
+ * byte (low nibble input 2p, high nibble 2p + 1) widened to a 32-bit lane is spread to bits 0-3 and 16-19 and given
+ * the exponent of 128, so each half is the bf16 of 128 + code, exact: 3 vector operations per 32 weights, done once
+ * per strip for all of x's rows. The 128 comes out with the zero point: s * (sum - (z + 128) * xsum), xsum over the
+ * rounded x. Groups must be multiples of 32 inputs (a tile's K), which 32/64/128 are. */
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__GNUC__) && __GNUC__ >= 11
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
+#define AMX_ROWS 16                 /* a tile's rows: of x (A) and of results (C) */
+#define AMX_K 32                    /* inputs per tile product */
+#define AMX_BLOCK_ROWS (2 * AMX_ROWS) /* rows of x per pass: two A tiles */
+#define AMX_STRIP 2                 /* panels per pass: two B tiles; 2 x 2 C tiles, 8 tile registers in all */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+struct tile_config {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Linux hands AMX's tile state to a process that asks (once: the permission is process-wide). */
+static int amx_permitted(void) {
+    static int state; /* 0: not asked yet, 1: granted, -1: refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+static inline uint16_t bf16_rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_widen(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* One panel's codes (`steps` input pairs of 16 bytes) as B-tile rows of bf16 pairs, padded to `padded` pairs
+ * with 128s (multiplied by the zeros x is padded with). A missing panel (codes NULL) is all padding. */
+AMX_TARGET static void amx_widen(const uint8_t *cp, uint32_t *b, int64_t steps, int64_t padded) {
+    const __m512i nibbles = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
+    int64_t s = 0;
+    if (cp != NULL)
+        for (; s < steps; s++) {
+            const __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(cp + s * QPANEL)));
+            /* 0xA8: (t | t << 12) & nibbles, the low nibble at bits 0-3 and the high one at 16-19. */
+            const __m512i spread = _mm512_ternarylogic_epi32(t, _mm512_slli_epi32(t, 12), nibbles, 0xA8);
+            _mm512_store_si512((__m512i *)(b + s * QPANEL), _mm512_or_si512(spread, exponent));
+        }
+    for (; s < padded; s++) _mm512_store_si512((__m512i *)(b + s * QPANEL), exponent);
+}
+
+/* Rows [r0, r0 + 32) of xb against the strip's two panels of B tiles, every group, into tot [32][32]. */
+AMX_TARGET static void amx_block(const uint16_t *xb, const float *xsum, const uint32_t *b0, const uint32_t *b1,
+                                 const float *s0, const float *z0, const float *s1, const float *z1, float *tot,
+                                 float *cbuf, int64_t kp, int64_t groups, int64_t group) {
+    const int64_t xstride = kp * 2, bsteps = AMX_K / 2 * QPANEL; /* bytes per row of x; dwords per B tile */
+    memset(tot, 0, AMX_BLOCK_ROWS * AMX_STRIP * QPANEL * sizeof(float));
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t kb0 = g * group / AMX_K, kb1 = ((g + 1) * group < kp ? (g + 1) * group : kp) / AMX_K;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = kb0; kb < kb1; kb++) {
+            _tile_loadd(4, xb + kb * AMX_K, xstride);
+            _tile_loadd(5, xb + AMX_ROWS * kp + kb * AMX_K, xstride);
+            _tile_loadd(6, b0 + kb * bsteps, QPANEL * 4);
+            _tile_loadd(7, b1 + kb * bsteps, QPANEL * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        const int64_t cstride = AMX_STRIP * QPANEL * 4;
+        _tile_stored(0, cbuf, cstride);
+        _tile_stored(1, cbuf + QPANEL, cstride);
+        _tile_stored(2, cbuf + AMX_ROWS * AMX_STRIP * QPANEL, cstride);
+        _tile_stored(3, cbuf + AMX_ROWS * AMX_STRIP * QPANEL + QPANEL, cstride);
+        for (int p = 0; p < AMX_STRIP; p++) {
+            const __m512 s = _mm512_loadu_ps((p ? s1 : s0) + g * QPANEL);
+            const __m512 z = _mm512_add_ps(_mm512_loadu_ps((p ? z1 : z0) + g * QPANEL), _mm512_set1_ps(128.0f));
+            for (int r = 0; r < AMX_BLOCK_ROWS; r++) {
+                float *t = tot + r * AMX_STRIP * QPANEL + p * QPANEL;
+                const __m512 acc = _mm512_loadu_ps(cbuf + r * AMX_STRIP * QPANEL + p * QPANEL);
+                const __m512 sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc);
+                _mm512_storeu_ps(t, _mm512_fmadd_ps(s, sum, _mm512_loadu_ps(t)));
+            }
+        }
+    }
+}
+
+/* y [m, n] = x [m, k] (fp32, rounded to bf16 here) times the 4-bit weight, codes/scales/zeros as linear_quant's.
+ * Returns 0; -1 when scratch cannot be allocated; -3 when this cannot run here (groups not a multiple of 32
+ * inputs, or the kernel refuses the tile state), and the caller runs linear_quant instead. */
+AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const float *scales, const float *zeros,
+                                float *y, int64_t m, int64_t k, int64_t n, int64_t group, int64_t num_threads) {
+    if (group % AMX_K != 0 || !amx_permitted()) return -3;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t kp = (k + AMX_K - 1) / AMX_K * AMX_K, mp = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS * AMX_BLOCK_ROWS;
+    const int64_t groups = (k + group - 1) / group, panels = (n + QPANEL - 1) / QPANEL;
+    const int64_t strips = (panels + AMX_STRIP - 1) / AMX_STRIP, steps = (k + 1) / 2;
+    uint16_t *xb = aligned_alloc(64, (size_t)(mp * kp) * sizeof(uint16_t));
+    float *xsum = malloc((size_t)(mp * groups) * sizeof(float));
+    if (xb == NULL || xsum == NULL) {
+        free(xb);
+        free(xsum);
+        return -1;
+    }
+    memset(xb, 0, (size_t)(mp * kp) * sizeof(uint16_t));
+    memset(xsum, 0, (size_t)(mp * groups) * sizeof(float));
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) {
+            xb[r * kp + i] = bf16_rne(x[r * k + i]);
+            xsum[r * groups + i / group] += bf16_widen(xb[r * kp + i]);
+        }
+    int status = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        struct tile_config config;
+        memset(&config, 0, sizeof config);
+        config.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            config.rows[t] = AMX_ROWS;
+            config.colsb[t] = 64;
+        }
+        _tile_loadconfig(&config);
+        uint32_t *b = aligned_alloc(64, (size_t)(AMX_STRIP * kp / 2 * QPANEL) * sizeof(uint32_t));
+        float *tot = aligned_alloc(64, AMX_BLOCK_ROWS * AMX_STRIP * QPANEL * sizeof(float));
+        float *cbuf = aligned_alloc(64, AMX_BLOCK_ROWS * AMX_STRIP * QPANEL * sizeof(float));
+        const int scratch = b != NULL && tot != NULL && cbuf != NULL;
+        if (!scratch) {
+#pragma omp atomic write
+            status = -1;
+        }
+        /* Every thread takes part in the loop (OpenMP's rule), a thread without scratch taking no strip. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t strip = 0; strip < strips; strip++) {
+            if (scratch) {
+                const int64_t q = strip * AMX_STRIP;
+                const int has_second = q + 1 < panels;
+                uint32_t *b1 = b + kp / 2 * QPANEL;
+                amx_widen(codes + q * steps * QPANEL, b, steps, kp / 2);
+                amx_widen(has_second ? codes + (q + 1) * steps * QPANEL : NULL, b1, steps, kp / 2);
+                const float *s0 = scales + q * groups * QPANEL, *z0 = zeros + q * groups * QPANEL;
+                const float *s1 = has_second ? s0 + groups * QPANEL : s0, *z1 = has_second ? z0 + groups * QPANEL : z0;
+                const int64_t col = q * QPANEL, width = n - col < AMX_STRIP * QPANEL ? n - col : AMX_STRIP * QPANEL;
+                for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK_ROWS) {
+                    amx_block(xb + r0 * kp, xsum + r0 * groups, b, b1, s0, z0, s1, z1, tot, cbuf, kp, groups, group);
+                    const int64_t rows = m - r0 < AMX_BLOCK_ROWS ? m - r0 : AMX_BLOCK_ROWS;
+                    for (int64_t r = 0; r < rows; r++)
+                        memcpy(y + (r0 + r) * n + col, tot + r * AMX_STRIP * QPANEL, (size_t)width * sizeof(float));
+                }
+            }
+        }
+        _tile_release();
+        free(b);
+        free(tot);
+        free(cbuf);
+    }
+    free(xb);
+    free(xsum);
+    return status;
+}
+#else
+int linear_quant_amx(const float *x, const uint8_t *codes, const float *scales, const float *zeros, float *y,
+                     int64_t m, int64_t k, int64_t n, int64_t group, int64_t num_threads) {
+    (void)x, (void)codes, (void)scales, (void)zeros, (void)y, (void)m, (void)k, (void)n, (void)group, (void)num_threads;
+    return -3; /* built without AVX-512 or a compiler that knows AMX */
+}
+#endif

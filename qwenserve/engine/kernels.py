@@ -86,7 +86,7 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
     if quantized is not None:
         assert cpu is not None
         label = f"w{quantized.bits}a16"
-        ops = with_quantized_linears(ops, cpu, label)
+        ops = with_quantized_linears(ops, cpu, label, precision.onednn_rows)
         precision = dataclasses.replace(precision, reason=f"{precision.reason}; linear weights {label.upper()}: "
                                                           f"{quantized.describe()} kept as codes")
     return KernelSet(cpu, ops, attention, block_size, precision, quantized)

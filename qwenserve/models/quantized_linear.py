@@ -1,7 +1,9 @@
 """The W4A16 / W8A16 product in a model's ops: a linear weight the loader kept as 4- or 8-bit codes (a `QuantWeight`,
 engine/quantization/kept.py) is multiplied by the C kernel without being dequantized; every other weight goes to the
 ops' own product. Activations reach the kernel in fp32 whatever the model's dtype (it widens codes to fp32 and
-accumulates there), and leave in the model's dtype."""
+accumulates there), and leave in the model's dtype. From `bf16_rows` rows up (the engine's precision allows bf16
+products there: Precision.onednn_rows), 4-bit weights run on AMX tiles where the CPU has them, x rounded to bf16
+(several times the fp32 kernel's rate at 16 rows and more; linear_quant.c)."""
 
 from __future__ import annotations
 
@@ -14,18 +16,32 @@ from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.quant_weight import QuantWeight
 from qwenserve.models.ops import Ops
 
+# Fewer rows than this stay on the fp32 kernel even where bf16 products are allowed: AMX's fixed cost of widening
+# the codes to tiles is more than the fp32 kernel's whole product there (0.8 against 0.3 ms at one row, on par at 8,
+# for Qwen3-0.6B's 1024 x 6144 on one core of this project's Xeon).
+AMX_MIN_ROWS = 8
 
-def with_quantized_linears(ops: Ops, kernels: CpuKernels, label: str) -> Ops:
-    """`ops` whose `linear` multiplies QuantWeights in `kernels` (named `ops.name`+`label`, e.g. '+w4a16')."""
-    return dataclasses.replace(ops, name=f"{ops.name}+{label}", linear=_quantized_or(ops.linear, kernels))
+
+def with_quantized_linears(ops: Ops, kernels: CpuKernels, label: str, bf16_rows: int | None = None) -> Ops:
+    """`ops` whose `linear` multiplies QuantWeights in `kernels` (named `ops.name`+`label`, e.g. '+w4a16'), products
+    of at least `bf16_rows` rows (None: none) with x rounded to bf16 on AMX where it runs."""
+    amx_rows = max(bf16_rows, AMX_MIN_ROWS) if bf16_rows is not None else None
+    name = f"{ops.name}+{label}" + (f"+amx>={amx_rows}" if amx_rows is not None and label == "w4a16" else "")
+    return dataclasses.replace(ops, name=name, linear=_quantized_or(ops.linear, kernels, amx_rows))
 
 
-def _quantized_or(base: Callable[..., torch.Tensor], kernels: CpuKernels) -> Callable[..., torch.Tensor]:
+def _quantized_or(base: Callable[..., torch.Tensor], kernels: CpuKernels,
+                  amx_rows: int | None) -> Callable[..., torch.Tensor]:
     def linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None = None, *args: object,
                **kwargs: object) -> torch.Tensor:
         if not isinstance(weight, QuantWeight):
             return base(x, weight, bias, *args, **kwargs)
-        y = kernels.linear_quant(x.reshape(-1, x.shape[-1]).float().contiguous(), weight)
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        y = None
+        if amx_rows is not None and rows.shape[0] >= amx_rows:
+            y = kernels.linear_quant_amx(rows, weight)
+        if y is None:
+            y = kernels.linear_quant(rows, weight)
         y = y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y.add_(bias)
 

@@ -109,6 +109,49 @@ def test_every_variant_multiplies_the_codes_as_the_dequantized_weight(
 
 
 @needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_multiplies_bf16_rounded_rows_by_the_dequantized_weight(
+        threads: int, variant_kernels: dict[str, CpuKernels]) -> None:
+    """Many rows on AMX (x86-64-v4 objects on a CPU with AMX-BF16): x rounded to bf16 as PyTorch's bf16 product
+    rounds it, times the dequantized 4-bit weight, up to fp32 summation order; the codes enter the tiles as bf16 of
+    128 + code, so the bound counts that offset too. Every other object, and groups that are not a multiple of 32
+    inputs, decline (None) and the fp32 kernel runs instead."""
+    gen = torch.Generator().manual_seed(31)
+    amx = "amx_bf16" in builder.cpu_flags() and "x86-64-v4" in variant_kernels
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, kernels in variant_kernels.items():
+            for k, n in (*SHAPES, (1024, 80)):
+                for group_size in (32, 64, 128):
+                    codes, scales, zeros = random_quantized(n, k, 4, group_size, gen)
+                    weight = QuantWeight.pack(codes, scales, zeros, 4, group_size)
+                    groups = torch.arange(k) // group_size
+                    reference = dequantized(codes, scales, zeros, groups)
+                    for rows in (*ROWS, 33):
+                        x = torch.randn(rows, k, generator=gen)
+                        y = kernels.linear_quant_amx(x, weight)
+                        if not (amx and name == "x86-64-v4"):
+                            assert y is None, name
+                            continue
+                        assert y is not None
+                        rounded = x.to(torch.bfloat16).double()
+                        error = (y.double() - rounded @ reference.double().T).abs()
+                        bound = summation_bound(rounded.float(), codes + 128, scales, zeros, groups)
+                        worst = (error / bound).max().item()
+                        assert worst <= 1.0, f"{name} rows={rows} k={k} n={n} group={group_size}: {worst:.2f}x"
+            if amx and name == "x86-64-v4":
+                odd = QuantWeight.pack(*random_quantized(32, 96, 4, 48, gen), 4, 48)
+                assert kernels.linear_quant_amx(torch.randn(20, 96), odd) is None  # groups of 48: not tiles of 32
+                eight = QuantWeight.pack(*random_quantized(32, 64, 8, 32, gen), 8, 32)
+                assert kernels.linear_quant_amx(torch.randn(20, 64), eight) is None
+    finally:
+        torch.set_num_threads(previous)
+    if not amx:
+        pytest.skip("this CPU has no AMX-BF16: only the declining was checked")
+
+
+@needs_compiler
 @pytest.mark.parametrize("bits", [4, 8])
 def test_act_order_groups_are_multiplied_in_the_checkpoints_column_order(bits: int) -> None:
     """GPTQ's desc_act: input i's group is g_idx[i], runs of group_size inputs in a shuffled order. The codes are
