@@ -24,9 +24,11 @@ pip install -e ".[${extras}]"
 [ -d .venv/fla/fla ] || pip install --no-deps --target .venv/fla "fla-core==0.6.0" "einops==0.8.1"
 
 # The tests talk to a real Redis server; Mooncake's engine loads libibverbs even over TCP; the chart's alerts are
-# tested with promtool (Debian's prometheus package; nothing is started).
+# tested with promtool (Debian's prometheus package; nothing is started); the dev cluster enforces NetworkPolicies
+# with nft.
 debs=()
 command -v redis-server >/dev/null 2>&1 || debs+=(redis-server)
+command -v nft >/dev/null 2>&1 || debs+=(nftables)
 ldconfig -p | grep -q libibverbs.so.1 || debs+=(libibverbs1 librdmacm1 libnuma1)
 lean=()  # without their recommendations (prometheus would bring a node exporter)
 command -v promtool >/dev/null 2>&1 || lean+=(prometheus)

@@ -165,15 +165,15 @@ class ApiServer(kmock.KubernetesEmulator):
         log = self.pod_logs / str(request.name) / "log" if self.pod_logs is not None else None
         if log is None or not log.exists():
             return _status(404, "NotFound", f'pods "{request.name}" not found (or it has no log yet)')
-        text = log.read_bytes()
+        content = log.read_bytes()
+        offset = len(content)  # what follows is read from here on, whatever is appended while this is sent
         if (tail := request.params.get("tailLines", "")).isdigit():
-            text = b"".join(text.splitlines(keepends=True)[-int(tail):]) if int(tail) else b""
+            content = b"".join(content.splitlines(keepends=True)[-int(tail):]) if int(tail) else b""
         if request.params.get("follow") != "true":
-            return aiohttp.web.Response(body=text, content_type="text/plain")
+            return aiohttp.web.Response(body=content, content_type="text/plain")
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/plain"})
         await response.prepare(request._raw_request)
-        await response.write(text)
-        offset = log.stat().st_size
+        await response.write(content)
         with contextlib.suppress(ConnectionResetError, FileNotFoundError):
             while log.exists():  # the pod runner removes a pod's folder's volumes, not its log: stop on the pod
                 size = log.stat().st_size

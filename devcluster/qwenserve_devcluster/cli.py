@@ -137,6 +137,7 @@ async def up(args: argparse.Namespace) -> int:
     from qwenserve_devcluster.api import QD, ApiClient, ApiServer, OperatorThread, declare_resources
     from qwenserve_devcluster.dns import ClusterDNS
     from qwenserve_devcluster.network import PodNetwork, remove_leftovers
+    from qwenserve_devcluster.network_policy import PolicyFirewall, remove_table
     from qwenserve_devcluster.pods import PodRunner
 
     if os.geteuid() != 0:
@@ -149,6 +150,7 @@ async def up(args: argparse.Namespace) -> int:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     for thing in remove_leftovers():
         say(f"removed a leftover of an earlier run: {thing}")
+    remove_table()  # an earlier run's NetworkPolicy rules, for pods that are gone
     shutil.rmtree(state_dir / "pods", ignore_errors=True)
     paths = host_paths(body, args.model, state_dir)
 
@@ -173,7 +175,8 @@ async def up(args: argparse.Namespace) -> int:
                 operator = OperatorThread(str(http.url).rstrip("/"), namespace, args.operator_interval)
                 await operator.start()
                 await api.create(QD, namespace, body)
-                runner = PodRunner(api, namespace, network, dns, paths, log=say)
+                firewall = PolicyFirewall(namespace, log=say)
+                runner = PodRunner(api, namespace, network, dns, paths, log=say, firewall=firewall)
                 runner_task = asyncio.create_task(runner.run())
                 say(f"api {str(http.url).rstrip('/')} namespace {namespace}, pods on {network.bridge} "
                     f"{network.subnet}, DNS {network.gateway}:53, logs {state_dir / 'pods'}")
@@ -207,6 +210,7 @@ async def up(args: argparse.Namespace) -> int:
             dns.stop()
         network.close()
         remove_leftovers()
+        remove_table()
         shutil.rmtree(paths.node_shm, ignore_errors=True)
         say("cleaned up")
         lock.close()

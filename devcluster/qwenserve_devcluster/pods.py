@@ -4,7 +4,9 @@ For every Deployment in the namespace it keeps `spec.replicas` pods of the curre
 a process in a network namespace of its own (network.PodNetwork), started with the container's command
 and args, its environment (values, downward-API fields, ConfigMap and Secret keys) and its volumes. Its
 startup, readiness and liveness probes (grpc, httpGet, tcpSocket) run from the host against the pod's
-IP; a failed liveness probe or an exit restarts the container in the same pod. A scale-down takes the
+IP; a failed liveness probe or an exit restarts the container in the same pod. The namespace's
+NetworkPolicies are enforced on the bridge (network_policy.py), re-applied on every pass and before a new
+pod's container starts. A scale-down takes the
 newest pods: not ready at once (DNS drops them), the preStop sleep, SIGTERM, the grace period, SIGKILL.
 A changed template starts new pods and stops the old ones once the new ones are ready. Pod objects,
 pod status and Deployment status are written back to the API, so the operator sees ready pods.
@@ -36,10 +38,12 @@ from qwenserve_devcluster.api import ApiClient, ApiError
 from qwenserve_devcluster.container import NODE_NAME, ContainerSetup, HostPaths
 from qwenserve_devcluster.dns import ClusterDNS, resolv_conf
 from qwenserve_devcluster.network import NetworkError, PodNetwork
+from qwenserve_devcluster.network_policy import PodEndpoint, PolicyFirewall
 from qwenserve_devcluster.pod import Pod, PodConfigError
 from qwenserve_devcluster.probes import run_probe
 
 DEPLOYMENTS, SERVICES, PODS = "apps/v1/deployments", "v1/services", "v1/pods"
+NETWORK_POLICIES = "networking.k8s.io/v1/networkpolicies"
 PROBE_TICK = 1.0  # seconds between probes at most
 RESTART_BACKOFF_MAX = 10.0
 
@@ -57,8 +61,10 @@ class PodRunner:
     """Keeps the pods of every Deployment in `namespace` running; see the module docstring."""
 
     def __init__(self, api: ApiClient, namespace: str, network: PodNetwork, dns: ClusterDNS,
-                 host: HostPaths, log: Callable[[str], None] = print) -> None:
+                 host: HostPaths, log: Callable[[str], None] = print,
+                 firewall: PolicyFirewall | None = None) -> None:
         self.api = api
+        self.firewall = firewall
         self.namespace = namespace
         self.network = network
         self.dns = dns
@@ -81,19 +87,33 @@ class PodRunner:
             await asyncio.sleep(period)
 
     async def sync(self) -> None:
-        """One pass: pods toward each Deployment's replicas and template, then DNS and status."""
+        """One pass: the NetworkPolicies, pods toward each Deployment's replicas and template, then the policies'
+        rules for the pods there are now, DNS and status."""
+        if self.firewall is not None:
+            self.firewall.policies = await self.api.list(NETWORK_POLICIES, self.namespace)
         deployments = {d["metadata"]["name"]: d for d in await self.api.list(DEPLOYMENTS, self.namespace)}
         for name, deployment in deployments.items():
             await self._sync_deployment(name, deployment)
         for pod in list(self.pods.values()):
             if pod.deployment not in deployments and not pod.terminating:
                 self._stop(pod, reason="its Deployment is gone")
+        await self._enforce_policies()
         services = await self.api.list(SERVICES, self.namespace)
         self.dns.records.set({
             (svc["metadata"]["name"], self.namespace): self.ready_ips(svc.get("spec", {}).get("selector") or {})
             for svc in services})
         for name, deployment in deployments.items():
             await self._report_deployment(name, deployment)
+
+    async def _enforce_policies(self) -> None:
+        """The policies' rules for every pod that has an address (terminating ones too, until they are gone)."""
+        if self.firewall is None:
+            return
+        pods = [PodEndpoint(p.name, p.iface.ip, p.labels,
+                            {port["name"]: int(port["containerPort"]) for port in p.container.get("ports", [])
+                             if port.get("name")})
+                for p in list(self.pods.values())]
+        await asyncio.to_thread(self.firewall.apply, pods)
 
     def ready_ips(self, selector: dict[str, str]) -> list[str]:
         """IPs of the ready pods a Service's selector picks, oldest first."""
@@ -141,6 +161,7 @@ class PodRunner:
                   template=template, iface=iface, dir=self.host.state_dir / "pods" / name)
         pod.dir.mkdir(parents=True, exist_ok=True)
         self.pods[name] = pod
+        await self._enforce_policies()  # before its container starts: no moment with its ports open to all
         labels = {**pod.labels, "pod-template-hash": digest}
         await self.api.create(PODS, self.namespace, {
             "apiVersion": "v1", "kind": "Pod",

@@ -3,7 +3,7 @@ kubectl binary and a kubeconfig as `up` writes it; skipped only where kubectl is
 
 The emulator runs here in a thread, without pods (no root needed): apply creates and then changes a
 QwenDeployment, strict field validation refuses an unknown field, `get` prints the CRD's printer columns and
-pods' IPs (`-o wide`), label selectors pick pods, `patch --type merge` sets a stage's replicas, `logs` reads a pod's log file and
+pods' IPs (`-o wide`), label selectors pick pods, `patch --type merge` sets a stage's replicas, `logs` reads a pod's log file (its tail, and followed until the pod goes) and
 `delete` removes the QwenDeployment and, through its owner references, its Deployments. On a running
 cluster the same commands are checked in test_scaled_cluster.py (and the ready line's kubeconfig).
 """
@@ -30,7 +30,7 @@ from qwenserve_devcluster.cli import write_kubeconfig
 from tests.support.devcluster import REPO
 
 KUBECTL = shutil.which("kubectl")
-pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
+pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")]
 
 
 @dataclass
@@ -149,7 +149,20 @@ def test_get_prints_the_crds_printer_columns_and_pods_ips_and_logs_reads_a_pods_
     log.write_text("first line\nsecond line\n")
     assert api.kubectl("logs", "shown-decode-abc12").stdout == "first line\nsecond line\n"
     assert api.kubectl("logs", "shown-decode-abc12", "--tail", "1").stdout == "second line\n"
-    api.kubectl("delete", "pod", "shown-decode-abc12")
+
+    assert KUBECTL is not None
+    follow = subprocess.Popen([KUBECTL, "--kubeconfig", str(api.kubeconfig), "logs", "-f", "shown-decode-abc12"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert follow.stdout is not None
+        assert [follow.stdout.readline(), follow.stdout.readline()] == ["first line\n", "second line\n"]
+        with log.open("a") as f:  # written after kubectl had the file's end: only following shows it
+            f.write("third line\n")
+        assert follow.stdout.readline() == "third line\n"
+        api.kubectl("delete", "pod", "shown-decode-abc12")
+        assert follow.wait(timeout=15) == 0  # the stream ends with its pod
+    finally:
+        follow.kill()
     api.kubectl("delete", "qwd", "shown")
 
 
@@ -165,6 +178,6 @@ def test_delete_removes_a_qwendeployment_and_what_it_owns(api: Api, tmp_path: Pa
     assert "qwen-cpu-decode" in api.kubectl("get", "deployments").stdout
 
     assert 'qwendeployment.qwenserve.io "qwen-cpu" deleted' in api.kubectl("delete", "qwd", "qwen-cpu").stdout
-    assert api.kubectl("get", "qwd", "-o", "name").stdout == ""
+    assert "qwen-cpu" not in api.kubectl("get", "qwd", "-o", "name").stdout
     assert api.kubectl("get", "deployments", "-o", "name").stdout.split() == ["deployment.apps/unowned"]
     api.kubectl("delete", "deployment", "unowned")

@@ -11,6 +11,9 @@ with a tiny checkpoint written here standing for the example's model (`--model`)
   pod runner restarts the pod and it serves again;
 - kubectl with the kubeconfig `up` wrote: the QwenDeployment's printer columns, every pod's IP (`-o wide`), a pod's
   log;
+- the operator's NetworkPolicies enforced on the bridge: an outsider (no pod's labels) cannot open decode's or
+  prefill's gRPC port (its KV export), the router and decode (prefill's peer) can, a policy added or removed
+  applies within seconds;
 - decode scaled to 3 (`kubectl apply -f`): the new pod gets traffic; scaled to 1 during streams (`kubectl patch`):
   the removed pods drain them;
 - `kubectl delete` of the QwenDeployment: its Deployments go (owner references) and every pod stops;
@@ -45,8 +48,10 @@ from tests.support.devcluster import (
     METRICS_PORT,
     REPO,
     DevCluster,
+    connects,
     example_deployment,
     netns_unavailable,
+    outsider,
     pod_ready,
 )
 from tests.support.metrics import by_labels, scrape, total
@@ -263,6 +268,43 @@ def test_kubectl_shows_the_deployments_columns_every_pods_ip_and_a_pods_log(netw
     assert {line.split()[0]: line.split()[5] for line in wide[1:]} == ips, wide
     decode = sorted(n for n in ips if "-decode-" in n)[0]
     assert cluster.kubectl("logs", decode) == (cluster.state_dir / "pods" / decode / "log").read_text()
+
+
+@pytest.mark.skipif(not shutil.which("nft"), reason="nft is not installed (Debian package nftables)")
+def test_network_policies_admit_only_the_router_and_the_peer_stage_and_a_change_applies_within_seconds(
+        network_cluster: DevCluster) -> None:
+    cluster = network_cluster
+    prefill = list(cluster.ready_pods("prefill", 2, timeout=30).items())
+    decode = list(cluster.ready_pods("decode", 2, timeout=30).items())
+    ((router_name, router),) = cluster.ready_pods("router", 1, timeout=30).items()
+    (decode_name, decode_ip), (prefill_name, prefill_ip) = decode[0], prefill[0]
+    with outsider() as intruder:
+        # The operator's policies: decode's gRPC and prefill's (its KV export) only to the router and the peer stage.
+        assert not connects(intruder, decode_ip, PORTS["decode"]), "decode admitted a process with no router labels"
+        assert not connects(intruder, prefill_ip, PORTS["prefill"]), "prefill's KV export admitted an outsider"
+        assert connects(intruder, router, 50050), "the router's gRPC port is public"
+        assert connects(f"qs-{router_name}", decode_ip, PORTS["decode"])
+        assert connects(f"qs-{router_name}", prefill_ip, PORTS["prefill"])
+        assert connects(f"qs-{decode_name}", prefill_ip, PORTS["prefill"]), "decode fetches KV from prefill"
+        assert not connects(f"qs-{prefill_name}", decode_ip, PORTS["decode"]), "prefill is no caller of decode"
+
+        # A policy of the user's admitting the outsider's address to decode applies within seconds, and so does
+        # its removal.
+        policies = "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies"
+        cluster.api_write("POST", policies, {
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "let-outsider-in"},
+            "spec": {"podSelector": {"matchLabels": {"qwenserve.io/stage": "decode"}}, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"ipBlock": {"cidr": "10.213.0.250/32"}}],
+                                  "ports": [{"protocol": "TCP", "port": PORTS["decode"]}]}]}})
+        started = time.monotonic()
+        while not connects(intruder, decode_ip, PORTS["decode"]):
+            assert time.monotonic() - started < 10, "the added policy was not enforced within 10 s"
+        assert not connects(intruder, prefill_ip, PORTS["prefill"]), "the added policy admits to decode only"
+        cluster.api_write("DELETE", f"{policies}/let-outsider-in")
+        started = time.monotonic()
+        while connects(intruder, decode_ip, PORTS["decode"]):
+            assert time.monotonic() - started < 10, "the removed policy still admitted after 10 s"
+            time.sleep(0.2)
 
 
 def test_a_decode_pod_killed_mid_stream_is_replayed_on_the_other_and_restarted(
