@@ -87,8 +87,8 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
         assert cpu is not None
         label = f"w{quantized.bits}a16"
         ops = with_quantized_linears(ops, cpu, label, precision.onednn_rows)
-        precision = dataclasses.replace(precision, reason=f"{precision.reason}; linear weights {label.upper()}: "
-                                                          f"{quantized.describe()} kept as codes")
+        precision = dataclasses.replace(precision, quantized=label, reason=f"{precision.reason}; linear weights "
+                                        f"{label.upper()}: {quantized.describe()} kept as codes")
     return KernelSet(cpu, ops, attention, block_size, precision, quantized)
 
 

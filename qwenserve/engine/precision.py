@@ -54,11 +54,15 @@ class Precision:
     kv_dtype: torch.dtype
     onednn_rows: int | None = None
     reason: str = ""
+    # 'w4a16' / 'w8a16' where a checkpoint's linear weights stay 4- or 8-bit codes (engine/kernels.py): shown as the
+    # weights' part in place of weight_dtype, which is then what the others (the LM head) are packed in.
+    quantized: str | None = None
 
     def labels(self) -> dict[str, str]:
-        """The dtypes by part, as names ('float32', 'bfloat16'), for the precision metric and status."""
+        """The dtypes by part, as names ('float32', 'bfloat16', 'w4a16'), for the precision metric and status."""
         name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
-        return {"activations": name(self.dtype), "weights": name(self.weight_dtype), "kv": name(self.kv_dtype)}
+        weights = self.quantized or name(self.weight_dtype)
+        return {"activations": name(self.dtype), "weights": weights, "kv": name(self.kv_dtype)}
 
     @property
     def name(self) -> str:

@@ -308,8 +308,10 @@ def test_dequantize_weights_and_fp8_load_dequantized(quantized) -> None:
     cfg = ModelConfig.from_folder(quantized("awq_g32")[0])
     kept = select_kernels(EngineConfig(dtype="float32"), cpu, cfg)
     assert kept.quantized is not None and "W4A16: AWQ 4-bit, group size 32" in kept.precision.reason
+    # The metric's and `qwen-serve status`'s weights part (the LM head's dtype is in the reason).
+    assert kept.precision.labels()["weights"] == "w4a16" and "weights=w4a16" in kept.precision.name
     off = select_kernels(EngineConfig(dtype="float32", dequantize_weights=True), cpu, cfg)
-    assert off.quantized is None and "w4a16" not in off.ops.name
+    assert off.quantized is None and "w4a16" not in off.ops.name and off.precision.labels()["weights"] == "float32"
     assert select_kernels(EngineConfig(dtype="float32", cpu_kernel=False), cpu, cfg).quantized is None
     fp8 = dataclasses.replace(cfg, raw={**cfg.raw, "quantization_config": {
         "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
