@@ -184,7 +184,7 @@ def precision_rates(folder: Path, threads: int | None, context: int = 1000, batc
                     long_prompt: int = 2000, quantized: dict[str, Path] | None = None) -> None:
     """Per precision (fp32 throughout; bf16 KV; bf16 weights + bf16 KV; `--dtype auto`, which may add PyTorch's bf16
     product at many rows; and for each of `quantized`'s checkpoints (row name -> folder) its decoder linears kept as
-    codes, the rest as in 'bf16 weights + KV'): decode tokens/s at `context` tokens for each batch size, the time to
+    codes, the rest as in 'bf16 weights + KV', and W4A16 under --dtype auto): decode tokens/s at `context` tokens for each batch size, the time to
     first token of one `long_prompt`-token prompt (its prefill), and the memory its weights take
     (weight_bytes_held), with ratios to fp32; every engine has the same KV budget.
     The batch shares one prompt prefix, so its prefill runs once (prefix caching); every sequence's attention
@@ -195,6 +195,10 @@ def precision_rates(folder: Path, threads: int | None, context: int = 1000, batc
                 "bf16 weights + KV": (folder, bf16),
                 "auto": (folder, {})}
     settings.update({name: (path, bf16) for name, path in (quantized or {}).items()})
+    if quantized and "W4A16" in quantized:
+        # --dtype auto over the AWQ checkpoint: where the probe allows bf16 products, 4-bit products of many rows run
+        # on AMX (models/quantized_linear.py).
+        settings["W4A16 auto"] = (quantized["W4A16"], {})
     prefix = [(13 * j) % 1000 + 1 for j in range(context - 8)]
     rows: dict[str, dict[str, float]] = {}
     for name, (path, overrides) in settings.items():
