@@ -321,3 +321,46 @@ def test_dequantize_weights_and_fp8_load_dequantized(quantized) -> None:
     parser = StrictParser(prog="test")
     add_options(parser, EngineConfig)
     assert parser.parse_config(EngineConfig, ["--dequantize-weights"]).dequantize_weights
+
+
+def test_a_fused_weight_is_kept_only_when_all_its_parts_are_codes_of_one_layout(quantized) -> None:
+    """q/k/v and gate/up are one matrix each: kept as one QuantWeight when every part is codes with the same bits,
+    group size and groups; a part stored plain, or act-order groups that differ between parts, leave the whole
+    matrix to be dequantized (its parts are returned)."""
+    from qwenserve.engine.quantization.kept import keep_codes
+    from qwenserve.engine.quantization.scheme import IntegerWeight
+
+    cfg = ModelConfig.from_folder(quantized("awq_g32")[0])
+    model = model_class(cfg)(cfg, torch.float32, 64)
+    targets = model.checkpoint_targets()
+    gen = torch.Generator().manual_seed(9)
+
+    def codes(name: str, groups: torch.Tensor | None = None) -> IntegerWeight:
+        n, k = targets[name].shape
+        return IntegerWeight(*random_quantized(n, k, 4, 32, gen), 4, 32, groups)
+
+    layer = "model.layers.0"
+    attn, mlp = f"{layer}.self_attn", f"{layer}.mlp"
+    k = targets[f"{attn}.q_proj.weight"].shape[1]
+    shuffled = (torch.arange(k) // 32)[torch.randperm(k, generator=gen)]
+    kept = {f"{attn}.{p}_proj.weight": codes(f"{attn}.{p}_proj.weight") for p in ("q", "k", "v")}
+    kept[f"{mlp}.gate_proj.weight"] = codes(f"{mlp}.gate_proj.weight")  # up_proj stays plain
+    kept[f"{attn}.o_proj.weight"] = codes(f"{attn}.o_proj.weight")
+    down_k = targets[f"{mlp}.down_proj.weight"].shape[1]  # one part with act-order groups: kept, gathering x
+    kept[f"{mlp}.down_proj.weight"] = codes(f"{mlp}.down_proj.weight",
+                                            (torch.arange(down_k) // 32)[torch.randperm(down_k, generator=gen)])
+    other = "model.layers.1.self_attn"
+    kept.update({f"{other}.{p}_proj.weight": codes(f"{other}.{p}_proj.weight", shuffled if p == "v" else None)
+                 for p in ("q", "k", "v")})
+    replaced, left = keep_codes(model, targets, kept)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantWeight) and isinstance(model.layers[0].self_attn.o_proj, QuantWeight)
+    expected = torch.cat([kept[f"{attn}.{p}_proj.weight"].dequantize() for p in ("q", "k", "v")])
+    assert torch.equal(qkv.dequantize(), expected)
+    down = model.layers[0].mlp.down_proj
+    assert isinstance(down, QuantWeight) and down.perm is not None
+    assert torch.equal(down.dequantize(), kept[f"{mlp}.down_proj.weight"].dequantize())
+    assert not isinstance(model.layers[0].mlp.gate_up_proj, QuantWeight)
+    assert not isinstance(model.layers[1].self_attn.qkv_proj, QuantWeight)
+    assert set(left) == {f"{mlp}.gate_proj.weight", *(f"{other}.{p}_proj.weight" for p in ("q", "k", "v"))}
+    assert replaced == 3  # qkv, o and down of layer 0
