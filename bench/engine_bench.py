@@ -6,6 +6,7 @@ Run by hand (not a test):
     .venv/bin/python bench/engine_bench.py --bounds-only            # memcpy / matmul bounds, batch-1/64 steps
     .venv/bin/python bench/engine_bench.py --precisions             # fp32 vs bf16 KV / weights vs --dtype auto
     .venv/bin/python bench/engine_bench.py --precisions --quantized # + W8A16 (GPTQ) and W4A16 (AWQ) checkpoints
+    .venv/bin/python bench/engine_bench.py --quantized-steps        # their decode steps, engines in turn
 Options: --requests N, --hf-requests N (subset for sequential generate()), --cb-requests N (for transformers'
 continuous batching), --skip-transformers.
 
@@ -225,6 +226,38 @@ def precision_rates(folder: Path, threads: int | None, context: int = 1000, batc
         print(f"| {name} | " + " | ".join(f"{v:.2f} ({v / base[k]:.2f}x)" for k, v in row.items()) + " |")
 
 
+def interleaved_decode_steps(folder: Path, quantized: dict[str, Path], threads: int | None, rounds: int = 5,
+                             batches: tuple[int, ...] = (1, 32)) -> None:
+    """Decode step times at each batch size for bf16 weights + KV, `--dtype auto` and each quantized checkpoint (as in
+    precision_rates), every engine loaded at once and measured in turn, `rounds` times: on a shared machine, load that
+    comes and goes then weighs on every row alike. Prints the median of each and its ratio to bf16 weights."""
+    bf16 = dict(dtype="float32", kv_cache_dtype="bfloat16", cpu_weight_dtype="bfloat16")
+    settings = {"bf16 weights + KV": (folder, bf16), "auto": (folder, {}),
+                **{name: (path, bf16) for name, path in quantized.items()}}
+    if "W4A16" in quantized:
+        settings["W4A16 auto"] = (quantized["W4A16"], {})
+    engines = {}
+    for name, (path, overrides) in settings.items():
+        engines[name] = LLMEngine.from_pretrained(path, EngineConfig(num_threads=threads, kv_cache_memory_gb=0.5,
+                                                                     max_num_seqs=64, **overrides))
+        print(f"{name}: {engines[name].precision.name}; ops {engines[name].kernels.ops.name}", flush=True)
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for batch in batches:
+            for name, engine in engines.items():
+                times.setdefault((name, batch), []).append(decode_step_seconds(engine, batch))
+    for engine in engines.values():
+        engine.shutdown()
+    print(f"\n| decode step, median of {rounds} interleaved rounds | " + " | ".join(f"batch {b}" for b in batches)
+          + f" |\n|---|{'---|' * len(batches)}")
+    for name in engines:
+        cells = []
+        for batch in batches:
+            ms, base = statistics.median(times[name, batch]), statistics.median(times["bf16 weights + KV", batch])
+            cells.append(f"{ms * 1e3:.1f} ms, {batch / ms:.1f} tok/s ({base / ms:.2f}x)")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def transformers_baselines(folder: Path, prompts, out_lens, hf_requests: int, cb_requests: int) -> dict:
     """tok/s of: sequential generate() on the first `hf_requests`; padded batches of the first 8 and 32;
     continuous batching (generate_batch) on the first `cb_requests`."""
@@ -289,12 +322,19 @@ def main() -> None:
     ap.add_argument("--quantized", action="store_true",
                     help="with --precisions: W8A16 (GPTQ 8-bit) and W4A16 (AWQ 4-bit) rows too, groups of 128, "
                          "on the same random weights quantized")
+    ap.add_argument("--quantized-steps", action="store_true",
+                    help="only decode step times at batch 1 and 32 of bf16 weights, auto, W8A16 and W4A16, the "
+                         "engines measured in turn (robust to load on a shared machine)")
     args = ap.parse_args()
     shape = "small" if args.small else "0.6b"
     spec = SHAPES[shape]
     folder = make_checkpoint(shape)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.quantized_steps:
+        interleaved_decode_steps(folder, {name: make_quantized_checkpoint(shape, name) for name in QUANTIZED},
+                                 args.threads)
+        return
     if args.precisions:
         quantized = {name: make_quantized_checkpoint(shape, name) for name in QUANTIZED} if args.quantized else None
         precision_rates(folder, args.threads, quantized=quantized)
