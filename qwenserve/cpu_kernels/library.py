@@ -38,7 +38,21 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_scatter_rows.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64, i64, i64]
     lib.gated_delta_step.restype = ctypes.c_int
     lib.gated_delta_step.argtypes = [pointer] * 6 + [i64, pointer, pointer] + [i64] * 4 + [ctypes.c_int]
+    f32, flag = ctypes.c_float, ctypes.c_int
+    lib.rms_norm_bf16.restype = None
+    lib.rms_norm_bf16.argtypes = [pointer, i64, pointer, pointer] + [i64] * 3 + [f32, flag, i64]
+    lib.qk_norm_rope_bf16.restype = None
+    lib.qk_norm_rope_bf16.argtypes = [pointer, i64, pointer, i64] + [pointer] * 4 + [i64] * 6 + [f32, flag, i64]
+    lib.silu_mul_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [pointer, i64, pointer] + [i64] * 4
     return lib
+
+
+def _check_bf16_rows(name: str, *tensors: torch.Tensor) -> None:
+    """2-D bf16 CPU tensors whose rows are contiguous (the rows may be strided: views into a wider output)."""
+    for t in tensors:
+        if t.dtype != torch.bfloat16 or t.dim() != 2 or t.stride(1) != 1 or t.device.type != "cpu":
+            raise ValueError(f"{name} wants 2-D bf16 CPU tensors with contiguous rows")
 
 
 def _check_cpu_fp32(name: str, *tensors: torch.Tensor) -> None:
@@ -231,4 +245,57 @@ class CpuKernels:
             raise IndexError(f"gated_delta_step: a slot is outside [0, {states.shape[0]}) (a scheduler bug)")
         if status != 0:
             raise ValueError(f"gated_delta_step: value head dim {dv} is larger than the kernel's scratch")
+        return out
+
+    def rms_norm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of the rows of x [rows, n] (bf16, rows contiguous) with `weight` [n] bf16, rounded as transformers'
+        bf16 forward (bf16_layer.c); into `out` (may be x) or a new tensor."""
+        out = torch.empty(x.shape, dtype=torch.bfloat16) if out is None else out
+        _check_bf16_rows("rms_norm_bf16", x, out)
+        n = x.shape[1]
+        if weight.dtype != torch.bfloat16 or weight.shape != (n,) or not weight.is_contiguous() or out.shape != x.shape:
+            raise ValueError(f"rms_norm_bf16: weight must be bf16 [{n}] and out {tuple(x.shape)}")
+        self.lib.rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0],
+                               n, eps, int(zero_centered), torch.get_num_threads())
+        return out
+
+    def qk_norm_rope_bf16(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
+                          k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                          zero_centered: bool = False) -> None:
+        """In place, per token: the heads of q [rows, heads, dim] and k [rows, kv_heads, dim] (bf16, each row's heads
+        contiguous; rows may be strided) normalised by q_weight / k_weight [dim] (None: no norm), then rotated by
+        cos / sin [rows, rot] bf16 contiguous (the half-split rotation of each head's first rot values)."""
+        rows, heads, dim = q.shape
+        rot = cos.shape[-1]
+        if cos.numel() != rows * rot or sin.shape != cos.shape:
+            raise ValueError(f"qk_norm_rope_bf16 wants cos and sin of [{rows}, rot] for {rows} tokens")
+        cos, sin = cos.reshape(rows, rot), sin.reshape(rows, rot)
+        for t in (q, k):
+            if t.dtype != torch.bfloat16 or t.dim() != 3 or t.shape[0] != rows or t.shape[2] != dim or t.stride(2) != 1 \
+                    or t.stride(1) != dim or t.device.type != "cpu":
+                raise ValueError("qk_norm_rope_bf16 wants bf16 CPU q and k of one head dim, each row's heads contiguous")
+        for t in (cos, sin):
+            if t.dtype != torch.bfloat16 or not t.is_contiguous() or rot > dim or rot % 2:
+                raise ValueError("qk_norm_rope_bf16 wants contiguous bf16 cos and sin [rows, rot], rot even, <= dim")
+        for w in (q_weight, k_weight):
+            if w is not None and (w.dtype != torch.bfloat16 or w.shape != (dim,) or not w.is_contiguous()):
+                raise ValueError(f"qk_norm_rope_bf16: a norm weight must be bf16 [{dim}]")
+        if (q_weight is None) != (k_weight is None):
+            raise ValueError("qk_norm_rope_bf16: both norm weights or neither")
+        self.lib.qk_norm_rope_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+                                   q_weight.data_ptr() if q_weight is not None else None,
+                                   k_weight.data_ptr() if k_weight is not None else None, cos.data_ptr(), sin.data_ptr(),
+                                   rot, rows, heads, k.shape[1], dim, rot, eps, int(zero_centered),
+                                   torch.get_num_threads())
+
+    def silu_mul_bf16(self, gate_up: torch.Tensor, n: int) -> torch.Tensor:
+        """silu(gate) * up for gate_up [rows, 2n] bf16 (rows contiguous; gate then up), rounded as transformers' bf16
+        forward: [rows, n] bf16."""
+        _check_bf16_rows("silu_mul_bf16", gate_up)
+        if gate_up.shape[1] != 2 * n:
+            raise ValueError(f"silu_mul_bf16: gate_up has {gate_up.shape[1]} columns, not 2 x {n}")
+        out = torch.empty(gate_up.shape[0], n, dtype=torch.bfloat16)
+        self.lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), n, gate_up.shape[0], n,
+                               torch.get_num_threads())
         return out

@@ -5,31 +5,28 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qwenserve.models.config import RopeConfig
-from qwenserve.models.ops import Ops
+from qwenserve.models.ops import TORCH_OPS, Ops
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 like the reference so low-precision runs match it.
-    `zero_centered` (Qwen3-Next, Qwen3.5): the checkpoint stores w and the scale is (1 + w), applied in fp32."""
+    """Root-mean-square norm (torch_forms.rms_norm, or `ops.rms_norm`), computed in fp32 like the reference so
+    low-precision runs match it. `zero_centered` (Qwen3-Next, Qwen3.5): the checkpoint stores w and the scale is
+    (1 + w), applied in fp32."""
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32, zero_centered: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32, zero_centered: bool = False,
+                 ops: Ops | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.zero_centered = zero_centered
+        self.norm = (ops or TORCH_OPS).rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise over the last dimension."""
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            return (x32 * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * x32.to(dtype)
+        return self.norm(x, self.weight, self.eps, self.zero_centered)
 
 
 def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
@@ -85,18 +82,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [num_tokens, heads, head_dim] by the half-split convention Qwen checkpoints use (cos and sin come
-    as [num_tokens, 1, rotary_dim]). A rotary_dim below head_dim (partial rotary) rotates the leading channels
-    and passes the rest through."""
-    rotary_dim = cos.shape[-1]
-    if rotary_dim != x.shape[-1]:
-        return torch.cat([apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matrix at load time."""
 
@@ -109,8 +94,8 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to [num_tokens, hidden]."""
-        gate, up = self.ops.linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
-        return self.ops.linear(F.silu(gate) * up, self.down_proj)
+        return self.ops.linear(self.ops.silu_mul(self.ops.linear(x, self.gate_up_proj), self.intermediate),
+                               self.down_proj)
 
     def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the view of our fused parameter it fills."""

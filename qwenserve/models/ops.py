@@ -26,6 +26,7 @@ from torch import nn
 from qwenserve import progress
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.packed_weight import PackedWeight, packable
+from qwenserve.models import torch_forms
 from qwenserve.models.gated_delta import (
     chunk_gated_delta_prefills,
     recurrent_gated_delta_step,
@@ -43,7 +44,8 @@ class Ops:
     """What the layers compute with. `linear(x, w, bias)`: x · wᵀ (+ bias) in x's dtype; `logits(x, w, out)`: the
     LM head's x · wᵀ in fp32 for the sampler, into the fp32 buffer `out` where the op can use one;
     `embedding(table, ids)`: rows of a table; `prepare(model)`: adapt the loaded weights to these
-    ops, returning how many it changed; `gated_delta_step(q, k, v, g, beta, states, slots)`: one decode token of
+    ops, returning how many it changed; `rms_norm`, `qk_norm_rope` and `silu_mul`: the elementwise math around the
+    products, as models/torch_forms.py's functions of the same names (which are the defaults); `gated_delta_step(q, k, v, g, beta, states, slots)`: one decode token of
     the gated delta rule, the states updated in place; `gated_delta_prefills(q, k, v, g, beta, states, prefills)`:
     a step's prefill chunks; `short_conv_step(x, conv_state, weight, slots)`: the decode rows' convolution
     (models/gated_delta.py says the three contracts)."""
@@ -53,6 +55,9 @@ class Ops:
     logits: Callable[..., torch.Tensor]
     embedding: Callable[[Weight, torch.Tensor], torch.Tensor]
     prepare: Callable[[nn.Module], int]
+    rms_norm: Callable[..., torch.Tensor] = torch_forms.rms_norm
+    qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch_forms.qk_norm_rope
+    silu_mul: Callable[..., torch.Tensor] = torch_forms.silu_mul
     gated_delta_step: Callable[..., torch.Tensor] = recurrent_gated_delta_step
     gated_delta_prefills: Callable[..., torch.Tensor] = chunk_gated_delta_prefills
     short_conv_step: Callable[..., torch.Tensor] = short_conv_step
@@ -113,6 +118,35 @@ def _packed_embedding(dtype: torch.dtype, table: Weight, ids: torch.Tensor) -> t
     return table.rows(ids).to(dtype) if isinstance(table, PackedWeight) else table[ids]
 
 
+def _bf16_rms_norm(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   zero_centered: bool = False) -> torch.Tensor:
+    """torch_forms.rms_norm in one C call for a bf16 model's rows (bf16_layer.c); the PyTorch form elsewhere."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        return torch_forms.rms_norm(x, weight, eps, zero_centered)
+    rows = x.reshape(-1, x.shape[-1])
+    return kernels.rms_norm_bf16(rows, weight, eps, zero_centered).view(x.shape)
+
+
+def _bf16_qk_norm_rope(kernels: CpuKernels, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, zero_centered: bool, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_forms.qk_norm_rope in one C call, in place, for a bf16 model's q and k whose heads lie side by side
+    in each token's row (views into the fused q/k/v product); the PyTorch form elsewhere."""
+    dim = q.shape[-1]
+    if (q.dtype == k.dtype == cos.dtype == torch.bfloat16 and q.stride(-1) == k.stride(-1) == 1
+            and q.stride(-2) == k.stride(-2) == dim and cos.is_contiguous() and sin.is_contiguous()):
+        kernels.qk_norm_rope_bf16(q, k, q_weight, k_weight, cos, sin, eps, zero_centered)
+        return q, k
+    return torch_forms.qk_norm_rope(q, k, q_weight, k_weight, eps, zero_centered, cos, sin)
+
+
+def _bf16_silu_mul(kernels: CpuKernels, gate_up: torch.Tensor, n: int) -> torch.Tensor:
+    """torch_forms.silu_mul in one C call for a bf16 model's rows; the PyTorch form elsewhere."""
+    if gate_up.dtype != torch.bfloat16 or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+        return torch_forms.silu_mul(gate_up, n)
+    return kernels.silu_mul_bf16(gate_up, n)
+
+
 def pack_linear_weights(model: nn.Module, dtype: torch.dtype = torch.float32, dense: bool = False) -> int:
     """Replace the model's packable linear weights by PackedWeights with panels in `dtype` (after the checkpoint
     is loaded: checkpoint_targets describes the unpacked layout), each kept unpacked in bf16 too if `dense`;
@@ -140,9 +174,15 @@ def cpu_kernel_ops(kernels: CpuKernels, dtype: torch.dtype, weight_dtype: torch.
         name = "cpu_kernels" if weight_dtype == torch.float32 else "cpu_kernels+bf16_weights"
         name += "+bf16_activations" if dtype == torch.bfloat16 else ""
         name += f"+onednn>={onednn_rows}" if onednn_rows else ""
-        return Ops(name, functools.partial(_packed_linear, kernels, onednn_rows),
-                   functools.partial(_packed_logits, kernels, onednn_rows),
-                   functools.partial(_packed_embedding, dtype),
-                   functools.partial(pack_linear_weights, dtype=weight_dtype, dense=onednn_rows is not None),
-                   kernels.gated_delta_step)
+        ops = Ops(name, functools.partial(_packed_linear, kernels, onednn_rows),
+                  functools.partial(_packed_logits, kernels, onednn_rows),
+                  functools.partial(_packed_embedding, dtype),
+                  functools.partial(pack_linear_weights, dtype=weight_dtype, dense=onednn_rows is not None),
+                  gated_delta_step=kernels.gated_delta_step)
+        if dtype == torch.bfloat16:  # fp32 keeps PyTorch's forms: token for token transformers'
+            ops = dataclasses.replace(ops, name=f"{name}+bf16_layer",
+                                      rms_norm=functools.partial(_bf16_rms_norm, kernels),
+                                      qk_norm_rope=functools.partial(_bf16_qk_norm_rope, kernels),
+                                      silu_mul=functools.partial(_bf16_silu_mul, kernels))
+        return ops
     return dataclasses.replace(TORCH_OPS, name="torch+cpu_gated_delta", gated_delta_step=kernels.gated_delta_step)

@@ -12,7 +12,7 @@ from torch import nn
 
 from qwenserve.models.config import ModelConfig
 from qwenserve.models.forward_context import ForwardContext
-from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from qwenserve.models.ops import TORCH_OPS, Ops
 
 
@@ -37,8 +37,8 @@ class QwenAttention(nn.Module):
         )
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, self.q_size, dtype=dtype), requires_grad=False)
         zc = cfg.zero_centered_norm
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, zc) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, zc) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, zc, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, zc, ops) if cfg.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -54,9 +54,9 @@ class QwenAttention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered) \
+            if self.q_norm is not None and self.k_norm is not None else (None, None, 0.0, False)
+        q, k = self.ops.qk_norm_rope(q, k, *norms, cos, sin)
         out = ctx.attention(self.layer_idx, q, k, v)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -92,9 +92,9 @@ class QwenDecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, mlp: nn.Module, dtype: torch.dtype, ops: Ops) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops=ops)
         self.self_attn = QwenAttention(cfg, layer_idx, dtype, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops=ops)
         self.mlp = mlp
 
     def forward(
@@ -132,7 +132,7 @@ class QwenForCausalLM(nn.Module):
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         )
         self.layers = nn.ModuleList(self.build_layer(cfg, i, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.zero_centered_norm)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.zero_centered_norm, self.ops)
         rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         self.rotary = RotaryEmbedding(rotary_dim, cfg.rope, max_positions, dtype)
 

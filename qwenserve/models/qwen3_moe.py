@@ -46,8 +46,8 @@ class SparseMoeBlock(nn.Module):
             if count == 0:
                 continue
             tokens = token_of[start : start + count]
-            gate, up = self.ops.linear(x[tokens], self.gate_up_proj[expert]).split(self.intermediate, dim=-1)
-            y = self.ops.linear(F.silu(gate) * up, self.down_proj[expert]) * weight_of[start : start + count, None]
+            act = self.ops.silu_mul(self.ops.linear(x[tokens], self.gate_up_proj[expert]), self.intermediate)
+            y = self.ops.linear(act, self.down_proj[expert]) * weight_of[start : start + count, None]
             out.index_add_(0, tokens, y)
             start += count
         return out

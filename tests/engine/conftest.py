@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from qwenserve.cpu_kernels import builder, loader
+from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from tests.support.engine_checkpoints import SPECS, load_reference, reference_greedy, write_checkpoint
@@ -112,3 +114,19 @@ def make_engine(checkpoint: Callable[[str], Path]) -> Iterator[Callable[..., LLM
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def variant_kernels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CpuKernels]:
+    """Every C-kernel variant this CPU runs (AVX-512, AVX2, baseline x86-64), built into a folder of their own and
+    each opened by name, so a kernel is tested at every instruction-set level here, not only the one loaded."""
+    folder = tmp_path_factory.mktemp("variants")
+    built = set(builder.build_variants(folder))
+    opened = {}
+    for variant in builder.supported_variants():
+        path = builder.variant_path(variant, folder)
+        assert path in built, f"{variant.name} did not build"
+        lib = loader._open(path, "test")
+        assert lib is not None, f"{variant.name} did not load"
+        opened[variant.name] = CpuKernels(lib, variant.name)
+    return opened

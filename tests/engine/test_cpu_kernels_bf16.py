@@ -5,7 +5,6 @@ level this CPU runs."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,21 +26,6 @@ ROWS = (1, 2, 5, 7, 13, 17, 40)
 # k not a power of two, on both sides of the 512 columns up to which 16 rows or fewer take the one-panel tiles;
 # n = 16 * odd, so the 4-panel tiles leave tails of 1 and 3 panels.
 SHAPES = ((37, 48), (200, 80), (1000, 16), (1500, 208))
-
-
-@pytest.fixture(scope="module")
-def variant_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, CpuKernels]]:
-    """Every variant this CPU runs, built into a folder of their own and each opened explicitly, by name."""
-    folder = tmp_path_factory.mktemp("variants")
-    built = set(builder.build_variants(folder))
-    opened = {}
-    for variant in builder.supported_variants():
-        path = builder.variant_path(variant, folder)
-        assert path in built, f"{variant.name} did not build"
-        lib = loader._open(path, "test")
-        assert lib is not None, f"{variant.name} did not load"
-        opened[variant.name] = CpuKernels(lib, variant.name)
-    yield opened
 
 
 def reference(x: torch.Tensor, weight_bf16: torch.Tensor) -> torch.Tensor:

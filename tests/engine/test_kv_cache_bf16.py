@@ -5,12 +5,11 @@ one with fp32 KV does, and refuses a handoff from a cache of the other dtype."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from qwenserve.cpu_kernels import builder, loader
+from qwenserve.cpu_kernels import loader
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.engine.kv_handoff import KVImport
 from qwenserve.engine.sampling_params import SamplingParams
@@ -20,21 +19,6 @@ from tests.support.engine_checkpoints import random_prompts
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler: the kernels cannot be built here")
-
-
-@pytest.fixture(scope="module")
-def variant_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, CpuKernels]]:
-    """Every variant this CPU runs (the widening has an AVX2 form and a portable one), each opened by name."""
-    folder = tmp_path_factory.mktemp("variants")
-    built = set(builder.build_variants(folder))
-    opened = {}
-    for variant in builder.supported_variants():
-        path = builder.variant_path(variant, folder)
-        assert path in built, f"{variant.name} did not build"
-        lib = loader._open(path, "test")
-        assert lib is not None, f"{variant.name} did not load"
-        opened[variant.name] = CpuKernels(lib, variant.name)
-    yield opened
 
 
 def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,

@@ -160,7 +160,7 @@ def test_bf16_activations_run_the_panels_widened_and_keep_the_logits_fp32(kernel
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(n, k, generator=gen).to(BF16)
     ops = cpu_kernel_ops(kernels, BF16, BF16, onednn_rows=4)
-    assert ops.name == "cpu_kernels+bf16_weights+bf16_activations+onednn>=4"
+    assert ops.name == "cpu_kernels+bf16_weights+bf16_activations+onednn>=4+bf16_layer"
     model = torch.nn.Module()
     model.lm_head = torch.nn.Parameter(weight.clone(), requires_grad=False)
     assert ops.prepare(model) == 1
