@@ -13,6 +13,7 @@ engine's compute loop, and a slow compile holds up only the requests queued behi
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import logging
 import os
 import pickle
@@ -41,6 +42,19 @@ _HEADER = struct.Struct(">Q")
 _WATCH_INTERVAL_S = 0.02
 # A child's start (imports, the vocabulary) is not the request's compile time, but it must end.
 _START_TIMEOUT_S = 120.0
+
+
+# glibc keeps the heap a large grammar's JSON was parsed in: a worker that had loaded a few 120 KB enums (tens of MiB
+# compiled, far more as JSON) held most of a GiB more long after, whatever the cache bound (issue 31). After each
+# such load the free heap goes back to the system; the trim takes some ms, on a compile thread.
+TRIM_AFTER_BYTES = 1 << 20
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
+
+
+def give_back_free_heap() -> None:
+    """Return the process's free heap memory to the system (glibc's malloc_trim; a no-op without it)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _send(stream: IO[bytes], message: object) -> None:
@@ -199,7 +213,15 @@ class GrammarCompilePool:
     def submit(self, structured: StructuredOutput, load: Callable[[str, int], T]) -> concurrent.futures.Future[T]:
         """A future of `load(compiled JSON, bytes)`, called on the pool's thread (loading a large grammar takes
         a while too)."""
-        return self._executor.submit(lambda: load(*self._compile(structured)))
+        return self._executor.submit(self._compile_and_load, structured, load)
+
+    def _compile_and_load(self, structured: StructuredOutput, load: Callable[[str, int], T]) -> T:
+        compiled_json, size = self._compile(structured)
+        loaded = load(compiled_json, size)
+        del compiled_json
+        if size >= TRIM_AFTER_BYTES:
+            give_back_free_heap()
+        return loaded
 
     def _compile(self, structured: StructuredOutput) -> tuple[str, int]:
         process: CompileProcess | None = getattr(self._local, "process", None)

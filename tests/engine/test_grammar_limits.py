@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,3 +166,35 @@ def test_a_grammar_whose_masks_cost_too_much_ends_its_request_and_not_the_others
     last = outputs[1][-1]
     assert last.finish_reason == "error" and last.request_fault, last
     assert "--grammar-mask-budget-ms" in (last.error or "")
+
+
+# Run in a process of its own, as a worker's grammar backend: its resident memory is then the backend's alone.
+_DISTINCT_LARGE_ENUMS = """
+import json, re, sys
+from concurrent.futures import wait
+from pathlib import Path
+from qwenserve.engine.grammar import GrammarBackend
+from qwenserve.engine.structured import GrammarLimits, StructuredOutput
+
+def rss_mib():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+backend = GrammarBackend(Path(sys.argv[1]) / "tokenizer.json", int(sys.argv[2]), [151645], None,
+                         GrammarLimits(compile_timeout_s=120))
+backend.compile_sync(StructuredOutput("regex", "[a-z]"))  # the vocabulary's tables, built once and kept
+before = rss_mib()
+schemas = [json.dumps({"enum": [f"s{k}-{i:05d}-abcdefgh" for i in range(6000)]}) for k in range(4)]
+wait([backend.compiled(StructuredOutput("json_schema", s)) for s in schemas])
+print(json.dumps({"grown_mib": rss_mib() - before, "cached_mib": backend.cached_bytes() / 2**20}))
+"""
+
+
+def test_a_workers_memory_stays_within_the_cache_after_distinct_large_schemas(model: Path) -> None:
+    # Enums of 6,000 strings (~126 KB, ~28 MiB compiled each): before, glibc kept the heap each one's JSON was parsed
+    # in, and the backend was ~650 MiB larger after four, for good, whatever its cache held.
+    done = subprocess.run([sys.executable, "-c", _DISTINCT_LARGE_ENUMS, str(model), str(TINY_CONFIG["vocab_size"])],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    memory = json.loads(done.stdout.strip().splitlines()[-1])
+    assert memory["cached_mib"] > 50, memory  # they were compiled, and are kept
+    assert memory["grown_mib"] < memory["cached_mib"] + 100, memory

@@ -10,8 +10,10 @@ until max_tokens, as the grammar lets it (tests/http/test_reasoning_and_tools.py
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -151,3 +153,47 @@ def test_a_hostile_grammar_is_a_400_naming_its_limit_and_the_next_request_is_ser
     reply = client.chat.completions.create(model=model, messages=ASK, max_tokens=20, temperature=1.0, seed=5,
                                            extra_body={**NO_THINKING, "guided_choice": ["yes", "no"]})
     assert reply.choices[0].message.content in ("yes", "no")
+
+
+def _streamed_token_times(client: openai.OpenAI, max_tokens: int) -> list[float]:
+    """When each chunk of a free (unconstrained) completion stream arrived, from the request's start."""
+    times = [time.monotonic()]
+    stream = client.completions.create(model=_model(client), prompt="Once upon a time", max_tokens=max_tokens,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.monotonic())
+    return times
+
+
+def _worst_gap(times: list[float]) -> float:
+    return max(b - a for a, b in itertools.pairwise(times))
+
+
+def test_grammars_that_get_slower_every_step_are_refused_naming_the_mask_budget_and_a_victim_streams_on(
+        client: openai.OpenAI) -> None:
+    # Each step of this regex's mask costs more than the last (a few ms, then seconds: the issue's
+    # "(\w+\s?){1,5000}" cut to a size that compiles in well under a second): past 10 times the
+    # --grammar-mask-budget-ms a step stops waiting for it and the request is refused.
+    hostile = {**NO_THINKING, "guided_regex": r"(\w+\s?){1,300}"}
+    # Each worker builds its vocabulary's grammar tables (seconds) on its first constrained request: not timed here.
+    client.chat.completions.create(model=_model(client), messages=ASK, max_tokens=4,
+                                   extra_body={**NO_THINKING, "guided_choice": ["yes", "no"]})
+    baseline = _worst_gap(_streamed_token_times(client, 60))  # what this machine's load already costs the stream
+
+    def refused(_: int) -> tuple[float, dict]:
+        started = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=_model(client), messages=ASK, max_tokens=40, temperature=1.0,
+                                           extra_body=hostile, timeout=30)
+        return time.monotonic() - started, error.value.body
+
+    with ThreadPoolExecutor(5) as pool:
+        victim = pool.submit(_streamed_token_times, client, 60)
+        time.sleep(0.3)
+        answers = list(pool.map(refused, range(4)))  # a flood: four at once beside the victim
+        times = victim.result()
+    for took, body in answers:
+        assert "--grammar-mask-budget-ms" in body["message"] and took < 15, (took, body)
+    assert len(times) == 61
+    assert _worst_gap(times) < 3.0 + 3 * baseline, (_worst_gap(times), baseline)
