@@ -173,12 +173,12 @@ def weight_bytes_held(engine: LLMEngine) -> int:
     panels and any bf16 copy kept for PyTorch's product). Counted, not read from RSS: the engine keeps the memory
     an earlier engine freed (host_memory.py), so a process's RSS growth undercounts the next one."""
     from qwenserve.cpu_kernels.packed_weight import PackedWeight
-    from qwenserve.cpu_kernels.quant_weight import QuantWeight
+    from qwenserve.engine.quantization.kept import codes_held
 
     model = engine.runner.model
     held = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
-    return held + sum(w.nbytes for m in model.modules() for w in vars(m).values()
-                      if isinstance(w, PackedWeight | QuantWeight))
+    held += sum(w.nbytes for w in codes_held(model))
+    return held + sum(w.nbytes for m in model.modules() for w in vars(m).values() if isinstance(w, PackedWeight))
 
 
 def precision_rates(folder: Path, threads: int | None, context: int = 1000, batches: tuple[int, ...] = (1, 32),

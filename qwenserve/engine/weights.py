@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 
 from qwenserve import progress
-from qwenserve.cpu_kernels.quant_weight import QuantWeight
 from qwenserve.engine.errors import CheckpointError
 from qwenserve.engine.quantization import QuantizedLinears, quantization_of
+from qwenserve.engine.quantization.kept import codes_held
 from qwenserve.engine.quantization.kept import keep_codes as keep_codes_in
 from qwenserve.engine.quantization.scheme import IntegerWeight
 from qwenserve.models import ModelConfig, QwenForCausalLM
@@ -148,9 +148,9 @@ def _place_quantized(model: QwenForCausalLM, files: list[Path], targets: dict[st
             targets[name].copy_(weight.dequantize())
     dtype = str(next(iter(targets.values())).dtype).removeprefix("torch.")
     if replaced:
-        codes = sum(w.nbytes for m in model.modules() for w in vars(m).values() if isinstance(w, QuantWeight))
+        codes = sum(w.nbytes for w in codes_held(model))
         plain = sum(p.nbytes for p in model.parameters())
-        log.info("quantized checkpoint, %s: %d linear weights kept as %d-bit codes in %d matrices for the W%dA16 "
+        log.info("quantized checkpoint, %s: %d linear weights kept as %d-bit codes in %d parameters for the W%dA16 "
                  "kernels (%.2f GiB), %d dequantized to %s; the weights take %.2f GiB in memory (%.2f GiB on disk)",
                  quantized.quant.describe(), len(kept) - len(left), quantized.quant.bits, replaced,
                  quantized.quant.bits, codes / 2**30, len(quantized) - len(kept) + len(left), dtype,

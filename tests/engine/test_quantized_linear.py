@@ -257,7 +257,9 @@ def quantized(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple
 
 
 def quant_weights(model: torch.nn.Module) -> list[QuantWeight]:
-    return [w for m in model.modules() for w in vars(m).values() if isinstance(w, QuantWeight)]
+    from qwenserve.engine.quantization.kept import codes_held
+
+    return codes_held(model)
 
 
 @needs_compiler
@@ -364,3 +366,29 @@ def test_a_fused_weight_is_kept_only_when_all_its_parts_are_codes_of_one_layout(
     assert not isinstance(model.layers[1].self_attn.qkv_proj, QuantWeight)
     assert set(left) == {f"{mlp}.gate_proj.weight", *(f"{other}.{p}_proj.weight" for p in ("q", "k", "v"))}
     assert replaced == 3  # qkv, o and down of layer 0
+
+
+@needs_compiler
+def test_moe_experts_are_kept_per_expert_and_greedy_tokens_equal_transformers(tmp_path: Path) -> None:
+    """A Qwen3-MoE checkpoint in AWQ (experts, dense MLP and attention quantized): each stack of experts is one
+    QuantWeight per expert, and greedy tokens equal transformers' on the dequantized weights in fp32."""
+    from tests.support.engine_checkpoints import SPECS, write_checkpoint
+
+    base = write_checkpoint(tmp_path / "plain", SPECS["qwen3_moe"], seed=3)
+    reference = qc.write_reference(base, tmp_path / "reference",
+                                   qc.quantize_checkpoint(base, tmp_path / "awq", "awq", group_size=32))
+    prompts = random_prompts(3, 5, 30, seed=4)
+    hf = load_reference(reference)
+    expected = [reference_greedy(hf, p, GREEDY.max_tokens)[0] for p in prompts]
+    engine = LLMEngine.from_pretrained(tmp_path / "awq", EngineConfig(dtype="float32", num_kv_blocks=32, block_size=8,
+                                                                       num_threads=2))
+    try:
+        model, cfg = engine.runner.model, engine.model_config
+        sparse = [layer.mlp for layer in model.layers if isinstance(getattr(layer.mlp, "gate_up_proj", None), list)]
+        assert len(sparse) == 2 and all(len(mlp.gate_up_proj) == cfg.num_experts and len(mlp.down_proj) == cfg.num_experts
+                                        for mlp in sparse)
+        # 3 layers' qkv and o, the dense layer's gate_up and down, and 2 x 8 experts' gate_up and down.
+        assert len(quant_weights(model)) == 3 * 2 + 2 + 2 * 2 * cfg.num_experts
+        assert engine.generate_sync(prompts, GREEDY) == expected
+    finally:
+        engine.shutdown()

@@ -1,9 +1,10 @@
 """Quantized linears kept as codes (W4A16, W8A16) where the engine's kernels run them: after the checkpoint is read,
 each of the model's linear weights whose rows all come from quantized linears of one layout is replaced by one
-`QuantWeight` (a fused weight, q/k/v or gate/up, concatenates its parts' codes along the output). What cannot be
-kept that way is dequantized into its parameter as before: a weight only partly quantized, parts in different
-layouts (act-order groups that differ between q, k and v), stacked MoE experts, and the LM head, which is the tied
-embedding table too."""
+`QuantWeight` (a fused weight, q/k/v or gate/up, concatenates its parts' codes along the output), and a stack of
+MoE experts' weights [experts, n, k] by a list of one QuantWeight per expert (the model indexes it by expert). What
+cannot be kept that way is dequantized into its parameter as before: a weight only partly quantized, parts in
+different layouts (act-order groups that differ between q, k and v), and the LM head, which is the tied embedding
+table too."""
 
 from __future__ import annotations
 
@@ -31,25 +32,49 @@ def keep_codes(model: nn.Module, targets: dict[str, torch.Tensor],
     for module in model.modules():
         for attr in KEPT_WEIGHTS:
             param = module._parameters.get(attr)
-            if param is None or param.dim() != 2:
+            if param is None or param.dim() not in (2, 3):
                 continue
-            parts = _parts_of(param.data, by_storage.get(param.untyped_storage().data_ptr(), []))
+            # A stack of experts is its experts' matrices one after the other: rows of [experts * n, k].
+            rows = param.data.reshape(-1, param.shape[-1])
+            parts = _parts_of(rows, by_storage.get(param.untyped_storage().data_ptr(), []))
             if not parts or any(name not in left for name in parts):
                 continue
-            weight = _concatenated([left[name] for name in parts])
-            if weight is None:
+            experts = param.shape[0] if param.dim() == 3 else 1
+            per_expert = len(parts) // experts
+            packed = [_packed([left[name] for name in parts[e * per_expert:(e + 1) * per_expert]])
+                      for e in range(experts)] if len(parts) % experts == 0 else [None]
+            if any(p is None for p in packed):
                 continue
-            try:
-                packed = QuantWeight.pack(weight.codes, weight.scales, weight.zeros, weight.bits, weight.group_size,
-                                          weight.groups)
-            except ValueError:
-                continue  # a layout our kernel does not take (a 4-bit group of odd size): dequantized instead
             module._parameters.pop(attr)
-            setattr(module, attr, packed)  # a plain attribute, as PackedWeights are
+            setattr(module, attr, packed if param.dim() == 3 else packed[0])  # plain attributes, as PackedWeights
             for name in parts:
                 del left[name]
             replaced += 1
     return replaced, left
+
+
+def _packed(parts: list[IntegerWeight]) -> QuantWeight | None:
+    """One matrix's parts (in row order) as a QuantWeight, or None where they do not make one our kernel takes."""
+    weight = _concatenated(parts)
+    if weight is None:
+        return None
+    try:
+        return QuantWeight.pack(weight.codes, weight.scales, weight.zeros, weight.bits, weight.group_size,
+                                weight.groups)
+    except ValueError:
+        return None  # a layout our kernel does not take (a 4-bit group of odd size): dequantized instead
+
+
+def codes_held(model: nn.Module) -> list[QuantWeight]:
+    """Every QuantWeight the model holds, a stack of experts' one by one."""
+    found: list[QuantWeight] = []
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, QuantWeight):
+                found.append(value)
+            elif isinstance(value, list):
+                found.extend(w for w in value if isinstance(w, QuantWeight))
+    return found
 
 
 def _parts_of(param: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> list[str]:
