@@ -11,6 +11,7 @@
  * row's mean square and the last bit of expf/sqrtf. Rows run in parallel (OpenMP) only where there are enough. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PARALLEL_VALUES 65536 /* below this, one thread: a parallel region costs more than the work */
@@ -97,4 +98,55 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, uint16_t *out, int64
             o[i] = round_bf16(widen(round_bf16(x / (1.0f + expf(-x)))) * widen(u[i]));
         }
     }
+}
+
+/* The products a bf16 model's few decode rows run in fp32 kernels, with its bf16 rows in and out: widened into
+ * scratch, the fp32 kernel, the result rounded back. Two PyTorch conversions per product at a decode step cost more
+ * than the conversions themselves. */
+void linear_packed_bf16(const float *x, const uint16_t *wp, float *y, int64_t m, int64_t k, int64_t n,
+                        int64_t num_threads);
+int paged_decode_attention_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t num_blocks,
+                                const int64_t *block_table, int64_t table_stride, const int64_t *context_lens,
+                                float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                                int64_t block_size, float scale, int64_t num_threads);
+
+/* y [m, n] bf16 = x [m, k] bf16 (row stride x_stride) times the bf16 panels. Returns -1 when scratch could not be
+ * allocated (y untouched). */
+int linear_packed_bf16_io(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t m,
+                          int64_t k, int64_t n, int64_t num_threads) {
+    if (m <= 0) return 0;
+    float *xf = malloc(sizeof(float) * (size_t)(m * k + m * n));
+    if (!xf) return -1;
+    float *yf = xf + m * k;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) xf[r * k + i] = widen(x[r * x_stride + i]);
+    linear_packed_bf16(xf, wp, yf, m, k, n, num_threads);
+    for (int64_t i = 0; i < m * n; i++) y[i] = round_bf16(yf[i]);
+    free(xf);
+    return 0;
+}
+
+/* Decode attention of bf16 queries q [batch, heads, dim] (row stride q_stride; each row's heads contiguous) over a
+ * bf16 cache into out [batch, heads, dim] bf16 (row stride out_stride). Returns the fp32 kernel's status, or -1
+ * when scratch could not be allocated. */
+int paged_decode_attention_bf16_io(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                   const uint16_t *v_cache, int64_t num_blocks, const int64_t *block_table,
+                                   int64_t table_stride, const int64_t *context_lens, uint16_t *out,
+                                   int64_t out_stride, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                                   int64_t block_size, float scale, int64_t num_threads) {
+    const int64_t row = heads * dim;
+    if (batch <= 0) return 0;
+    float *qf = malloc(sizeof(float) * (size_t)(2 * batch * row));
+    if (!qf) return -1;
+    float *of = qf + batch * row;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t i = 0; i < row; i++) qf[b * row + i] = widen(q[b * q_stride + i]);
+    const int status = paged_decode_attention_bf16(qf, k_cache, v_cache, num_blocks, block_table, table_stride,
+                                                   context_lens, of, batch, heads, kv_heads, dim, block_size, scale,
+                                                   num_threads);
+    if (status == 0)
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t i = 0; i < row; i++) out[b * out_stride + i] = round_bf16(of[b * row + i]);
+    free(qf);
+    return status;
 }

@@ -45,6 +45,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qk_norm_rope_bf16.argtypes = [pointer, i64, pointer, i64] + [pointer] * 4 + [i64] * 6 + [f32, flag, i64]
     lib.silu_mul_bf16.restype = None
     lib.silu_mul_bf16.argtypes = [pointer, i64, pointer] + [i64] * 4
+    lib.linear_packed_bf16_io.restype = ctypes.c_int
+    lib.linear_packed_bf16_io.argtypes = [pointer, i64, pointer, pointer] + [i64] * 4
+    lib.paged_decode_attention_bf16_io.restype = ctypes.c_int
+    lib.paged_decode_attention_bf16_io.argtypes = ([pointer, i64] + [pointer] * 2 + [i64, pointer, i64, pointer, pointer]
+                                                   + [i64] * 6 + [ctypes.c_float, i64])
     return lib
 
 
@@ -84,11 +89,20 @@ class CpuKernels:
         scale: float,
     ) -> None:
         """softmax(q·K^T · scale)·V over each sequence's first context_lens[b] cached tokens, every tensor on CPU.
-        A bf16 cache is widened to fp32 as it is read (the fp32 attention over the bf16 K/V). IndexError, before
-        anything is read, when a block id is outside the cache. The GIL is released while it runs."""
+        A bf16 cache is widened to fp32 as it is read (the fp32 attention over the bf16 K/V). A bf16 model's q and
+        out (bf16 over a bf16 cache; rows may be strided, each row's heads contiguous) are widened and rounded in
+        the C call. IndexError, before anything is read, when a block id is outside the cache. The GIL is released
+        while it runs."""
         batch, heads, dim = q.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape
-        _check_cpu_fp32("paged_decode_attention", q, out)
+        bf16_io = q.dtype == torch.bfloat16
+        if bf16_io:
+            if (k_cache.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or q.stride(2) != 1
+                    or q.stride(1) != dim or out.stride(2) != 1 or out.stride(1) != dim):
+                raise ValueError("paged_decode_attention: bf16 q and out (each row's heads contiguous) over a bf16 "
+                                 "cache")
+        else:
+            _check_cpu_fp32("paged_decode_attention", q, out)
         if (k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
                 or not k_cache.is_contiguous() or not v_cache.is_contiguous()
                 or k_cache.device.type != "cpu" or v_cache.device.type != "cpu"):
@@ -98,12 +112,19 @@ class CpuKernels:
         if (heads % kv_heads or out.shape != q.shape or block_table.shape[0] != batch or context_lens.numel() != batch
                 or v_cache.shape != k_cache.shape):
             raise ValueError("paged_decode_attention: inconsistent shapes")
-        attend = self.lib.paged_decode_attention if k_cache.dtype == torch.float32 else self.lib.paged_decode_attention_bf16
-        status = attend(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_table.data_ptr(),
-            block_table.shape[1], context_lens.contiguous().data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim,
-            block_size, scale, torch.get_num_threads(),
-        )
+        if bf16_io:
+            status = self.lib.paged_decode_attention_bf16_io(
+                q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_table.data_ptr(),
+                block_table.shape[1], context_lens.contiguous().data_ptr(), out.data_ptr(), out.stride(0), batch,
+                heads, kv_heads, dim, block_size, scale, torch.get_num_threads())
+        else:
+            attend = (self.lib.paged_decode_attention if k_cache.dtype == torch.float32
+                      else self.lib.paged_decode_attention_bf16)
+            status = attend(
+                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_table.data_ptr(),
+                block_table.shape[1], context_lens.contiguous().data_ptr(), out.data_ptr(), batch, heads, kv_heads,
+                dim, block_size, scale, torch.get_num_threads(),
+            )
         if status == -2:
             raise IndexError(f"paged_decode_attention: a block table names a block outside [0, {num_blocks}) or is "
                              "shorter than its context (a scheduler bug)")
@@ -131,6 +152,21 @@ class CpuKernels:
         _check_cpu_fp32("linear_packed", out)
         product = self.lib.linear_packed if packed.dtype == torch.float32 else self.lib.linear_packed_bf16
         product(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n, torch.get_num_threads())
+        return out
+
+    def linear_packed_bf16_io(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+        """x [m, k] bf16 (rows contiguous, maybe strided) @ Wᵀ -> [m, n] bf16 for bf16 panels: the fp32 product of
+        x widened, rounded once (what linear_packed computes, with the conversions in the C call)."""
+        packed = weight.panels
+        _check_bf16_rows("linear_packed_bf16_io", x)
+        if packed.dtype != torch.bfloat16 or packed.dim() != 3 or packed.shape[1] != x.shape[1]:
+            raise ValueError(f"linear_packed_bf16_io wants one bf16 packed matrix of {x.shape[1]} columns")
+        m, k = x.shape
+        n = packed.shape[0] * PANEL
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        if self.lib.linear_packed_bf16_io(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), m, k, n,
+                                          torch.get_num_threads()):
+            raise MemoryError("linear_packed_bf16_io could not allocate its scratch")
         return out
 
     def linear_quant(self, x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -96,6 +96,9 @@ def _packed_linear(kernels: CpuKernels, onednn_rows: int | None, x: torch.Tensor
         y = F.linear(x.to(torch.bfloat16), weight.dense)
         y = y.to(x.dtype) if out is None else y.float()
         return y if bias is None else y.add_(bias)
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and out is None and x.stride(-1) == 1:
+        y = kernels.linear_packed_bf16_io(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+        return y if bias is None else y.add_(bias)
     rows = x.reshape(-1, x.shape[-1]).float().contiguous()
     y = kernels.linear_packed(rows, weight, out if x.dim() == 2 else None)
     y = y.view(*x.shape[:-1], y.shape[-1])

@@ -113,14 +113,12 @@ class TorchAttentionBackend:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         gqa = num_heads != kv_heads
         nd = meta.num_decodes
-        if nd and meta.decode_context_lens is not None and q.dtype in (torch.float32, torch.bfloat16):
-            # The kernel's queries and output are fp32: a bf16 model's few decode rows are widened and rounded back.
-            rows = out[:nd] if q.dtype == torch.float32 else torch.empty(nd, num_heads, head_dim)
-            self.cpu_kernels.paged_decode_attention(q[:nd].float().contiguous(), k_cache, v_cache,
-                                                    meta.decode_block_table, meta.decode_context_lens, rows,
-                                                    head_dim**-0.5)
-            if rows.data_ptr() != out.data_ptr():
-                out[:nd] = rows
+        if nd and meta.decode_context_lens is not None and (
+                q.dtype == torch.float32 or q.dtype == k_cache.dtype == torch.bfloat16):
+            # fp32 queries, or a bf16 model's over its bf16 cache (widened and rounded back in the kernel's call).
+            rows = q[:nd] if q.dtype == torch.bfloat16 else q[:nd].contiguous()
+            self.cpu_kernels.paged_decode_attention(rows, k_cache, v_cache, meta.decode_block_table,
+                                                    meta.decode_context_lens, out[:nd], head_dim**-0.5)
         elif nd:
             table = meta.decode_block_table
             if meta.decode_mask is None:  # fp16/bf16 on CPU: no kernel for it, so build the mask here
