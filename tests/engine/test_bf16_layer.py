@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qwenserve.cpu_kernels.library import CpuKernels
+from qwenserve.cpu_kernels.packed_weight import PackedWeight
 from qwenserve.models import torch_forms
 from qwenserve.models.config import RopeConfig
 from qwenserve.models.layers import RotaryEmbedding
@@ -90,3 +91,31 @@ def test_the_kernels_refuse_what_they_cannot_read(variant_kernels: dict[str, Cpu
         kernels.qk_norm_rope_bf16(scattered, q.clone(), None, None, cos, cos, 1e-6)
     with pytest.raises(ValueError, match="cos and sin"):
         kernels.qk_norm_rope_bf16(q, q.clone(), None, None, cos[:1], cos[:1], 1e-6)
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1024, 3072), (3, 40, 48), (9, 200, 80)])
+def test_the_bf16_io_product_is_the_fp32_product_of_widened_rows_rounded_once(variant_kernels: dict[str, CpuKernels],
+                                                                             m: int, k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(m * k + n)
+    weight = PackedWeight.pack(torch.randn(n, k, generator=gen), BF16)
+    wide = torch.randn(m, k + 8, generator=gen).to(BF16)
+    x = wide[:, 3 : 3 + k]  # strided rows
+    for name, kernels in variant_kernels.items():
+        want = kernels.linear_packed(x.float().contiguous(), weight).to(BF16)
+        assert torch.equal(kernels.linear_packed_bf16_io(x, weight), want), name
+
+
+def test_bf16_queries_attend_as_the_fp32_kernel_on_them_widened(variant_kernels: dict[str, CpuKernels]) -> None:
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, block, blocks = 8, 2, 64, 4, 12
+    k_cache, v_cache = (torch.randn(blocks, block, kv_heads, dim, generator=gen).to(BF16) for _ in range(2))
+    table = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]])
+    lens = torch.tensor([13, 9])
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * dim, generator=gen).to(BF16)
+    q = qkv[:, : heads * dim].view(2, heads, dim)  # rows strided as in the fused q/k/v product
+    for name, kernels in variant_kernels.items():
+        want = torch.empty(2, heads, dim)
+        kernels.paged_decode_attention(q.float().contiguous(), k_cache, v_cache, table, lens, want, dim**-0.5)
+        got = torch.empty(2, heads, dim, dtype=BF16)
+        kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, got, dim**-0.5)
+        assert torch.equal(got, want.to(BF16)), name
