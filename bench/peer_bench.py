@@ -146,12 +146,18 @@ class ServerSpec:
     ready_timeout_s: float = 300.0
 
 
-def ours_spec(model: Path, dtype: str, kv_gb: float, max_len: int) -> ServerSpec:
+# Our configurations: the name's dtype, and `up`'s own flags (unified: no prefill process, the decode worker prefills
+# its prompts itself, one engine as vLLM's).
+OURS = {"ours-fp32": ("float32", ()), "ours-auto": ("auto", ()), "ours-unified": ("auto", ("--prefill", "0"))}
+
+
+def ours_spec(model: Path, name: str, kv_gb: float, max_len: int) -> ServerSpec:
+    dtype, flags = OURS[name]
     exe = Path(sys.executable).with_name("qwen-serve")
     cmd = (str(exe),) if exe.exists() else (sys.executable, "-m", "qwenserve.cli")
     argv = (*cmd, "up", str(model), "--http-port", "{port}", "--grpc-port", "{grpc_port}", "--dtype", dtype,
-            "--kv-cache-gb", f"{kv_gb:g}", "--max-model-len", str(max_len))
-    return ServerSpec(f"ours-{'fp32' if dtype == 'float32' else dtype}", dtype, argv)
+            "--kv-cache-gb", f"{kv_gb:g}", "--max-model-len", str(max_len), *flags)
+    return ServerSpec(name, dtype, argv)
 
 
 def vllm_preload(venv: Path) -> tuple[list[str], list[str]]:
@@ -498,7 +504,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help=f"checkpoint (default: a random Qwen3-0.6B-shaped bf16 one, ~/.cache/qwen-serve/models/"
                              f"{CHECKPOINT_NAME})")
-    parser.add_argument("--servers", default="ours-fp32,ours-auto,vllm", help="which of ours-fp32,ours-auto,vllm")
+    parser.add_argument("--servers", default="ours-fp32,ours-auto,vllm",
+                        help=f"which of {','.join(OURS)},vllm (ours-unified: `up --prefill 0`)")
     parser.add_argument("--kv-cache-gb", type=float, default=4.0,
                         help="KV-cache memory of every server (ours: per engine; vLLM: VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--vllm-omp-bind", default=None,
@@ -519,8 +526,7 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     notes: list[str] = []
     model = ensure_checkpoint(args.model)
-    specs = [ours_spec(model, "float32" if n == "ours-fp32" else "auto", args.kv_cache_gb, plan.max_model_len)
-             for n in wanted if n in ("ours-fp32", "ours-auto")]
+    specs = [ours_spec(model, n, args.kv_cache_gb, plan.max_model_len) for n in wanted if n in OURS]
     version, problem = vllm_version(args.vllm_venv) if "vllm" in wanted else (None, None)
     if "vllm" in wanted:
         if problem is None:
