@@ -181,6 +181,35 @@ def weight_bytes_held(engine: LLMEngine) -> int:
     return held + sum(w.nbytes for m in model.modules() for w in vars(m).values() if isinstance(w, PackedWeight))
 
 
+def measure_read_gbps(threads: int | None) -> float:
+    """The best of five sums over 1 GiB of fp32: the rate at which this machine's threads read memory (a decode
+    step only reads its weights and KV; memcpy also writes)."""
+    data = torch.ones(2**28)
+    data.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t)
+    return data.nbytes / best / 1e9
+
+
+def decode_bytes_read(engine: LLMEngine, context: int) -> tuple[int, int]:
+    """What one decode step of one sequence at `context` tokens reads: every weight a token passes through in the
+    form the decode products read it (packed panels, quantized codes; not the bf16 copies kept for many-row
+    products, nor the embedding table, of which it reads one row), and its KV."""
+    from qwenserve.engine.quantization.kept import codes_held
+
+    model = engine.runner.model
+    read = sum(w.nbytes for w in codes_held(model))
+    for module in model.modules():
+        read += sum(w.panels.nbytes for w in vars(module).values() if isinstance(w, PackedWeight))
+        read += sum(p.nbytes for name, p in module._parameters.items() if p is not None and name != "embed_tokens")
+    cfg = engine.model_config
+    kv = len(cfg.kv_layers) * 2 * context * cfg.num_kv_heads * cfg.head_dim * engine.runner.kv_cache.element_size()
+    return read, kv
+
+
 def precision_rates(folder: Path, threads: int | None, context: int = 1000, batches: tuple[int, ...] = (1, 32),
                     long_prompt: int = 2000, quantized: dict[str, Path] | None = None) -> None:
     """Per precision (fp32 throughout; bf16 KV; bf16 weights + bf16 KV; `--dtype auto`, which may add PyTorch's bf16
@@ -218,12 +247,18 @@ def precision_rates(folder: Path, threads: int | None, context: int = 1000, batc
             gaps = sorted(b - a for times in arrivals for a, b in itertools.pairwise(times)
                           if all_decoding <= a and b <= first_done)
             row[f"batch {batch} tok/s"] = batch / gaps[len(gaps) // 2]
+            if batch == 1:
+                weights, kv = decode_bytes_read(engine, context)
+                row["batch 1 GB/s read"] = (weights + kv) * row["batch 1 tok/s"] / 1e9
         engine.shutdown()
         del engine
     base = rows["float32"]
     print(f"\n| precision | {' | '.join(base)} |\n|---|{'---|' * len(base)}")
     for name, row in rows.items():
         print(f"| {name} | " + " | ".join(f"{v:.2f} ({v / base[k]:.2f}x)" for k, v in row.items()) + " |")
+    bandwidth = measure_read_gbps(threads)
+    print(f"\nmemory read bandwidth (sum over 1 GiB, same threads): {bandwidth:.1f} GB/s; a batch-1 decode step reads "
+          + ", ".join(f"{name} {row['batch 1 GB/s read'] / bandwidth:.0%}" for name, row in rows.items()) + " of it")
 
 
 def interleaved_decode_steps(folder: Path, quantized: dict[str, Path], threads: int | None, rounds: int = 5,
