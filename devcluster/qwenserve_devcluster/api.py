@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import json
 import re
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,8 @@ DISCOVERY = (  # exact paths -> their document (None when not served: a 404)
 class ApiServer(kmock.KubernetesEmulator):
     """kmock's emulator plus what a real API server does that the operator and kubectl rely on.
 
-    On create: a name from generateName (kopf's Events use it), a uid and a creationTimestamp. For kubectl:
+    On create: a name from generateName (kopf's Events use it), the path's namespace, a uid and a
+    creationTimestamp. For kubectl:
     discovery and OpenAPI v3 (discovery.py), Tables (tables.py), lists with their kind, QwenDeployment fields
     checked against the CRD under `fieldValidation=Strict`, and pod logs from the pod runner's files under
     `pod_logs`. After a delete or an update, objects whose every owner is gone are deleted (the garbage
@@ -105,6 +107,8 @@ class ApiServer(kmock.KubernetesEmulator):
                         _status(404, "NotFound", f"the server could not find the requested resource ({path})")
         if request.resource is not None and request.subresource == "log" and request.method == "GET":
             return await self._serve_log(request)
+        if request.action == kmock.action.WATCH:
+            return await self._stream_watch(request)
         if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
             if refusal := self._check_fields(request):
                 return refusal
@@ -112,6 +116,8 @@ class ApiServer(kmock.KubernetesEmulator):
             meta = request.data.setdefault("metadata", {})
             if not meta.get("name") and meta.get("generateName"):
                 meta["name"] = meta["generateName"] + uuid.uuid4().hex[:8]
+            if request.namespace:
+                meta.setdefault("namespace", request.namespace)  # clients key their caches by namespace/name
             meta.setdefault("uid", str(uuid.uuid4()))
             meta.setdefault("resourceVersion", "1")
             meta.setdefault("generation", 1)
@@ -151,6 +157,31 @@ class ApiServer(kmock.KubernetesEmulator):
         if kind and wants_table(_header(request, "Accept")):
             return table(kind, items, request.params.get("includeObject", "PartialObjectMetadata"))
         return {**listed, "kind": f"{kind}List", "apiVersion": api_version, "items": items}
+
+    async def _stream_watch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """A watch as JSON lines labelled application/json: client-go (kubectl) refuses kmock's own stream, labelled
+        application/octet-stream, and `kubectl delete` then waits for the deletion until its timeout."""
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request._raw_request)
+        with contextlib.suppress(ConnectionError):
+            async for event in self._serve_watch(request):
+                if isinstance(event, dict):
+                    await response.write(json.dumps(event).encode() + b"\n")
+            await response.write_eof()
+        return response
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        """kmock's watch, plus the deletion a client missed: `kubectl delete` lists the object, then watches it by
+        name for its DELETED event, and a real server replays what happened since that list; kmock streams only
+        what comes after the watch starts, so an object deleted in between would be waited for forever."""
+        named = re.fullmatch(r"metadata\.name==?([^,]+)", request.params.get("fieldSelector", ""))
+        key = (request.resource, request.namespace, named.group(1)) if named else None
+        if key is not None and key in self._objects and self._objects[key].deleted:
+            yield b""
+            yield {"type": "DELETED", "object": self._objects[key].last.raw}
+            return
+        async for event in super()._serve_watch(request):
+            yield event
 
     async def _serve_fetch(self, request: kmock.Request) -> Any:
         obj = await super()._serve_fetch(request)

@@ -15,6 +15,7 @@ import json
 import shutil
 import subprocess
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,6 +52,14 @@ class Api:
         """Create an object as the operator or the pod runner would (through the REST API)."""
         request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
                                          headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+
+
+    def patch(self, path: str, body: dict[str, Any]) -> None:
+        """A merge patch through the REST API (as the operator removes its finalizer)."""
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="PATCH",
+                                         headers={"Content-Type": "application/merge-patch+json"})
         with urllib.request.urlopen(request, timeout=10) as response:
             assert response.status == 200
 
@@ -179,5 +188,31 @@ def test_delete_removes_a_qwendeployment_and_what_it_owns(api: Api, tmp_path: Pa
 
     assert 'qwendeployment.qwenserve.io "qwen-cpu" deleted' in api.kubectl("delete", "qwd", "qwen-cpu").stdout
     assert "qwen-cpu" not in api.kubectl("get", "qwd", "-o", "name").stdout
+    # A watch by name that starts after the deletion still sees it (kubectl delete lists, then watches for it).
+    watch = f"{api.url}/apis/qwenserve.io/v1alpha1/namespaces/default/qwendeployments?watch=true" \
+            "&fieldSelector=metadata.name%3Dqwen-cpu"
+    with urllib.request.urlopen(watch, timeout=10) as response:
+        event = json.loads(response.readline())
+    assert (event["type"], event["object"]["metadata"]["uid"]) == ("DELETED", uid)
     assert api.kubectl("get", "deployments", "-o", "name").stdout.split() == ["deployment.apps/unowned"]
     api.kubectl("delete", "deployment", "unowned")
+
+
+def test_delete_waits_for_a_finalizer_and_returns_once_it_is_removed(api: Api, tmp_path: Path) -> None:
+    # The operator's QwenDeployments carry its finalizer: kubectl delete lists the object, still there, and
+    # watches for its removal (a stream client-go must be able to read).
+    api.post("/apis/qwenserve.io/v1alpha1/namespaces/default/qwendeployments", {
+        "apiVersion": "qwenserve.io/v1alpha1", "kind": "QwenDeployment",
+        "metadata": {"name": "held", "finalizers": ["qwenserve.io/operator"]}, "spec": {"model": {"name": "m"}}})
+    assert KUBECTL is not None
+    deleting = subprocess.Popen([KUBECTL, "--kubeconfig", str(api.kubeconfig), "delete", "qwd", "held"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2)
+        assert deleting.poll() is None, "kubectl delete returned while the finalizer held the object"
+        api.patch("/apis/qwenserve.io/v1alpha1/namespaces/default/qwendeployments/held",
+                  {"metadata": {"finalizers": None}})
+        out, err = deleting.communicate(timeout=15)
+        assert deleting.returncode == 0 and 'qwendeployment.qwenserve.io "held" deleted' in out, err
+    finally:
+        deleting.kill()
