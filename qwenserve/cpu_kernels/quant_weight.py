@@ -52,7 +52,7 @@ class QuantWeight:
                              f"got {tuple(scales.shape)} and {tuple(zeros.shape)}")
         if bits == 4 and group_size % 2 and num_groups > 1:
             raise ValueError(f"4-bit codes pair inputs two by two: a group size of {group_size} splits a pair")
-        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
+        if codes.numel() and ((codes.dtype != torch.uint8 and int(codes.min()) < 0) or int(codes.max()) >= 1 << bits):
             raise ValueError(f"codes outside [0, {1 << bits})")
         perm = None
         if groups is not None and not torch.equal(groups.long(), torch.arange(k) // group_size):

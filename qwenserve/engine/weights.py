@@ -21,8 +21,7 @@ from safetensors import safe_open
 from qwenserve import progress
 from qwenserve.engine.errors import CheckpointError
 from qwenserve.engine.quantization import QuantizedLinears, quantization_of
-from qwenserve.engine.quantization.kept import codes_held
-from qwenserve.engine.quantization.kept import keep_codes as keep_codes_in
+from qwenserve.engine.quantization.kept import CodePlacer, codes_held
 from qwenserve.engine.quantization.scheme import IntegerWeight
 from qwenserve.models import ModelConfig, QwenForCausalLM
 
@@ -78,16 +77,20 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path, keep_codes: bool
     files = checkpoint_files(folder)
     in_memory = sum(dst.numel() * dst.element_size() for dst in targets.values())
     quantized = QuantizedLinears.find(quantization_of(model.cfg.raw), tensor_names(files), targets, keep_codes)
-    kept: dict[str, IntegerWeight] = {}
+    placer = CodePlacer(model, targets) if quantized is not None and quantized.keep_codes else None
+    dequantized_codes: set[str] = set()  # linears read as codes but dequantized after all
     with torch.inference_mode(), progress.step(f"loading weights from {folder}", total=len(targets),
                                                unit="tensors", total_bytes=in_memory) as step:
 
         def copy_in(name: str, tensor: torch.Tensor | IntegerWeight) -> None:
             dst = targets[name]
             stride = max(1, dst.numel() // FINGERPRINT_SAMPLES)
-            if isinstance(tensor, IntegerWeight):  # kept as codes: placed after the load, sampled as dequantized
-                kept[name] = tensor
+            if isinstance(tensor, IntegerWeight):  # codes: sampled as their dequantized values
+                assert placer is not None
                 sample = tensor.values_at(torch.arange(0, dst.numel(), stride)[:FINGERPRINT_SAMPLES])
+                for part, weight in placer.take(name, tensor):
+                    targets[part].copy_(weight.dequantize())
+                    dequantized_codes.add(part)
             else:
                 dst.copy_(tensor)
                 sample = tensor.reshape(-1)[::stride][:FINGERPRINT_SAMPLES].float()
@@ -132,33 +135,34 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path, keep_codes: bool
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"tensor {missing[0]!r}{more} is missing from the checkpoint in {folder}", missing[0])
     if quantized is not None:
-        _place_quantized(model, files, targets, quantized, kept, in_memory)
+        if placer is not None:
+            with torch.inference_mode():
+                for part, weight in placer.finish():
+                    targets[part].copy_(weight.dequantize())
+                    dequantized_codes.add(part)
+        _log_quantized(model, files, targets, quantized, placer, len(dequantized_codes), in_memory)
     fingerprint = model_fingerprint(model.cfg, {n: tuple(t.shape) for n, t in targets.items()}, samples)
     model.ops.prepare(model)  # a progress step where it changes anything: it says how many
     return fingerprint
 
 
-def _place_quantized(model: QwenForCausalLM, files: list[Path], targets: dict[str, torch.Tensor],
-                     quantized: QuantizedLinears, kept: dict[str, IntegerWeight], in_memory: int) -> None:
-    """Put the linears read as codes into the model as QuantWeights where they fit, dequantize the others into their
-    views, and say in one line what the weights take."""
-    replaced, left = keep_codes_in(model, targets, kept) if kept else (0, {})
-    with torch.inference_mode():
-        for name, weight in left.items():
-            targets[name].copy_(weight.dequantize())
+def _log_quantized(model: QwenForCausalLM, files: list[Path], targets: dict[str, torch.Tensor],
+                   quantized: QuantizedLinears, placer: CodePlacer | None, dequantized_codes: int, in_memory: int) -> None:
+    """One line: the format, how many linears were kept as codes or dequantized, and what the weights take."""
     dtype = str(next(iter(targets.values())).dtype).removeprefix("torch.")
-    if replaced:
+    on_disk = sum(p.stat().st_size for p in files) / 2**30
+    if placer is not None and placer.replaced:
         codes = sum(w.nbytes for w in codes_held(model))
         plain = sum(p.nbytes for p in model.parameters())
         log.info("quantized checkpoint, %s: %d linear weights kept as %d-bit codes in %d parameters for the W%dA16 "
                  "kernels (%.2f GiB), %d dequantized to %s; the weights take %.2f GiB in memory (%.2f GiB on disk)",
-                 quantized.quant.describe(), len(kept) - len(left), quantized.quant.bits, replaced,
-                 quantized.quant.bits, codes / 2**30, len(quantized) - len(kept) + len(left), dtype,
-                 (codes + plain) / 2**30, sum(p.stat().st_size for p in files) / 2**30)
+                 quantized.quant.describe(), len(quantized) - dequantized_codes, quantized.quant.bits,
+                 placer.replaced, quantized.quant.bits, codes / 2**30, dequantized_codes, dtype,
+                 (codes + plain) / 2**30, on_disk)
     else:
         log.info("quantized checkpoint, %s: %d linear weights dequantized to %s at load; the weights take %.2f GiB "
                  "in memory (%.2f GiB on disk)", quantized.quant.describe(), len(quantized), dtype, in_memory / 2**30,
-                 sum(p.stat().st_size for p in files) / 2**30)
+                 on_disk)
 
 
 def model_fingerprint(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], samples: dict[str, bytes]) -> str:

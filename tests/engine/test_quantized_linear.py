@@ -328,8 +328,9 @@ def test_dequantize_weights_and_fp8_load_dequantized(quantized) -> None:
 def test_a_fused_weight_is_kept_only_when_all_its_parts_are_codes_of_one_layout(quantized) -> None:
     """q/k/v and gate/up are one matrix each: kept as one QuantWeight when every part is codes with the same bits,
     group size and groups; a part stored plain, or act-order groups that differ between parts, leave the whole
-    matrix to be dequantized (its parts are returned)."""
-    from qwenserve.engine.quantization.kept import keep_codes
+    matrix to be dequantized (its parts are returned: at once where the parameter cannot hold them, at the end where
+    it never completes)."""
+    from qwenserve.engine.quantization.kept import CodePlacer
     from qwenserve.engine.quantization.scheme import IntegerWeight
 
     cfg = ModelConfig.from_folder(quantized("awq_g32")[0])
@@ -354,7 +355,10 @@ def test_a_fused_weight_is_kept_only_when_all_its_parts_are_codes_of_one_layout(
     other = "model.layers.1.self_attn"
     kept.update({f"{other}.{p}_proj.weight": codes(f"{other}.{p}_proj.weight", shuffled if p == "v" else None)
                  for p in ("q", "k", "v")})
-    replaced, left = keep_codes(model, targets, kept)
+    placer = CodePlacer(model, targets)
+    at_once = [name for name, weight in kept.items() for name, _ in placer.take(name, weight)]
+    left = {name for name, _ in placer.finish()}
+    assert at_once == [f"{other}.{p}_proj.weight" for p in ("q", "k", "v")]  # v's groups differ from q's and k's
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantWeight) and isinstance(model.layers[0].self_attn.o_proj, QuantWeight)
     expected = torch.cat([kept[f"{attn}.{p}_proj.weight"].dequantize() for p in ("q", "k", "v")])
@@ -364,8 +368,8 @@ def test_a_fused_weight_is_kept_only_when_all_its_parts_are_codes_of_one_layout(
     assert torch.equal(down.dequantize(), kept[f"{mlp}.down_proj.weight"].dequantize())
     assert not isinstance(model.layers[0].mlp.gate_up_proj, QuantWeight)
     assert not isinstance(model.layers[1].self_attn.qkv_proj, QuantWeight)
-    assert set(left) == {f"{mlp}.gate_proj.weight", *(f"{other}.{p}_proj.weight" for p in ("q", "k", "v"))}
-    assert replaced == 3  # qkv, o and down of layer 0
+    assert left == {f"{mlp}.gate_proj.weight"}  # its up_proj never came as codes
+    assert placer.replaced == 3  # qkv, o and down of layer 0
 
 
 @needs_compiler

@@ -74,8 +74,8 @@ class GptqLayout:
         if groups is not None and (int(groups.min()) < 0 or int(groups.max()) >= parts["scales"].shape[0]):
             raise ValueError(f"g_idx names groups outside 0..{parts['scales'].shape[0] - 1}")
         q = unpack_int32(parts["qweight"], self.bits, dim=0)
-        zeros = unpack_int32(parts["qzeros"], self.bits, dim=1) + self.zero_offset
-        return IntegerWeight(q.t(), parts["scales"].float().t(), zeros.float().t(), self.bits, self.group_size, groups)
+        zeros = unpack_int32(parts["qzeros"], self.bits, dim=1).float() + self.zero_offset  # 2^bits in v1: not uint8
+        return IntegerWeight(q.t(), parts["scales"].float().t(), zeros.t(), self.bits, self.group_size, groups)
 
 
 def parse(qc: dict[str, Any]) -> Quantization:

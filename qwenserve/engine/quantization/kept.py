@@ -1,12 +1,14 @@
-"""Quantized linears kept as codes (W4A16, W8A16) where the engine's kernels run them: after the checkpoint is read,
+"""Quantized linears kept as codes (W4A16, W8A16) where the engine's kernels run them: as the checkpoint is read,
 each of the model's linear weights whose rows all come from quantized linears of one layout is replaced by one
-`QuantWeight` (a fused weight, q/k/v or gate/up, concatenates its parts' codes along the output), and a stack of
-MoE experts' weights [experts, n, k] by a list of one QuantWeight per expert (the model indexes it by expert). What
-cannot be kept that way is dequantized into its parameter as before: a weight only partly quantized, parts in
-different layouts (act-order groups that differ between q, k and v), and the LM head, which is the tied embedding
-table too."""
+`QuantWeight` as soon as its last part arrives (a fused weight, q/k/v or gate/up, concatenates its parts' codes along
+the output), and a stack of MoE experts' weights [experts, n, k] by a list of one QuantWeight per expert (the model
+indexes it by expert); so no more than a few matrices' unpacked codes are held at once. What cannot be kept that way
+is dequantized into its parameter as before: a weight only partly quantized, parts in different layouts (act-order
+groups that differ between q, k and v), and the LM head, which is the tied embedding table too."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,50 +21,67 @@ from qwenserve.models.ops import PACKED_WEIGHTS
 KEPT_WEIGHTS = tuple(name for name in PACKED_WEIGHTS if name != "lm_head")
 
 
-def keep_codes(model: nn.Module, targets: dict[str, torch.Tensor],
-               kept: dict[str, IntegerWeight]) -> tuple[int, dict[str, IntegerWeight]]:
-    """Replace the model's linear weights made only of `kept` (checkpoint weight name -> codes; `targets` maps each
-    name to the view of the parameter it fills) by QuantWeights. Returns how many were replaced and the kept weights
-    left over, which the caller dequantizes into their views."""
-    by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    for name, view in targets.items():
-        by_storage.setdefault(view.untyped_storage().data_ptr(), []).append((name, view))
-    left = dict(kept)
-    replaced = 0
-    for module in model.modules():
-        for attr in KEPT_WEIGHTS:
-            param = module._parameters.get(attr)
-            if param is None or param.dim() not in (2, 3):
-                continue
-            # A stack of experts is its experts' matrices one after the other: rows of [experts * n, k].
-            rows = param.data.reshape(-1, param.shape[-1])
-            parts = _parts_of(rows, by_storage.get(param.untyped_storage().data_ptr(), []))
-            if not parts or any(name not in left for name in parts):
-                continue
-            experts = param.shape[0] if param.dim() == 3 else 1
-            per_expert = len(parts) // experts
-            packed = [_packed([left[name] for name in parts[e * per_expert:(e + 1) * per_expert]])
-                      for e in range(experts)] if len(parts) % experts == 0 else [None]
-            if any(p is None for p in packed):
-                continue
-            module._parameters.pop(attr)
-            setattr(module, attr, packed if param.dim() == 3 else packed[0])  # plain attributes, as PackedWeights
-            for name in parts:
-                del left[name]
-            replaced += 1
-    return replaced, left
+@dataclass(frozen=True)
+class _Slot:
+    """One parameter that may hold codes: `parts`, the checkpoint weights that fill it in row order; `experts`, how
+    many matrices it stacks (1: a plain [n, k] weight)."""
+
+    module: nn.Module
+    attr: str
+    parts: tuple[str, ...]
+    experts: int
 
 
-def _packed(parts: list[IntegerWeight]) -> QuantWeight | None:
-    """One matrix's parts (in row order) as a QuantWeight, or None where they do not make one our kernel takes."""
-    weight = _concatenated(parts)
-    if weight is None:
-        return None
-    try:
-        return QuantWeight.pack(weight.codes, weight.scales, weight.zeros, weight.bits, weight.group_size,
-                                weight.groups)
-    except ValueError:
-        return None  # a layout our kernel does not take (a 4-bit group of odd size): dequantized instead
+class CodePlacer:
+    """Puts a model's kept linears in place as the loader reads them: `take` each linear read as codes, `finish`
+    after the last. `replaced` counts the parameters now holding codes."""
+
+    def __init__(self, model: nn.Module, targets: dict[str, torch.Tensor]) -> None:
+        """`targets` maps each checkpoint weight name to the view of the model's parameter it fills."""
+        by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for name, view in targets.items():
+            by_storage.setdefault(view.untyped_storage().data_ptr(), []).append((name, view))
+        self._slots: dict[str, _Slot] = {}
+        for module in model.modules():
+            for attr in KEPT_WEIGHTS:
+                param = module._parameters.get(attr)
+                if param is None or param.dim() not in (2, 3):
+                    continue
+                # A stack of experts is its experts' matrices one after the other: rows of [experts * n, k].
+                rows = param.data.reshape(-1, param.shape[-1])
+                parts = _parts_of(rows, by_storage.get(param.untyped_storage().data_ptr(), []))
+                experts = param.shape[0] if param.dim() == 3 else 1
+                if parts and len(parts) % experts == 0:
+                    slot = _Slot(module, attr, tuple(parts), experts)
+                    self._slots.update(dict.fromkeys(parts, slot))
+        self._pending: dict[str, IntegerWeight] = {}
+        self.replaced = 0
+
+    def take(self, name: str, weight: IntegerWeight) -> list[tuple[str, IntegerWeight]]:
+        """Keep checkpoint weight `name`'s codes; when they complete their parameter, it holds them from now on. Returns
+        the parts to dequantize into their views instead (all of a parameter that cannot hold codes), else []."""
+        slot = self._slots.get(name)
+        if slot is None:
+            return [(name, weight)]
+        self._pending[name] = weight
+        if any(part not in self._pending for part in slot.parts):
+            return []
+        weights = [self._pending.pop(part) for part in slot.parts]
+        per_expert = len(weights) // slot.experts
+        packed = [_packed(weights[e * per_expert:(e + 1) * per_expert]) for e in range(slot.experts)]
+        if any(p is None for p in packed):
+            return list(zip(slot.parts, weights, strict=True))
+        slot.module._parameters.pop(slot.attr)
+        # Plain attributes, as PackedWeights are: nothing trains or moves them.
+        setattr(slot.module, slot.attr, packed if slot.experts > 1 else packed[0])
+        self.replaced += 1
+        return []
+
+    def finish(self) -> list[tuple[str, IntegerWeight]]:
+        """The parts whose parameter never completed (others of its parts were stored plain): to dequantize."""
+        left = list(self._pending.items())
+        self._pending.clear()
+        return left
 
 
 def codes_held(model: nn.Module) -> list[QuantWeight]:
@@ -75,6 +94,18 @@ def codes_held(model: nn.Module) -> list[QuantWeight]:
             elif isinstance(value, list):
                 found.extend(w for w in value if isinstance(w, QuantWeight))
     return found
+
+
+def _packed(parts: list[IntegerWeight]) -> QuantWeight | None:
+    """One matrix's parts (in row order) as a QuantWeight, or None where they do not make one our kernel takes."""
+    weight = _concatenated(parts)
+    if weight is None:
+        return None
+    try:
+        return QuantWeight.pack(weight.codes, weight.scales, weight.zeros, weight.bits, weight.group_size,
+                                weight.groups)
+    except ValueError:
+        return None  # a layout our kernel does not take (a 4-bit group of odd size): dequantized instead
 
 
 def _parts_of(param: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> list[str]:
