@@ -86,7 +86,10 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
     if quantized is not None:
         assert cpu is not None
         label = f"w{quantized.bits}a16"
-        ops = with_quantized_linears(ops, cpu, label, precision.onednn_rows)
+        # bf16 activations lose nothing more to AMX's bf16 x; fp32 ones only where the engine already rounds x for
+        # PyTorch's bf16 product.
+        bf16_rows = 1 if precision.dtype == torch.bfloat16 else precision.onednn_rows
+        ops = with_quantized_linears(ops, cpu, label, bf16_rows)
         precision = dataclasses.replace(precision, quantized=label, reason=f"{precision.reason}; linear weights "
                                         f"{label.upper()}: {quantized.describe()} kept as codes")
     return KernelSet(cpu, ops, attention, block_size, precision, quantized)

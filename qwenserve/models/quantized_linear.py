@@ -1,9 +1,10 @@
 """The W4A16 / W8A16 product in a model's ops: a linear weight the loader kept as 4- or 8-bit codes (a `QuantWeight`,
 engine/quantization/kept.py) is multiplied by the C kernel without being dequantized; every other weight goes to the
 ops' own product. Activations reach the kernel in fp32 whatever the model's dtype (it widens codes to fp32 and
-accumulates there), and leave in the model's dtype. From `bf16_rows` rows up (the engine's precision allows bf16
-products there: Precision.onednn_rows), 4-bit weights run on AMX tiles where the CPU has them, x rounded to bf16
-(several times the fp32 kernel's rate at 16 rows and more; linear_quant.c)."""
+accumulates there), and leave in the model's dtype. From `bf16_rows` rows up (where x is bf16 already, or the
+engine's precision rounds it for bf16 products: Precision.onednn_rows) and at least AMX_MIN_ROWS, 4-bit weights run
+on AMX tiles where the CPU has them, x rounded to bf16 (several times the fp32 kernel's rate at 16 rows and more;
+linear_quant.c)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from qwenserve.cpu_kernels.builder import cpu_flags
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.quant_weight import QuantWeight
 from qwenserve.models.ops import Ops
@@ -26,7 +28,8 @@ def with_quantized_linears(ops: Ops, kernels: CpuKernels, label: str, bf16_rows:
     """`ops` whose `linear` multiplies QuantWeights in `kernels` (named `ops.name`+`label`, e.g. '+w4a16'), products
     of at least `bf16_rows` rows (None: none) with x rounded to bf16 on AMX where it runs."""
     amx_rows = max(bf16_rows, AMX_MIN_ROWS) if bf16_rows is not None else None
-    name = f"{ops.name}+{label}" + (f"+amx>={amx_rows}" if amx_rows is not None and label == "w4a16" else "")
+    amx_here = amx_rows is not None and label == "w4a16" and "amx_bf16" in cpu_flags()
+    name = f"{ops.name}+{label}" + (f"+amx>={amx_rows}" if amx_here else "")
     return dataclasses.replace(ops, name=name, linear=_quantized_or(ops.linear, kernels, amx_rows))
 
 
