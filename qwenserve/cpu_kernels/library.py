@@ -212,6 +212,8 @@ class CpuKernels:
         elif out.shape != (m, n):
             raise ValueError(f"linear_quant_amx: out must have shape {(m, n)}")
         _check_cpu_fp32("linear_quant_amx", out)
+        if m == 0:
+            return out  # nothing to multiply (the C code's zero-row scratch would be an allocation of nothing)
         status = self.lib.linear_quant_amx(x.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(),
                                            weight.zeros.data_ptr(), out.data_ptr(), m, k, n, weight.group_size,
                                            torch.get_num_threads())

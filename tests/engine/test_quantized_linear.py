@@ -143,6 +143,9 @@ def test_amx_multiplies_bf16_rounded_rows_by_the_dequantized_weight(
             if amx and name == "x86-64-v4":
                 odd = QuantWeight.pack(*random_quantized(32, 96, 4, 48, gen), 4, 48)
                 assert kernels.linear_quant_amx(torch.randn(20, 96), odd) is None  # groups of 48: not tiles of 32
+                empty = kernels.linear_quant_amx(torch.empty(0, 64), QuantWeight.pack(
+                    *random_quantized(32, 64, 4, 32, gen), 4, 32))
+                assert empty is not None and empty.shape == (0, 32)
                 eight = QuantWeight.pack(*random_quantized(32, 64, 8, 32, gen), 8, 32)
                 assert kernels.linear_quant_amx(torch.randn(20, 64), eight) is None
     finally:
