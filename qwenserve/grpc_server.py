@@ -36,6 +36,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from qwenserve import supervision
 from qwenserve.flags import print_config
 from qwenserve.preflight import one_line
 from qwenserve.stage_auth import StageAuthInterceptor
@@ -225,6 +226,7 @@ async def serve(
             console("%s stopped during warm-up", name, stderr=True)
             return
         _settle_garbage_collector()
+        supervision.lower_priority()  # start-up ran at the launcher's priority (supervision.py says why)
         await stage.set_serving()
         log.info("%s is serving", name)
         if on_ready is not None:
