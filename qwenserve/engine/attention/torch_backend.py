@@ -116,7 +116,9 @@ class TorchAttentionBackend:
         if nd and meta.decode_context_lens is not None and (
                 q.dtype == torch.float32 or q.dtype == k_cache.dtype == torch.bfloat16):
             # fp32 queries, or a bf16 model's over its bf16 cache (widened and rounded back in the kernel's call).
-            rows = q[:nd] if q.dtype == torch.bfloat16 else q[:nd].contiguous()
+            rows = q[:nd]
+            if q.dtype == torch.float32 or rows.stride(-1) != 1 or rows.stride(-2) != head_dim:
+                rows = rows.contiguous()
             self.cpu_kernels.paged_decode_attention(rows, k_cache, v_cache, meta.decode_block_table,
                                                     meta.decode_context_lens, out[:nd], head_dim**-0.5)
         elif nd:
