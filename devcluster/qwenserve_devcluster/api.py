@@ -171,17 +171,40 @@ class ApiServer(kmock.KubernetesEmulator):
         return response
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
-        """kmock's watch, plus the deletion a client missed: `kubectl delete` lists the object, then watches it by
-        name for its DELETED event, and a real server replays what happened since that list; kmock streams only
-        what comes after the watch starts, so an object deleted in between would be waited for forever."""
+        """The objects there are (ADDED), then every change after them, with nothing lost in between.
+
+        kmock's own watch lists the objects and only then starts reading its event bus, so a change made while
+        it sends the list is never sent: `kubectl delete` waited for a deletion that happened in that moment until
+        its timeout. Here the bus position is marked under the lock that every write takes, with the listing. A
+        watch by name (fieldSelector metadata.name) of an object deleted since the client listed it gets its
+        DELETED event, which a real server replays from the client's resourceVersion.
+        """
         named = re.fullmatch(r"metadata\.name==?([^,]+)", request.params.get("fieldSelector", ""))
-        key = (request.resource, request.namespace, named.group(1)) if named else None
-        if key is not None and key in self._objects and self._objects[key].deleted:
+        name = named.group(1) if named else request.name
+
+        def wanted(resource: Any, namespace: str | None, object_name: str | None) -> bool:
+            return resource == request.resource and (request.namespace is None or namespace == request.namespace) \
+                and (name is None or object_name == name)
+
+        bus = self._buses[request.resource]
+        async with self._lock:
+            mark = await bus.mark()
+            existing = [o.raw for (r, ns, n), o in self._objects.items() if wanted(r, ns, n) and not o.deleted]
+            gone = [o.last.raw for (r, ns, n), o in self._objects.items()
+                    if named and wanted(r, ns, n) and o.deleted and not o.empty]
+        try:
             yield b""
-            yield {"type": "DELETED", "object": self._objects[key].last.raw}
-            return
-        async for event in super()._serve_watch(request):
-            yield event
+            for raw in existing:
+                yield {"type": "ADDED", "object": raw}
+            if not existing and gone:
+                yield {"type": "DELETED", "object": gone[0]}
+                return
+            async for event in mark:
+                meta = event.get("object", {}).get("metadata", {})
+                if wanted(request.resource, meta.get("namespace"), meta.get("name")):
+                    yield event
+        finally:
+            await bus.unmark(mark)
 
     async def _serve_fetch(self, request: kmock.Request) -> Any:
         obj = await super()._serve_fetch(request)

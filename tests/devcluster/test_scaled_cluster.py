@@ -16,6 +16,9 @@ with a tiny checkpoint written here standing for the example's model (`--model`)
   applies within seconds;
 - decode scaled to 3 (`kubectl apply -f`): the new pod gets traffic; scaled to 1 during streams (`kubectl patch`):
   the removed pods drain them;
+- a rollout of decode to a bf16 KV cache under load: every request gets one answer, the fp32 layout's tokens or
+  the bf16 one's, never a mix; the new pod refuses prefill's fp32 handoffs (counted as `protocol` failures) and
+  computes each prompt itself;
 - `kubectl delete` of the QwenDeployment: its Deployments go (owner references) and every pod stops;
 - no pod's log has an "unknown flag" line (the stages parse strictly; the operator passes only their flags).
 """
@@ -47,6 +50,7 @@ from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.support.devcluster import (
     METRICS_PORT,
     REPO,
+    STAGE_ARGS,
     DevCluster,
     connects,
     example_deployment,
@@ -133,6 +137,27 @@ def network_cluster(tiny_model: Path, reference: dict[Prompt, list[int]],
         cluster.stop()
 
 
+ROLLED = _prompts(12, SHORT, seed=4)  # sent while decode rolls to a bf16 KV cache, and after
+
+
+@pytest.fixture(scope="module")
+def rollout_references(tiny_model: Path) -> dict[str, dict[Prompt, list[int]]]:
+    """Greedy tokens of ROLLED from one in-process engine with an fp32 KV cache and one with a bf16 KV cache (on the
+    tiny checkpoint they may agree: the pods' metrics, not the tokens, tell which path a request took)."""
+    answers: dict[str, dict[Prompt, list[int]]] = {}
+    for kv_dtype in ("float32", "bfloat16"):
+        engine = LLMEngine.from_pretrained(tiny_model, EngineConfig(kv_cache_memory_gb=0.05, num_threads=1,
+                                                                       dtype="float32", kv_cache_dtype=kv_dtype))
+        try:
+            outputs = engine.generate_sync(
+                [list(p.ids) for p in ROLLED],
+                [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True) for p in ROLLED])
+        finally:
+            engine.shutdown()
+        answers[kv_dtype] = dict(zip(ROLLED, outputs, strict=True))
+    return answers
+
+
 # -- talking to it -------------------------------------------------------------------------------------------
 
 
@@ -172,6 +197,25 @@ async def _run(address: str, prompts: list[Prompt], while_running: Callable[[lis
                 assert not any(t.done() for t in tasks), "a stream ended before every stream had started"
                 await asyncio.sleep(0.05)
             await asyncio.to_thread(while_running, streams)
+        await asyncio.gather(*tasks)
+    return streams
+
+
+async def _keep_streaming(address: str, prompts: list[Prompt], until: Callable[[], bool], timeout: float,
+                          in_flight: int = 3) -> list[Stream]:
+    """Requests through the router, `in_flight` at a time, cycling over `prompts`, until `until()` (checked in a
+    thread) holds; every stream once all have ended."""
+    async with grpc.aio.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        streams: list[Stream] = []
+        tasks: list[asyncio.Task[Stream]] = []
+        deadline = time.monotonic() + timeout
+        while not await asyncio.to_thread(until):
+            assert time.monotonic() < deadline, f"not done after {timeout:.0f} s and {len(streams)} requests"
+            while sum(not t.done() for t in tasks) < in_flight:
+                streams.append(Stream(prompts[len(streams) % len(prompts)]))
+                tasks.append(asyncio.create_task(_generate(stub, streams[-1])))
+            await asyncio.sleep(0.5)
         await asyncio.gather(*tasks)
     return streams
 
@@ -445,10 +489,52 @@ async def _scale_down_under_load(cluster: DevCluster, pods: dict[str, str], stag
     return streams, removed, draining
 
 
+def test_a_decode_rollout_to_another_kv_layout_refuses_the_mismatched_handoffs_and_recomputes_them(
+        network_cluster: DevCluster, rollout_references: dict[str, dict[Prompt, list[int]]]) -> None:
+    cluster = network_cluster
+    old = set(cluster.ready_pods("decode", len(cluster.pods("decode")), timeout=60))
+    mark = len(cluster.lines)
+    # A bf16 KV cache: prefill's handoffs (fp32 KV) no longer fit decode's layout once the new pods serve.
+    cluster.api_write("PATCH", "/apis/qwenserve.io/v1alpha1/namespaces/default/qwendeployments/qwen-cpu",
+                      {"spec": {"stages": {"decode": {"args": [*STAGE_ARGS["decode"], "--kv-cache-dtype", "bfloat16"]}}}})
+    stopped: list[float] = []
+
+    def rolled() -> bool:
+        """Every old pod has left DNS (replaced by ready new ones) for long enough that the router (resolving
+        every second) sends nothing more to them; they drain what they have meanwhile."""
+        lines = "\n".join(cluster.lines[mark:])
+        if not stopped and all(f"pod {name}: stopping (replaced by a new template)" in lines for name in old):
+            stopped.append(time.monotonic())
+        return bool(stopped) and time.monotonic() - stopped[0] > 3
+
+    during = asyncio.run(_keep_streaming(cluster.grpc, ROLLED, until=rolled, timeout=180, in_flight=2))
+    new = {p["metadata"]["name"]: p["status"]["podIP"] for p in cluster.pods("decode")
+           if p["metadata"]["name"] not in old and pod_ready(p)}
+    assert len(new) == len(old), (old, new)
+    after = asyncio.run(_run(cluster.grpc, ROLLED[:6]))
+
+    fp32, bf16 = rollout_references["float32"], rollout_references["bfloat16"]
+    for s in during + after:  # one terminal answer each, never an error or a garbled mix of the two layouts
+        assert s.finish_reason == common_pb2.FINISH_REASON_LENGTH, (s.finish_reason, len(s.tokens))
+        assert s.tokens in (fp32[s.prompt], bf16[s.prompt]), f"prompt {s.prompt.ids[:4]}...: neither layout's tokens"
+    assert all(s.tokens == bf16[s.prompt] for s in after)  # the new pods computed every prompt themselves
+    assert len(during) >= 6, "the load did not overlap the rollout"
+    refused = sum(_metric(ip, "qwenserve_handoff_failures_total", reason="protocol") for ip in new.values())
+    assert refused >= len(after), f"the new pods counted {refused} refused handoffs"
+    assert sum(_metric(ip, "qwenserve_handoff_bytes_total", transport="grpc") for ip in new.values()) == 0
+
+
 @pytest.mark.skipif(not KUBECTL, reason="kubectl is not installed")
 def test_kubectl_delete_of_the_qwendeployment_stops_every_pod(network_cluster: DevCluster) -> None:
     cluster = network_cluster
-    assert 'qwendeployment.qwenserve.io "qwen-cpu" deleted' in cluster.kubectl("delete", "qwendeployment", "qwen-cpu")
+    # --wait=false: here kubectl's own wait for the operator's finalizer sometimes did not return within 60 s (not
+    # understood yet; test_kubectl.py checks that wait against the emulator alone). The object must go.
+    assert 'qwendeployment.qwenserve.io "qwen-cpu" deleted' in cluster.kubectl("delete", "qwendeployment", "qwen-cpu",
+                                                                                "--wait=false")
+    deadline = time.monotonic() + 60
+    while cluster.kubectl("get", "qwendeployments", "-o", "name").strip():
+        assert time.monotonic() < deadline, cluster.kubectl("get", "qwendeployment", "qwen-cpu", "-o", "yaml")
+        time.sleep(0.5)
     # Its Deployments go with it (owner references), so the pod runner stops their pods (preStop, SIGTERM).
     deadline = time.monotonic() + 90
     while cluster.kubectl("get", "pods", "-o", "name").strip():
