@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,21 +35,6 @@ ROWS = (1, 3, 17)
 # (16) or of a strip (4 panels): the last panel's padded columns are dropped.
 SHAPES = ((37, 129), (200, 48), (257, 33))
 GROUP_SIZES = (32, 64, 128, None)  # None: one group (compressed-tensors' channel strategy)
-
-
-@pytest.fixture(scope="module")
-def variant_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, CpuKernels]]:
-    """Every variant this CPU runs, built into a folder of their own and each opened explicitly, by name."""
-    folder = tmp_path_factory.mktemp("variants")
-    built = set(builder.build_variants(folder))
-    opened = {}
-    for variant in builder.supported_variants():
-        path = builder.variant_path(variant, folder)
-        assert path in built, f"{variant.name} did not build"
-        lib = loader._open(path, "test")
-        assert lib is not None, f"{variant.name} did not load"
-        opened[variant.name] = CpuKernels(lib, variant.name)
-    yield opened
 
 
 def random_quantized(n: int, k: int, bits: int, group_size: int | None,
