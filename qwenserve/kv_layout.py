@@ -11,7 +11,7 @@ cover both: the recurrent matrices (float32) first, then the convolution's kept 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -78,6 +78,12 @@ class KVLayout:
     linear_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # The config, tensor names and shapes without the weights' values (engine/weights.py): a model's bf16 and its
+    # AWQ/GPTQ checkpoints share it. "" where the sender predates it.
+    architecture_fingerprint: str = ""
+    # The receiving side's policy, never sent (protocol.py): KV made by other weights of this architecture is
+    # accepted (--kv-from-other-weights).
+    accepts_other_weights: bool = field(default=False, compare=False, metadata={"local": True})
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -164,13 +170,19 @@ class KVLayout:
     def check_accepts(self, other: KVLayout, what: str = "KV") -> None:
         """Raise KVLayoutMismatch naming every field where `other` (the KV offered) differs from this layout
         (the one that would use it); block sizes may differ."""
+        other_weights = self.accepts_other_weights and self.architecture_fingerprint != "" \
+            and other.architecture_fingerprint == self.architecture_fingerprint
         diffs = [
             f"{name}: got {getattr(other, name)!r}, need {getattr(self, name)!r}"
             for name in COMPATIBILITY_FIELDS
-            if getattr(self, name) != getattr(other, name)
+            if getattr(self, name) != getattr(other, name) and not (name == "model_fingerprint" and other_weights)
         ]
         if diffs:
+            same_architecture = other.architecture_fingerprint == self.architecture_fingerprint != ""
+            hint = (" (the same architecture with other weights: --kv-from-other-weights on this worker accepts it)"
+                    if same_architecture and not self.accepts_other_weights and len(diffs) == 1
+                    and diffs[0].startswith("model_fingerprint") else "")
             raise KVLayoutMismatch(
                 f"{what} does not fit here (prefill and decode must serve the same model with the same dtype and "
-                "KV layout): " + "; ".join(diffs)
+                "KV layout): " + "; ".join(diffs) + hint
             )

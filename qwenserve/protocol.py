@@ -122,9 +122,11 @@ def prompt_logprobs_to_proto(entries: Sequence[TokenLogprob] | None) -> list[com
 
 def kv_layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
     """The layout a handle carries on the wire."""
-    return common_pb2.KVLayout(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)})
+    return common_pb2.KVLayout(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)
+                                  if not f.metadata.get("local")})
 
 
 def kv_layout_from_proto(message: common_pb2.KVLayout) -> KVLayout:
     """The layout a handle carries; ValueError when it describes no usable layout."""
-    return KVLayout(**{f.name: getattr(message, f.name) for f in dataclasses.fields(KVLayout)})
+    return KVLayout(**{f.name: getattr(message, f.name) for f in dataclasses.fields(KVLayout)
+                       if not f.metadata.get("local")})

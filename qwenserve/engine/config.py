@@ -106,6 +106,13 @@ class EngineConfig:
              "for hybrid models, else the model's; bfloat16 for an fp32 model: K/V rounded to nearest "
              "even as they are stored, widened to fp32 where attention reads them; half the KV memory and bytes "
              "read per decode step; prefill and decode workers must agree, or handoffs are refused)")
+    # The field report's per-stage precision: prefill on the bf16 checkpoint (its prompt computed at full
+    # precision), decode on the same model's 4-bit one (a quarter of the weight bytes each decode step streams).
+    kv_from_other_weights: bool = option(
+        False, help="accept handed-off KV computed by other weights of this same architecture (the same config, "
+                    "tensor names and shapes: e.g. prefill workers serving the model's bf16 checkpoint in front of "
+                    "this worker serving its AWQ/GPTQ one); off, only KV made by these very weights is used and "
+                    "the rest is recomputed here")
     linear_attention_kernels: bool = option(
         True, help="hybrid models on CUDA: flash-linear-attention's and causal-conv1d's kernels where installed "
                    "and they pass their start-up check (off: PyTorch's forms)")

@@ -47,7 +47,7 @@ from qwenserve.engine.state_pool import StatePool, linear_state_layout
 from qwenserve.engine.state_snapshots import StateSnapshots
 from qwenserve.engine.step import EngineStep, StepObserver
 from qwenserve.engine.structured import GrammarLimitExceeded
-from qwenserve.engine.weights import load_checkpoint
+from qwenserve.engine.weights import architecture_fingerprint, load_checkpoint
 from qwenserve.kv_layout import KVLayout
 from qwenserve.models import ModelConfig, linear_attention_gpu, model_class
 from qwenserve.models.linear_state import LinearStateCache
@@ -106,6 +106,8 @@ class LLMEngine:
                                       kernels.cpu, config.grammar_limits())
         with torch.device(device):
             model = model_class(model_cfg)(model_cfg, dtype, self.max_model_len, kernels.ops)
+        architecture = architecture_fingerprint(model_cfg, {n: tuple(t.shape) for n, t in
+                                                            model.checkpoint_targets().items()})
         fingerprint = load_checkpoint(model, checkpoint, keep_codes=kernels.quantized is not None)
         model.eval()
         backend = kernels.attention
@@ -156,6 +158,8 @@ class LLMEngine:
             head_dim=model_cfg.head_dim,
             model_fingerprint=fingerprint,
             **linear_state_layout(model_cfg),
+            architecture_fingerprint=architecture,
+            accepts_other_weights=config.kv_from_other_weights,
         )
         self.intake = RequestIntake(model_cfg.vocab_size, self.max_model_len, self.grammar, self._layout)
         self.step = EngineStep(self.scheduler, self.runner, Sampler(config.seed, self.grammar), self._layout,

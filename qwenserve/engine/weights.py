@@ -165,6 +165,18 @@ def _log_quantized(model: QwenForCausalLM, files: list[Path], targets: dict[str,
                  on_disk)
 
 
+def architecture_fingerprint(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> str:
+    """Hash of the normalised config (less where its tensors sit in the file) and the model's tensor names and
+    shapes, without their values: a model's bf16 checkpoint and its AWQ/GPTQ/compressed-tensors ones share it (the
+    model's tensors are the dequantized linears, whatever the file stores)."""
+    h = hashlib.sha256(b"architecture\0")
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("raw", "weight_prefix")}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name in sorted(shapes):
+        h.update(f"{name}:{tuple(shapes[name])}".encode())
+    return h.hexdigest()[:32]
+
+
 def model_fingerprint(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], samples: dict[str, bytes]) -> str:
     """Hash of the normalised config, tensor names and shapes, and a sample of every tensor's values."""
     h = hashlib.sha256()

@@ -204,7 +204,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "model_fingerprint", "linear_layers", "linear_conv_dim", "linear_conv_width", "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "model_fingerprint", "linear_layers", "linear_conv_dim", "linear_conv_width", "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim", "architecture_fingerprint")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class KVLayout(_message.Message):
     LINEAR_VALUE_HEADS_FIELD_NUMBER: _ClassVar[int]
     LINEAR_KEY_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     LINEAR_VALUE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     block_size: int
     num_layers: int
@@ -229,7 +230,8 @@ class KVLayout(_message.Message):
     linear_value_heads: int
     linear_key_head_dim: int
     linear_value_head_dim: int
-    def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., linear_layers: _Optional[int] = ..., linear_conv_dim: _Optional[int] = ..., linear_conv_width: _Optional[int] = ..., linear_value_heads: _Optional[int] = ..., linear_key_head_dim: _Optional[int] = ..., linear_value_head_dim: _Optional[int] = ...) -> None: ...
+    architecture_fingerprint: str
+    def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., linear_layers: _Optional[int] = ..., linear_conv_dim: _Optional[int] = ..., linear_conv_width: _Optional[int] = ..., linear_value_heads: _Optional[int] = ..., linear_key_head_dim: _Optional[int] = ..., linear_value_head_dim: _Optional[int] = ..., architecture_fingerprint: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("handoff_id", "transport", "layout", "num_tokens", "location", "offset", "length", "checksum", "lease_expires_unix_ms", "attributes", "control_endpoint")
