@@ -10,4 +10,11 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/python scripts/gen_proto.py --check
+# The test processes' own PyTorch work (transformers references, the tensors tests compare) on one thread each:
+# three workers' two-thread OpenMP regions on two cores wait on each other's scheduling. Engines set their threads
+# themselves (--threads, EngineConfig.num_threads; default: every core), so this changes none of theirs.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Every test process's OpenMP threads (clusters' engines included) sleep at once when they wait, rather than spin
+# for a core that the suite's other processes need: speed is measured in bench/, never here.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -n "${QWENSERVE_TEST_WORKERS:-3}" --dist loadgroup "$@"

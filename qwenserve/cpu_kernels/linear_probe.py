@@ -6,19 +6,30 @@ bf16 panels halve the bytes a decode step streams and win wherever decode is mem
 hundreds of rows oneDNN's bf16 product (AMX tiles, AVX512_BF16 dot products) can run several times our fp32
 panels on one CPU and far slower on another (AVX2 only). So it is measured, once per process, on a matrix the
 model's shape: our fp32 and bf16 panels at one row, and our bf16 panels against PyTorch's bf16 `F.linear` at
-`ROWS` rows. A few hundred milliseconds at start.
+`ROWS` rows. About a second of both cores, so a result is kept on disk (cache.py's folder, `linear-probe/`) under
+a key naming the CPU, its flags, the kernels' sources, PyTorch's version, the shape and the thread count: a second
+start on the same machine reads it (every stage of `qwen-serve up`, every restart), and prefill and decode workers of
+one host choose alike. Remove the folder to measure again.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import logging
+import os
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from qwenserve.cache import cache_root
+from qwenserve.cpu_kernels.builder import cpu_flags, source_digest
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.packed_weight import PANEL, PackedWeight
 
@@ -32,6 +43,10 @@ REPEATS = 5
 MIN_LOOP_S = 0.004
 # Whole probes, at most, this far apart: the best time of each product over them counts.
 TRIES, SETTLE_S = 3, 0.2
+# Part of the cache key: a change to what is measured or how makes earlier results stale.
+PROBE_VERSION = 1
+
+log = logging.getLogger("qwenserve.cpu_kernels")
 
 
 @dataclass(frozen=True)
@@ -45,7 +60,7 @@ class LinearProbe:
     bf16_ms: float
     panels_ms: dict[int, float]
     onednn_ms: dict[int, float]
-    seconds: float  # what the probe took
+    seconds: float  # what the probe took (0: read from the cache)
 
     def bf16_speedup(self) -> float:
         """fp32 panels' time over bf16 panels' at one row: above 1, bf16 weights decode faster."""
@@ -65,7 +80,7 @@ class LinearProbe:
         """One line for the start-up log."""
         rows = ", ".join(f"{r} rows {self.panels_ms[r]:.2f}/{self.onednn_ms[r]:.2f}" for r in sorted(self.panels_ms))
         return (f"{self.n}x{self.k} at 1 row: fp32 panels {self.fp32_ms:.3f} ms, bf16 panels {self.bf16_ms:.3f} ms; "
-                f"bf16 panels/oneDNN bf16 ms: {rows} ({self.seconds:.2f} s)")
+                f"bf16 panels/oneDNN bf16 ms: {rows} " + (f"({self.seconds:.2f} s)" if self.seconds else "(measured before)"))
 
 
 def _best_ms(*runs: Callable[[], object]) -> list[float]:
@@ -97,10 +112,57 @@ def probe_shape(hidden_size: int, intermediate_size: int) -> tuple[int, int]:
 
 @functools.cache
 def measure(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProbe:
-    """The products' times on an n x k matrix with `threads` threads, measured once per process and shape: the
-    best of up to TRIES probes SETTLE_S apart, stopping once another probe improves no time by more than a tenth.
-    One probe alone was not enough: under `qwen-serve up` a stage probing while its sibling loads its weights saw
-    every product 8x slower and chose fp32."""
+    """The products' times on an n x k matrix with `threads` threads: read from the disk cache where this machine
+    measured them before, else measured (`measure_now`) and written there."""
+    path = cache_path(kernels, n, k, threads)
+    try:
+        fields = json.loads(path.read_text())
+        cached = LinearProbe(n, k, float(fields["fp32_ms"]), float(fields["bf16_ms"]),
+                             {r: float(fields["panels_ms"][str(r)]) for r in ROWS},
+                             {r: float(fields["onednn_ms"][str(r)]) for r in ROWS}, 0.0)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a torn or foreign file is measured again
+        log.warning("linear probe cache %s unreadable (%s): measuring again", path, e)
+    else:
+        log.info("linear products: this machine's measurement from %s", path)
+        return cached
+    measured = measure_now(kernels, n, k, threads)
+    fields = {"fp32_ms": measured.fp32_ms, "bf16_ms": measured.bf16_ms,
+              "panels_ms": {str(r): t for r, t in measured.panels_ms.items()},
+              "onednn_ms": {str(r): t for r, t in measured.onednn_ms.items()}, "seconds": measured.seconds,
+              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:  # written whole or not at all: two stages starting together may both write
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(fields, indent=1))
+        os.replace(temporary, path)
+    except OSError as e:
+        log.warning("linear probe cache %s not written (%s)", path, e)
+    return measured
+
+
+def cache_path(kernels: CpuKernels, n: int, k: int, threads: int) -> Path:
+    """Where a probe of this shape and thread count on this CPU, kernels and PyTorch is kept."""
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+                 platform.processor())
+    key = json.dumps([PROBE_VERSION, model, sorted(cpu_flags()), kernels.variant, source_digest(), torch.__version__,
+                      n, k, threads])
+    return cache_root() / "linear-probe" / f"{n}x{k}-t{threads}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.readlines()
+    except OSError:
+        return []
+
+
+def measure_now(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProbe:
+    """The products' times measured now: the best of up to TRIES probes SETTLE_S apart, stopping once another
+    probe improves no time by more than a tenth. One probe alone was not enough: under `qwen-serve up` a stage
+    probing while its sibling loads its weights saw every product 8x slower and chose fp32."""
     best = _probe_once(kernels, n, k, threads)
     for _ in range(TRIES - 1):
         time.sleep(SETTLE_S)

@@ -12,10 +12,12 @@
   time; after `reset_idle_s` with an empty queue the window starts afresh, so the scores of a finished
   burst do not set the watermark of the next.
 
-Every policy keeps two rules: a request preempted earlier or waiting longer than max_queue_delay_s goes
-first (nothing starves), and within those rules requests are ordered by their priority (lower first, as
-vLLM's), which improves by one level every `priority_aging_s` of waiting, so a low tier is served late
-but never starves behind a stream of high-tier work.
+Every policy keeps two rules: requests are ordered by their priority (lower first, as vLLM's), which improves
+by one level every `priority_aging_s` of waiting, so a low tier is served late but never starves behind a stream
+of high-tier work; and within a priority level a request preempted earlier or waiting longer than
+max_queue_delay_s goes first, so the policy's own reordering starves nothing. Urgency does not jump a tier: when a
+slow engine let a flood of free-tier requests wait past max_queue_delay_s, the paid requests behind them were
+served last (aging is what lifts a low tier).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class BurstSteps:
 
 
 class AdmissionPolicy:
-    """Arrival order, with the two rules every policy keeps (urgent first, then by aged priority)."""
+    """Arrival order, with the two rules every policy keeps (by aged priority; urgent first within a level)."""
 
     name = "fcfs"
     #: The scheduler admits whole short prompts before running prefill chunks.
@@ -110,7 +112,13 @@ class AdmissionPolicy:
     def order(self, waiting: deque[Sequence], now: float, prefilling: bool) -> list[Sequence]:
         """The waiting requests in the order to try them; `prefilling`: a running prompt is still being computed."""
         urgent, rest = self._split_urgent(waiting, now)
-        return urgent + sorted(rest, key=lambda s: (self._tier(s, now), s.arrival_time))
+        return self._tiered(urgent, sorted(rest, key=lambda s: s.arrival_time), now)
+
+    def _tiered(self, urgent: list[Sequence], rest: list[Sequence], now: float) -> list[Sequence]:
+        """By aged priority level; within a level the urgent requests (in arrival order), then `rest` in the order
+        the policy gave them (the sort is stable)."""
+        marked = {id(s) for s in urgent}
+        return sorted(urgent + rest, key=lambda s: (self._tier(s, now), id(s) not in marked))
 
     def _split_urgent(self, waiting: deque[Sequence], now: float) -> tuple[list[Sequence], list[Sequence]]:
         deadline = now - self.max_queue_delay_s
@@ -139,7 +147,7 @@ class ShortFirst(AdmissionPolicy):
 
     def order(self, waiting: deque[Sequence], now: float, prefilling: bool) -> list[Sequence]:
         urgent, rest = self._split_urgent(waiting, now)
-        return urgent + sorted(rest, key=lambda s: (self._tier(s, now), s.num_uncomputed_tokens))
+        return self._tiered(urgent, sorted(rest, key=lambda s: s.num_uncomputed_tokens), now)
 
 
 class SlidingWatermark(AdmissionPolicy):
@@ -175,10 +183,10 @@ class SlidingWatermark(AdmissionPolicy):
         urgent, rest = self._split_urgent(waiting, now)
         below = [s for s in rest if not self.held(s, now)]
         above = [s for s in rest if self.held(s, now)]
-        key = lambda s: (self._tier(s, now), s.arrival_time)  # noqa: E731
+        key = lambda s: s.arrival_time  # noqa: E731
         if below or prefilling:
-            return urgent + sorted(below, key=key)  # the expensive ones wait for a quieter step
-        return urgent + sorted(above, key=key)
+            return self._tiered(urgent, sorted(below, key=key), now)  # the expensive ones wait for a quieter step
+        return self._tiered(urgent, sorted(above, key=key), now)
 
 
 def percentile(values: list[float], q: float) -> float:

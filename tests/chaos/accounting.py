@@ -74,12 +74,18 @@ def waited_for_the_stage(records: list[Record], continued_at: float, notice_s: f
 
 
 async def under_load(deployment: Deployment, fault: Callable[[], Awaitable[None]], *, seed: int,
-                     clients: int = 4, **load_options: float) -> Load:
-    """Run `clients` clients, inject `fault` after WARM_S, keep the load AFTER_S longer, return the load."""
+                     clients: int = 4, until: Callable[[Load], bool] | None = None, until_s: float = 60.0,
+                     **load_options: float) -> Load:
+    """Run `clients` clients, inject `fault` after WARM_S, keep the load AFTER_S longer, return the load. With
+    `until`, the fault's part lasts until `until(load)` holds too (at most `until_s` more seconds): a loaded machine
+    gets through fewer requests in the fault's time."""
     async with Load(deployment, clients, random.Random(seed), **load_options) as load:
         await asyncio.sleep(WARM_S)
         load.fault_started = time.monotonic()
         await fault()
+        deadline = time.monotonic() + until_s
+        while until is not None and not until(load) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
         load.fault_ended = time.monotonic()
         await asyncio.sleep(AFTER_S)
     return load

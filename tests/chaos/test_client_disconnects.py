@@ -9,6 +9,7 @@ import asyncio
 
 from tests.chaos.accounting import BOUND_S, SETTLE_S, report, unaccounted, under_load
 from tests.chaos.deployment import ChaosDeployment, wait_for_baseline, wait_until_quiet, wait_until_serving
+from tests.chaos.load import Load, Record
 from tests.support.answers import DISCONNECTED
 
 LOAD_S = 15.0
@@ -26,12 +27,19 @@ def test_clients_leaving_at_random_moments_and_stop_strings_cost_nothing(serving
     async def keep_going() -> None:
         await asyncio.sleep(LOAD_S)
 
-    load = asyncio.run(under_load(serving, keep_going, seed=3, clients=4, disconnect_share=0.5,
+    def left_and_stopped(load: Load) -> tuple[list[Record], list[Record]]:
+        return ([r for r in load.records if r.answer.status == DISCONNECTED],
+                [r for r in load.records if r.with_stops and r.answer.finishes == ["stop"]])
+
+    def enough(load: Load) -> bool:
+        left, stopped = left_and_stopped(load)
+        return len(left) >= 20 and len(stopped) >= 5
+
+    load = asyncio.run(under_load(serving, keep_going, seed=3, clients=4, until=enough, disconnect_share=0.5,
                                   stop_share=0.3))
     summary = report("disconnects and stop strings", load)
     print(summary)
-    left = [r for r in load.records if r.answer.status == DISCONNECTED]
-    stopped = [r for r in load.records if r.with_stops and r.answer.finishes == ["stop"]]
+    left, stopped = left_and_stopped(load)
     assert len(left) >= 20 and len(stopped) >= 5, f"the run did not do what it is for: {summary}"
 
     broken = unaccounted(load.records, BOUND_S["decode"], must_succeed=True)

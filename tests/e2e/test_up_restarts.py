@@ -205,7 +205,7 @@ async def test_a_killed_stage_is_restarted_on_its_port_and_serves_while_every_re
             killed = up.stage_pid(stage)
             os.kill(killed, signal.SIGKILL)
             await asyncio.to_thread(up.wait_log, f"{name} was killed by SIGKILL", 10.0)
-            await asyncio.to_thread(up.wait_log, f"restarted {name} on ", 10.0)
+            await asyncio.to_thread(up.wait_log, f"restarted {name} on ", 30.0)  # 0.5 s backoff; loaded: seconds
             await asyncio.to_thread(up.wait_log, f"{name} is serving again (restart 1", BACK_WITHIN_S)
             assert up.stage_pid(stage) != killed
             after = await _serves_again(up)

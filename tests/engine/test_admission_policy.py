@@ -95,3 +95,20 @@ def test_a_high_tier_is_admitted_first_in_an_overload_and_a_low_tier_ages_into_i
     old.arrival_time = time.monotonic() - 10.5
     admitted = _admitted(sched)
     assert "low0" in admitted and {"high4", "high5"} <= set(admitted) and len(admitted) == 4
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "short_first", "watermark"])
+def test_waiting_past_the_queue_delay_does_not_jump_a_tier_but_goes_first_within_one(policy: str) -> None:
+    # A slow engine: the free tier's flood has waited past max_queue_delay_s (2 s), well inside its aging (30 s),
+    # when the paid requests come. Urgency is the policy's own anti-starvation: it must not put them behind it.
+    sched = _scheduler(policy, budget=64, max_seqs=4, priority_aging_s=30.0, max_queue_delay_s=2.0)
+    for i in range(4):
+        sched.add(_seq(f"free{i}", 8, priority=2, waited_s=3.0))
+    for i in range(2):
+        sched.add(_seq(f"paid{i}", 8, priority=0))
+    assert _admitted(sched)[:2] == ["paid0", "paid1"]
+    # Within a tier the urgent one goes first, even where the policy would put a shorter prompt before it.
+    same = _scheduler(policy, budget=64, max_seqs=1, priority_aging_s=30.0, max_queue_delay_s=2.0)
+    same.add(_seq("fresh-short", 4, priority=0))
+    same.add(_seq("waited-long", 24, priority=0, waited_s=3.0))
+    assert _admitted(same) == ["waited-long"]

@@ -17,7 +17,7 @@ from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.request_limits import ContextLengthExceeded, EmptyPrompt, TokenOutsideVocabulary
 from tests.support.engine_checkpoints import SPECS, random_prompts, write_checkpoint
 
-TINY = EngineConfig(num_kv_blocks=32, block_size=8, num_threads=2)
+TINY = EngineConfig(num_kv_blocks=32, block_size=8, num_threads=2, dtype="float32")  # compared with fp32 transformers
 
 
 def edited_copy(src, dst, edit) -> None:

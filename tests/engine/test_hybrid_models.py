@@ -209,7 +209,8 @@ def test_multimodal_checkpoint_serves_its_text_model_and_skips_vision_and_mtp(ch
     save_file(tensors, tmp_path / "model.safetensors")
     assert ModelConfig.from_folder(tmp_path).weight_prefix == "model.language_model."
     with caplog.at_level("INFO", logger="qwenserve.engine"):
-        engine = LLMEngine.from_pretrained(tmp_path, EngineConfig(num_kv_blocks=64, block_size=8, num_threads=2))
+        engine = LLMEngine.from_pretrained(tmp_path, EngineConfig(num_kv_blocks=64, block_size=8, num_threads=2,
+                                                                  dtype="float32"))
     try:
         assert "skipped 1 checkpoint tensors under model.visual." in caplog.text
         assert "skipped 1 checkpoint tensors under mtp." in caplog.text

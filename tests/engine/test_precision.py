@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from qwenserve.cpu_kernels import loader
 from qwenserve.cpu_kernels.library import CpuKernels
-from qwenserve.cpu_kernels.linear_probe import ROWS, LinearProbe, measure, probe_shape
+from qwenserve.cpu_kernels.linear_probe import ROWS, LinearProbe, measure_now, probe_shape
 from qwenserve.cpu_kernels.packed_weight import PackedWeight
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.kernels import select_kernels
@@ -121,7 +121,7 @@ def test_the_probe_measures_the_models_shape_capped(kernels: CpuKernels) -> None
     assert probe_shape(1024, 3072) == (6144, 1024)
     assert probe_shape(5120, 25600) == (6144, 2048)
     assert probe_shape(40, 24) == (80, 40)
-    result = measure(kernels, 64, 48, 1)
+    result = measure_now(kernels, 64, 48, 1)  # measured, whatever the cache holds
     assert set(result.panels_ms) == set(result.onednn_ms) == set(ROWS)
     assert min(result.fp32_ms, result.bf16_ms, *result.panels_ms.values(), *result.onednn_ms.values()) > 0
     assert "64x48" in result.summary()
@@ -179,3 +179,27 @@ def test_bf16_activations_run_the_panels_widened_and_keep_the_logits_fp32(kernel
     # A tied head's rows are the embeddings, in the model's dtype.
     ids = torch.tensor([0, 17, 47])
     assert torch.equal(ops.embedding(packed, ids), weight[ids])
+
+
+def test_a_probe_is_measured_once_per_machine_and_shape_and_read_back_from_disk(
+        kernels: CpuKernels, tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from qwenserve.cpu_kernels import linear_probe
+    monkeypatch.setenv("QWENSERVE_CACHE", str(tmp_path))
+    taken = StandIn(probe_result(1.7, 64))
+    monkeypatch.setattr(linear_probe, "measure_now", taken)
+    first = linear_probe.measure.__wrapped__(kernels, 64, 32, 2)
+    again = linear_probe.measure.__wrapped__(kernels, 64, 32, 2)  # another process on this machine
+    assert taken.calls == [(64, 32, 2)]
+    assert (again.fp32_ms, again.bf16_ms, again.panels_ms, again.onednn_ms) == \
+        (first.fp32_ms, first.bf16_ms, first.panels_ms, first.onednn_ms)
+    assert again.seconds == 0 and "measured before" in again.summary()
+    # Another thread count or shape is another measurement; a torn file is measured again and rewritten.
+    linear_probe.measure.__wrapped__(kernels, 64, 32, 1)
+    linear_probe.measure.__wrapped__(kernels, 128, 32, 2)
+    assert taken.calls[1:] == [(64, 32, 1), (128, 32, 2)]
+    path = linear_probe.cache_path(kernels, 64, 32, 2)
+    path.write_text('{"fp32_ms": 1.0')
+    with caplog.at_level("WARNING", "qwenserve.cpu_kernels"):
+        linear_probe.measure.__wrapped__(kernels, 64, 32, 2)
+    assert len(taken.calls) == 4 and "unreadable" in caplog.text
+    assert linear_probe.measure.__wrapped__(kernels, 64, 32, 2).seconds == 0

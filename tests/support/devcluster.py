@@ -145,6 +145,11 @@ class DevCluster:
                 raise AssertionError(f"{stage} did not reach {count} ready pods: {pods}")
             time.sleep(1)
 
+    def replicas(self, stage: str) -> int:
+        """The replicas the QwenDeployment asks of `stage` now (pods still draining are not counted in it)."""
+        deployment = self.api("/apis/qwenserve.io/v1alpha1/namespaces/default/qwendeployments/qwen-cpu")
+        return int(deployment["spec"]["stages"][stage]["replicas"])
+
     def scale(self, stage: str, replicas: int) -> None:
         done = subprocess.run([sys.executable, "-m", "qwenserve.cli", "dev-cluster", "--state-dir",
                                str(self.state_dir), "scale", stage, str(replicas)],
