@@ -84,6 +84,13 @@ SLOW_TESTS = (
     "engine/test_grammar_limits.py", "engine/test_hybrid_models.py", "engine/test_linear_attention_gpu.py",
     "tokenizer/test_builtin_vocab.py",
 )
+# Tests that need the machine to themselves: many processes of real size, or latencies under injected faults.
+# `make test` runs them after the rest, one at a time (scripts/test.sh): beside three other workers on two cores
+# they took 2-5x their time alone (the realistic-size fp32 test 241-625 s against 49 s) and failed on timing.
+EXCLUSIVE_TESTS = (
+    "chaos/", "devcluster/test_dev_cluster.py", "devcluster/test_scale_to_zero.py",
+    "devcluster/test_scaled_cluster.py", "e2e/test_realistic_sizes.py",
+)
 # With pytest-xdist (scripts/test.sh: `-n 3 --dist loadgroup`) a module's tests stay on one worker, so a
 # module-scoped cluster starts once. These share a worker wider than a module: one dev cluster runs on a
 # machine at a time (its lock and network namespaces); a package- or session-scoped cluster, and a session's
@@ -115,12 +122,14 @@ def worker_group(path: str) -> str:
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """Marks `cluster` and `slow` tests by where they live."""
+    """Marks `cluster`, `slow` and `exclusive` tests by where they live."""
     path = item.path.relative_to(Path(__file__).parent).as_posix()
     if _matches(path, CLUSTER_TESTS):
         item.add_marker(pytest.mark.cluster)
     if _matches(path, SLOW_TESTS):
         item.add_marker(pytest.mark.slow)
+    if _matches(path, EXCLUSIVE_TESTS):
+        item.add_marker(pytest.mark.exclusive)
 
 
 def _start_rank(item: pytest.Item) -> tuple[int, int]:
