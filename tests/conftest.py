@@ -88,7 +88,7 @@ SLOW_TESTS = (
 # `make test` runs them after the rest, one at a time (scripts/test.sh): beside three other workers on two cores
 # they took 2-5x their time alone (the realistic-size fp32 test 241-625 s against 49 s) and failed on timing.
 EXCLUSIVE_TESTS = (
-    "chaos/", "devcluster/test_dev_cluster.py", "devcluster/test_scale_to_zero.py",
+    "chaos/", "devcluster/test_dev_cluster.py", "devcluster/test_autoscaling.py",
     "devcluster/test_scaled_cluster.py", "e2e/test_realistic_sizes.py",
 )
 # With pytest-xdist (scripts/test.sh: `-n 3 --dist loadgroup`) a module's tests stay on one worker, so a

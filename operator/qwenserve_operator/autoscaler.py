@@ -1,7 +1,8 @@
 """Per-stage autoscaling decisions: pure functions from metrics to replica counts.
 
 Signals (Prometheus text from each pod's `:9090/metrics`):
-- prefill pods: `qwenserve_engine_waiting_requests` (queued prompts);
+- prefill pods: `qwenserve_engine_waiting_requests` (queued prompts), and (every engine pod)
+  `qwenserve_engine_step_seconds`'s sum: the time its engine spent stepping, so between two scrapes how busy it was;
 - decode pods: `qwenserve_engine_waiting_requests`, `qwenserve_engine_running_requests`,
   `qwenserve_kv_blocks_usage_ratio`;
 - router pods: `qwenserve_router_held_requests{worker_stage}` (requests waiting for a stage that has no
@@ -16,6 +17,10 @@ The policy, like the Horizontal Pod Autoscaler's, but with the latency SLO as a 
   SLO; while latency is within 80 % of the target the stage never shrinks;
 - scaling up is immediate (at most `maxScaleUpStep` at once); scaling down goes only to the highest
   recommendation seen during `scaleDownStabilizationSeconds`, against flapping;
+- a latency miss is charged to the stage that is loaded (`charge_latency`): TTFT that misses while prefill has
+  nothing queued and decode is the busier stage does not grow prefill, and ITL that misses while decode has nothing
+  queued and prefill is the busier stage does not grow decode (on shared cores, or a shared accelerator, one stage's
+  load slows the other's latency, and another replica of the idle stage would not help); such a stage holds instead;
 - min/max bounds always hold; then the prefill:decode ratio is kept by raising the smaller side.
 
 Scale to zero: with `minReplicas: 0` a stage with nothing running, waiting or held recommends 0 replicas, so
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,6 +42,7 @@ KV_USAGE = "qwenserve_kv_blocks_usage_ratio"
 HELD = "qwenserve_router_held_requests"
 TTFT = "qwenserve_router_ttft_seconds"
 ITL = "qwenserve_router_inter_token_latency_seconds"
+STEP = "qwenserve_engine_step_seconds"
 HISTOGRAMS = (TTFT, ITL)
 # Latency below this share of the target is "comfortably within the SLO": only then may a stage shrink.
 HEADROOM = 0.8
@@ -51,6 +57,8 @@ class PodMetrics:
     gauges: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, Buckets] = field(default_factory=dict)
     held: dict[str, float] = field(default_factory=dict)  # a router's held requests by the stage they wait for
+    busy_seconds: float | None = None  # seconds the pod's engine has spent stepping since it started
+    pod: str = ""  # the pod's name, where the scraper knows it
 
 
 def parse_metrics(text: str) -> PodMetrics:
@@ -58,6 +66,7 @@ def parse_metrics(text: str) -> PodMetrics:
     gauges: dict[str, float] = {}
     histograms: dict[str, Buckets] = {}
     held: dict[str, float] = {}
+    busy: float | None = None
     for family in text_string_to_metric_families(text):
         if family.name == HELD:
             for sample in family.samples:
@@ -75,7 +84,9 @@ def parse_metrics(text: str) -> PodMetrics:
                     bound = float(sample.labels["le"])
                     buckets[bound] = buckets.get(bound, 0.0) + sample.value
             histograms[family.name] = buckets
-    return PodMetrics(gauges=gauges, histograms=histograms, held=held)
+        elif family.name == STEP:
+            busy = sum(s.value for s in family.samples if s.name == f"{STEP}_sum")
+    return PodMetrics(gauges=gauges, histograms=histograms, held=held, busy_seconds=busy)
 
 
 def held_requests(routers: Iterable[PodMetrics], stage: str) -> float:
@@ -124,6 +135,21 @@ def histogram_quantile(q: float, buckets: Buckets) -> float | None:
     return bounds[-1]
 
 
+def busy_share(pods: Iterable[PodMetrics], before: dict[str, float], seconds: float) -> float:
+    """The share of the last `seconds` that a stage's engines spent stepping (0..1), averaged over its pods.
+
+    `before` is each pod's busy seconds at the previous scrape; a pod not seen then, or restarted since, is left
+    out."""
+    shares = []
+    for pod in pods:
+        if pod.busy_seconds is None or pod.pod not in before or seconds <= 0:
+            continue
+        spent = pod.busy_seconds - before[pod.pod]
+        if spent >= 0:
+            shares.append(min(1.0, spent / seconds))
+    return sum(shares) / len(shares) if shares else 0.0
+
+
 @dataclass(frozen=True)
 class StageSignals:
     """Load of one stage, summed over its scraped pods, plus its latency over the last interval."""
@@ -134,9 +160,13 @@ class StageSignals:
     kv_usage: float = 0.0  # the busiest pod's ratio
     latency: float | None = None
     held: float = 0.0  # requests routers hold because the stage has no worker
+    busy: float = 0.0  # the share of the last interval its engines spent stepping (mean over pods)
+    # Set when the latency misses its target but the miss is charged to the other stage (charge_latency): hold.
+    latency_charged_to: str | None = None
 
 
-def stage_signals(pods: Sequence[PodMetrics], latency: float | None, held: float = 0.0) -> StageSignals:
+def stage_signals(pods: Sequence[PodMetrics], latency: float | None, held: float = 0.0,
+                  busy: float = 0.0) -> StageSignals:
     """Sum one stage's pods into its signals."""
     return StageSignals(
         pods=len(pods),
@@ -145,6 +175,7 @@ def stage_signals(pods: Sequence[PodMetrics], latency: float | None, held: float
         kv_usage=max((p.gauges.get(KV_USAGE, 0.0) for p in pods), default=0.0),
         latency=latency,
         held=held,
+        busy=busy,
     )
 
 
@@ -178,6 +209,40 @@ class Policy:
         )
 
 
+def load_share(signals: StageSignals, policy: Policy) -> float:
+    """How loaded a stage is against its own targets (1.0 = at target, or stepping all the time): its busiest load
+    signal per replica."""
+    pods = max(signals.pods, 1)
+    shares = [(signals.waiting + signals.held) / (policy.target_queue_depth * pods), signals.busy]
+    if policy.target_running:
+        shares.append(signals.running / (policy.target_running * pods))
+    if policy.target_kv_usage:
+        shares.append(signals.kv_usage / policy.target_kv_usage)
+    return max(shares)
+
+
+def charge_latency(prefill: StageSignals, decode: StageSignals, prefill_policy: Policy,
+                   decode_policy: Policy) -> tuple[StageSignals, StageSignals]:
+    """Charge each latency miss to the stage whose load explains it: the prefill:decode balance.
+
+    TTFT judges prefill and ITL judges decode, but neither latency is the work of its stage alone: stages that share
+    cores (or an accelerator) slow each other, and a short prompt's TTFT includes decode's admission. A miss stays
+    with its own stage unless that stage has nothing waiting and is less loaded than the other; then the stage
+    holds (neither grows nor shrinks) and the other stage's own signals decide whether it grows. So prefill grows
+    first when TTFT misses while decode is idle, and decode when ITL misses while prefill is idle.
+    """
+    shares = {"prefill": load_share(prefill, prefill_policy), "decode": load_share(decode, decode_policy)}
+    charged = {}
+    for stage, signals, policy, other in (("prefill", prefill, prefill_policy, "decode"),
+                                          ("decode", decode, decode_policy, "prefill")):
+        missed = signals.latency is not None and signals.latency > policy.latency_target
+        queued = signals.waiting > 0 or signals.held > 0
+        if missed and not queued and shares[stage] < shares[other]:
+            signals = replace(signals, latency_charged_to=other)
+        charged[stage] = signals
+    return charged["prefill"], charged["decode"]
+
+
 @dataclass(frozen=True)
 class Recommendation:
     """Replicas a stage wants right now and why, before stabilisation and bounds."""
@@ -204,7 +269,10 @@ def recommend(current: int, signals: StageSignals, policy: Policy) -> Recommenda
     if signals.latency is not None:
         ratio = signals.latency / policy.latency_target
         text = f"latency {signals.latency:.3g}s vs target {policy.latency_target:g}s"
-        if ratio > 1.0:
+        if ratio > 1.0 and signals.latency_charged_to:
+            candidates.append(Recommendation(
+                current, f"{text}, charged to {signals.latency_charged_to}: this stage is idle (hold)"))
+        elif ratio > 1.0:
             # Grow in proportion to the breach, and by at least one replica.
             candidates.append(Recommendation(max(current + 1, math.ceil(current * min(ratio, 2.0))),
                                              f"{text} (breach)"))

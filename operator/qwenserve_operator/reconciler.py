@@ -8,6 +8,7 @@ store a status computed from the children (status.py). Passes for one object nev
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import secrets
@@ -41,6 +42,8 @@ class _Memory:
     replicas: dict[str, int] = field(default_factory=dict)  # the autoscaler's last decision
     windows: dict[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
     histograms: dict[str, autoscaler.Buckets] = field(default_factory=dict)  # router, last scrape
+    # Per engine stage: when it was last scraped, and each pod's seconds spent stepping then.
+    busy: dict[str, tuple[float, dict[str, float]]] = field(default_factory=dict)
     last_problem: str = ""
     refresh_queued: bool = False
 
@@ -186,8 +189,9 @@ class Reconciler:
         if not enabled:
             return current, {}
         meta = body["metadata"]
+        # Both engine stages are scraped even when one scales alone: a latency miss is charged by their balance.
         scraped = {stage: await self._scrape_stage(meta["namespace"], meta["name"], stage)
-                   for stage in (*enabled, "router")}
+                   for stage in (*AUTOSCALED_STAGES, "router")}
         quantile = spec["slo"]["quantile"]
         latency = {}
         for stage, metric in (("prefill", autoscaler.TTFT), ("decode", autoscaler.ITL)):
@@ -198,13 +202,21 @@ class Reconciler:
         replicas = {s: manifests.spec_replicas(spec, s, current) for s in AUTOSCALED_STAGES}
         reasons: dict[str, str] = {}
         now = time.monotonic()
+        policies = {s: autoscaler.Policy.from_spec(spec, s) for s in AUTOSCALED_STAGES}
+        signals = {}
+        for stage in AUTOSCALED_STAGES:
+            then, before = memory.busy.get(stage, (now, {}))
+            busy = autoscaler.busy_share(scraped[stage], before, now - then)
+            memory.busy[stage] = (now, {p.pod: p.busy_seconds for p in scraped[stage] if p.busy_seconds is not None})
+            # At zero replicas the routers' held requests are the stage's whole load (scale from zero).
+            signals[stage] = autoscaler.stage_signals(scraped[stage], latency[stage],
+                                                      autoscaler.held_requests(scraped["router"], stage), busy)
+        signals["prefill"], signals["decode"] = autoscaler.charge_latency(
+            signals["prefill"], signals["decode"], policies["prefill"], policies["decode"])
         for stage in enabled:
-            held = autoscaler.held_requests(scraped["router"], stage)
             if not scraped[stage] and replicas[stage] > 0:
                 continue  # no pod answered: no data is not a reason to scale
-            # At zero replicas the routers' held requests are the stage's whole load (scale from zero).
-            signals = autoscaler.stage_signals(scraped[stage], latency[stage], held)
-            decision = autoscaler.decide(replicas[stage], signals, autoscaler.Policy.from_spec(spec, stage),
+            decision = autoscaler.decide(replicas[stage], signals[stage], policies[stage],
                                          memory.windows.get(stage, ()), now)
             memory.windows[stage] = decision.history
             if decision.changed(replicas[stage]):
@@ -237,11 +249,12 @@ class Reconciler:
 
     async def _scrape_stage(self, namespace: str, name: str, stage: str) -> list[autoscaler.PodMetrics]:
         pods = await self.kube.list("Pod", namespace, naming.selector_labels(name, stage))
-        urls = [url for pod in pods if (url := metrics_url(pod))]
+        urls = {pod["metadata"]["name"]: url for pod in pods if (url := metrics_url(pod))}
         timeout = aiohttp.ClientTimeout(total=self.config.scrape_timeout)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            texts = await asyncio.gather(*(_fetch(session, url) for url in urls))
-        return [autoscaler.parse_metrics(text) for text in texts if text is not None]
+            texts = await asyncio.gather(*(_fetch(session, url) for url in urls.values()))
+        return [dataclasses.replace(autoscaler.parse_metrics(text), pod=name)
+                for name, text in zip(urls, texts, strict=True) if text is not None]
 
 
 def metrics_url(pod: dict[str, Any]) -> str | None:

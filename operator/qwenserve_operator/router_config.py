@@ -28,6 +28,9 @@ from qwenserve_operator.naming import (
     stage_secret_file,
 )
 
+# The ConfigMap key with the resolved deployment for humans; the router never reads it.
+HUMAN_VIEW = "qwenserve.json"
+
 
 def router_environment(name: str, namespace: str, spec: Spec) -> dict[str, str]:
     """The router's generated configuration (flags as QWENSERVE_* variables)."""
@@ -101,7 +104,7 @@ def config_map(name: str, namespace: str, uid: str, spec: Spec) -> Manifest:
         "slo": spec["slo"],
         "endpoints": {stage: f"{service_host(name, namespace, stage)}:{GRPC_PORTS[stage]}" for stage in STAGES},
     }
-    data = {**router_environment(name, namespace, spec), "qwenserve.json": json.dumps(resolved, indent=2, sort_keys=True)}
+    data = {**router_environment(name, namespace, spec), HUMAN_VIEW: json.dumps(resolved, indent=2, sort_keys=True)}
     models = models_file(name, namespace, spec)
     if models is not None:  # not a variable name: envFrom skips it; the router mounts it as a file
         data["models.yaml"] = yaml.safe_dump(models, sort_keys=False)
@@ -114,5 +117,9 @@ def config_map(name: str, namespace: str, uid: str, spec: Spec) -> Manifest:
 
 
 def config_hash(config: Manifest) -> str:
-    """A short digest of a ConfigMap's data; a new value rolls the router."""
-    return hashlib.sha256(json.dumps(config["data"], sort_keys=True).encode()).hexdigest()[:16]
+    """A short digest of what the router reads from its ConfigMap; a new value rolls the router.
+
+    The resolved deployment (qwenserve.json) is for humans: an SLO target changed for the autoscaler must not
+    restart the routers and cut their streams."""
+    read = {key: value for key, value in config["data"].items() if key != HUMAN_VIEW}
+    return hashlib.sha256(json.dumps(read, sort_keys=True).encode()).hexdigest()[:16]

@@ -180,3 +180,72 @@ def test_held_requests_are_read_from_the_routers_metrics_by_stage() -> None:
             'qwenserve_router_held_requests{model="b",worker_stage="decode"} 1\n')
     routers = [autoscaler.parse_metrics(text), autoscaler.parse_metrics(text)]
     assert autoscaler.held_requests(routers, "decode") == 6 and autoscaler.held_requests(routers, "prefill") == 0
+
+
+# -- the prefill:decode balance: a latency miss is charged to the stage whose load explains it -----------------
+
+
+def test_ttft_missed_while_decode_is_idle_grows_prefill_and_the_itl_miss_beside_it_only_holds_decode() -> None:
+    # A prompt flood: prefill's queue is long; decode streams a few short answers, and its ITL suffers from the
+    # shared cores.
+    prefill = StageSignals(pods=1, waiting=6, latency=3.0)
+    decode = StageSignals(pods=1, running=2, kv_usage=0.05, latency=0.2)
+    prefill, decode = autoscaler.charge_latency(prefill, decode, PREFILL, DECODE)
+    assert prefill.latency_charged_to is None and decode.latency_charged_to == "prefill"
+    assert decide(1, prefill, PREFILL, (), now=0).replicas == 2
+    assert decide(1, decode, DECODE, (), now=0).replicas == 1
+    # It holds: an idle-looking decode stage with a missed ITL does not shrink either.
+    held = decide(3, decode, DECODE, ((0.0, 3),), now=1000)
+    assert held.replicas == 3 and "charged to prefill" in held.reason
+
+
+def test_itl_missed_while_prefill_is_idle_grows_decode_and_not_prefill() -> None:
+    # Many long answers to short prompts: decode is loaded, prefill's TTFT suffers beside it with nothing queued.
+    prefill = StageSignals(pods=1, waiting=0, running=1, latency=2.5)
+    decode = StageSignals(pods=1, running=20, kv_usage=0.3, latency=0.09)
+    prefill, decode = autoscaler.charge_latency(prefill, decode, PREFILL, DECODE)
+    assert prefill.latency_charged_to == "decode" and decode.latency_charged_to is None
+    assert decide(1, prefill, PREFILL, (), now=0).replicas == 1
+    assert decide(1, decode, DECODE, (), now=0).replicas == 2
+
+
+def test_a_miss_stays_with_its_stage_when_that_stage_has_a_queue_or_is_the_busier() -> None:
+    # Something queued for prefill: its TTFT miss is its own, however busy decode is.
+    queued = StageSignals(pods=2, waiting=1, latency=3.0)
+    busy_decode = StageSignals(pods=1, running=30, latency=0.01)
+    assert autoscaler.charge_latency(queued, busy_decode, PREFILL, DECODE)[0].latency_charged_to is None
+    # Both idle (e.g. the latency of a slow model): each miss stays where it was, as without the balance.
+    prefill, decode = autoscaler.charge_latency(StageSignals(pods=1, latency=3.0), StageSignals(pods=1, latency=1.0),
+                                                PREFILL, DECODE)
+    assert prefill.latency_charged_to is None and decode.latency_charged_to is None
+    # Latency within the target is never charged anywhere.
+    prefill, decode = autoscaler.charge_latency(StageSignals(pods=1, latency=0.5), StageSignals(pods=1, running=30),
+                                                PREFILL, DECODE)
+    assert prefill.latency_charged_to is None
+
+
+def test_load_share_is_the_busiest_signal_per_replica_against_its_target() -> None:
+    assert autoscaler.load_share(StageSignals(pods=2, waiting=4), PREFILL) == 0.5
+    assert autoscaler.load_share(StageSignals(pods=2, running=32, kv_usage=0.3), DECODE) == 0.5
+    assert autoscaler.load_share(StageSignals(pods=1, kv_usage=0.75), DECODE) == 1.0
+    assert autoscaler.load_share(StageSignals(pods=0, held=2), PREFILL) == 0.5  # held requests at zero pods
+
+
+def test_busy_share_is_the_time_spent_stepping_between_two_scrapes_per_pod() -> None:
+    text = ("# TYPE qwenserve_engine_step_seconds histogram\n"
+            'qwenserve_engine_step_seconds_bucket{le="0.1"} 3\nqwenserve_engine_step_seconds_bucket{le="+Inf"} 4\n'
+            "qwenserve_engine_step_seconds_sum 12.5\nqwenserve_engine_step_seconds_count 4\n")
+    assert autoscaler.parse_metrics(text).busy_seconds == 12.5
+    pods = [autoscaler.PodMetrics(busy_seconds=14.0, pod="a"), autoscaler.PodMetrics(busy_seconds=5.0, pod="b"),
+            autoscaler.PodMetrics(busy_seconds=3.0, pod="new")]
+    # a: 4 of 5 s stepping; b: restarted (its sum went down), left out; new: not seen before, left out.
+    assert autoscaler.busy_share(pods, {"a": 10.0, "b": 9.0}, seconds=5.0) == pytest.approx(0.8)
+    assert autoscaler.busy_share(pods, {}, seconds=5.0) == 0.0
+
+
+def test_a_stage_stepping_all_the_time_is_the_loaded_one_though_nothing_waits() -> None:
+    # A prompt flood that prefill keeps up with: no queue at the scrape, but its engine never rests.
+    prefill = StageSignals(pods=1, running=1, busy=0.95, latency=3.0)
+    decode = StageSignals(pods=1, running=1, busy=0.2, latency=0.2)
+    prefill, decode = autoscaler.charge_latency(prefill, decode, PREFILL, DECODE)
+    assert prefill.latency_charged_to is None and decode.latency_charged_to == "prefill"

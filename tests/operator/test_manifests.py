@@ -445,3 +445,12 @@ def test_a_router_that_routes_to_other_deployments_holds_their_stage_secrets(mak
     assert "/etc/qwen-serve/stage-secrets/backup" in mounts
     decode = _by(children, "Deployment", "decode")["spec"]["template"]["spec"]
     assert "backup-stage-secret" not in {v["secret"]["secretName"] for v in decode["volumes"] if "secret" in v}
+
+
+def test_an_slo_change_does_not_roll_the_router(make_spec) -> None:
+    # The SLO is the autoscaler's: the router reads nothing of it, so tightening it must not cut the routers' streams.
+    def digest(spec: dict[str, Any]) -> str:
+        return _by(_children(spec), "Deployment", "router")["spec"]["template"]["metadata"]["annotations"][
+            "qwenserve.io/config-hash"]
+
+    assert digest(make_spec()) == digest(make_spec(slo={"ttftSeconds": 0.01, "interTokenLatencySeconds": 0.005}))
