@@ -25,7 +25,7 @@ import pytest
 
 from qwenserve.router.openai_errors import RETRYABLE_CODES
 from qwenserve.status import parse_gauges
-from tests.support.answers import Answer, http_post
+from tests.support.answers import CUT, Answer, http_post
 from tests.support.checkpoints import tiny_checkpoint
 from tests.support.clusters import WORKER_ENV
 from tests.support.ports import free_port
@@ -211,16 +211,27 @@ async def test_a_killed_stage_is_restarted_on_its_port_and_serves_while_every_re
             after = await _serves_again(up)
             assert after.succeeded, f"after {name}'s restart: {after.describe()}"
             assert _restarts_shown(up, name) == 1.0
+        # The router last: the connections of its clients break with it (a client's only possible answer from a
+        # killed process), and up restarts it on its ports like any other stage.
+        killed, cut_from = up.stage_pid("router"), len(answers)
+        os.kill(killed, signal.SIGKILL)
+        await asyncio.to_thread(up.wait_log, "router was killed by SIGKILL", 10.0)
+        await asyncio.to_thread(up.wait_log, "router is serving again (restart 1", BACK_WITHIN_S)
+        cut_until = len(answers) + CLIENTS  # the requests sent before it served again end by now or soon after
+        after = await _serves_again(up)
+        assert after.succeeded, f"after the router's restart: {after.describe()}"
+        assert _restarts_shown(up, "router") == 1.0
         await asyncio.sleep(1.0)
     finally:
         stop.set()
         await load
     log = up.log()
-    for name in ("decode-0", "prefill-0", "tokenizer"):  # which, why and when
+    for name in ("decode-0", "prefill-0", "tokenizer", "router"):  # which, why and when
         said = [line for line in log.splitlines() if line.startswith(f"qwen-serve up: {name} was killed by SIGKILL")]
         assert len(said) == 1 and "; restarting it on 127.0.0.1:" in said[0], log
         assert said[0].endswith(f" in {BACKOFF_S:.1f} s (restart 1)"), said[0]
-    broken = [a.describe() for a in answers if not (a.succeeded or _retryable(a))]
+    broken = [a.describe() for i, a in enumerate(answers)
+              if not (a.succeeded or _retryable(a) or (cut_from <= i < cut_until and a.status == CUT))]
     kinds = Counter("ok" if a.succeeded else f"{a.status} {a.error_code}" for a in answers)
     assert not broken, f"{len(broken)} of {len(answers)} answers broke the rules ({dict(kinds)}): {broken[:5]}"
     assert kinds["ok"] > 0, dict(kinds)
@@ -229,7 +240,7 @@ async def test_a_killed_stage_is_restarted_on_its_port_and_serves_while_every_re
                              "--json"], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stdout + status.stderr
     shown = {row["stage"]: row["restarts"] for row in json.loads(status.stdout)}
-    assert shown == {"router": 0, "tokenizer": 1, "prefill": 1, "decode": 1}, status.stdout
+    assert shown == {"router": 1, "tokenizer": 1, "prefill": 1, "decode": 1}, status.stdout
 
 
 def test_a_stage_that_keeps_failing_at_start_stops_up_with_one_line_naming_it(up: Up, restart_model: Path) -> None:
