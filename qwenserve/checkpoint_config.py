@@ -61,3 +61,25 @@ def checkpoint_limits(folder: str | Path) -> CheckpointLimits:
         max_position_embeddings=int(config.get("max_position_embeddings") or DEFAULT_MAX_POSITION_EMBEDDINGS),
         vocab_size=int(vocab) if vocab else None,
     )
+
+
+# config.json keys that decide what the model computes and the shape of its KV, not how its weights are stored: a
+# model's bf16 checkpoint and its AWQ / GPTQ / FP8 copies agree on all of them.
+ARCHITECTURE_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+    "max_position_embeddings", "tie_word_embeddings", "attention_bias", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "layer_types",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "attn_output_gate", "partial_rotary_factor", "shared_expert_intermediate_size",
+    "sliding_window", "use_sliding_window", "max_window_layers",
+)
+
+
+def architecture_differences(folder: str | Path, other: str | Path) -> list[str]:
+    """`key: a vs b` for each architecture key whose value differs between two checkpoints' language models (empty
+    when one model's KV could be continued by the other's weights). The engines' fingerprints decide at each
+    handoff; this is the early, readable check."""
+    mine, theirs = (language_model_config(read_config_json(f)) for f in (folder, other))
+    return [f"{key}: {mine.get(key)!r} vs {theirs.get(key)!r}" for key in ARCHITECTURE_KEYS
+            if mine.get(key) != theirs.get(key)]

@@ -84,6 +84,9 @@ class KVLayout:
     # The receiving side's policy, never sent (protocol.py): KV made by other weights of this architecture is
     # accepted (--kv-from-other-weights).
     accepts_other_weights: bool = field(default=False, compare=False, metadata={"local": True})
+    # The precision of the weights that computed the KV (Precision.labels()'s "weights"), for the importer's span and
+    # metrics; never compared.
+    weights: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:

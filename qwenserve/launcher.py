@@ -154,6 +154,8 @@ class LocalCluster:
     """
 
     model: Path
+    # The decode processes' own checkpoint: the same model in another precision (it continues the prefill's KV).
+    decode_model: Path | None = None
     prefill: int = 1
     decode: int = 1
     host: str = "127.0.0.1"
@@ -178,10 +180,11 @@ class LocalCluster:
         self._picked.add(port)
         return port
 
-    def _stage(self, stage: str, port: int, values: dict[str, Any], extra: Sequence[str] = ()) -> Child:
+    def _stage(self, stage: str, port: int, values: dict[str, Any], extra: Sequence[str] = (),
+               model: Path | None = None) -> Child:
         name = stage if stage in ("tokenizer", "router") else f"{stage}-{sum(c.name.startswith(stage) for c in self.children)}"
         metrics_port = self._port()
-        own = {"host": self.host, "port": port, "model": str(self.model), "metrics_port": metrics_port}
+        own = {"host": self.host, "port": port, "model": str(model or self.model), "metrics_port": metrics_port}
         argv, env = argv_for(stage_configs()[stage], {**self.stage_values, **values, **own})
         argv = [sys.executable, "-m", "qwenserve.cli", "serve", stage, *argv, *extra]
         return Child(name, f"{self.host}:{port}", argv, metrics_port, env=env)
@@ -195,8 +198,11 @@ class LocalCluster:
         for _ in range(self.prefill):
             self.children.append(self._stage("prefill", self._port(), {"kv_transfer": self.kv_transfer},
                                              workers["prefill"]))
+        # Decode on other weights of the model continues KV those did not compute: it says so (KVLayout).
+        other_weights = {"kv_from_other_weights": True} if self.decode_model else {}
         for _ in range(self.decode):
-            self.children.append(self._stage("decode", self._port(), {}, workers["decode"]))
+            self.children.append(self._stage("decode", self._port(), other_weights, workers["decode"],
+                                             self.decode_model))
         self.router_port = self.router_port or self._port()
         self.http_port = self.http_port or self._port()
         keys_given = bool({"--api-keys-file", "--api-keys", "--api-key"} & {a.split("=")[0] for a in self.extra_router_args}) or any(

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qwenserve.checkpoint_config import architecture_differences
 from qwenserve.flags import (
     FlagError,
     FlagSpec,
@@ -52,6 +53,9 @@ class UpConfig:
     model: str | None = option(None, positional=True,
                                help="Hugging Face checkpoint folder to serve (default: the built-in small Qwen3)")
     prefill: int = option(1, help="prefill processes (0: decode workers prefill themselves)")
+    decode_model: str | None = option(
+        None, help="another checkpoint of the same model for the decode processes (e.g. its AWQ or GPTQ copy: 4-bit "
+                   "decode behind a 16-bit prefill); they continue the prefill's KV (--kv-from-other-weights)")
     decode: int = option(1, help="decode processes")
     host: str = option("127.0.0.1", help="address every stage binds")
     port: int = option(8000, aliases=("--http-port",), help="the router's OpenAI-compatible HTTP port")
@@ -103,8 +107,10 @@ def main(argv: list[str]) -> int:
         stage_values["stage_secret_file"] = str(per_run_secret_file())
     try:
         model = _checked_model(up.model)
+        decode_model = _checked_decode_model(model, up)
         cluster = LocalCluster(
-            model=Path(model), prefill=up.prefill, decode=up.decode, host=up.host, router_port=up.grpc_port,
+            model=Path(model), decode_model=decode_model, prefill=up.prefill, decode=up.decode, host=up.host,
+            router_port=up.grpc_port,
             http_port=up.port, kv_transfer=up.kv_transfer, log_dir=Path(up.log_dir) if up.log_dir else None,
             prefill_nice=up.prefill_nice, stage_values=stage_values,
         )
@@ -205,6 +211,22 @@ def _checked_model(model: str | None) -> str:
         return str(ensure_default_model())
     check_model_folder(model, "MODEL", needs_tokenizer=True)
     return model
+
+
+def _checked_decode_model(model: str, up: UpConfig) -> Path | None:
+    """--decode-model, checked: a checkpoint of MODEL's architecture (its KV is the prefill's), behind prefill
+    processes."""
+    if up.decode_model is None:
+        return None
+    check_model_folder(up.decode_model, "--decode-model")
+    if up.prefill == 0:
+        raise StartupError("--decode-model needs prefill processes (--prefill 0 makes the decode workers prefill on "
+                           "their own weights): leave --prefill at 1 or more, or serve the decode model as MODEL")
+    if differences := architecture_differences(model, up.decode_model):
+        raise StartupError(f"--decode-model {up.decode_model} is not MODEL's architecture ({'; '.join(differences)}), "
+                           "so its decode workers could not continue the prefill's KV: give a checkpoint of the same "
+                           "model in another precision")
+    return Path(up.decode_model)
 
 
 def _child_configs(cluster: LocalCluster) -> list[tuple[str, str, Any]]:

@@ -99,35 +99,10 @@ def _autoscaling_schema(stage: str) -> Schema:
     )
 
 
-def _stage_schema(stage: str) -> Schema:
-    props: Schema = {
-        "replicas": _int("Replicas when autoscaling is off.", minimum=0, default=1),
-        "resources": {
-            "type": "object",
-            "description": "Container resources (requests/limits), as in a Pod spec.",
-            "properties": {
-                "requests": {"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": True}},
-                "limits": {"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": True}},
-            },
-        },
-        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
-        "tolerations": {"type": "array", "items": _free_object("A Pod toleration.")},
-        "affinity": _free_object("Pod affinity; the operator adds its own co-location terms."),
-        "args": {"type": "array", "description": "Extra arguments after the operator's.", "items": {"type": "string"}},
-        "env": {"type": "array", "description": "Extra environment variables (EnvVar).", "items": _free_object("EnvVar")},
-        "terminationGracePeriodSeconds": _int(
-            "Time the stage gets to drain on scale-down or rollout.", minimum=0, default=_GRACE_SECONDS[stage]
-        ),
-    }
-    if stage in AUTOSCALED_STAGES:
-        props["autoscaling"] = _autoscaling_schema(stage)
-    return _obj(f"The {stage} stage.", props, default={})
-
-
-def spec_schema() -> Schema:
-    """The openAPIV3Schema of `spec`."""
-    model = _obj(
-        "The checkpoint to serve.",
+def _model_schema(description: str) -> Schema:
+    """A checkpoint and where it lives (spec.model, and a stage's own model)."""
+    return _obj(
+        description,
         {
             "name": _str("Served model name, e.g. Qwen/Qwen3-0.6B.", minLength=1),
             "source": _str("Where the checkpoint lives (hf: downloaded from the Hugging Face Hub by an init "
@@ -164,6 +139,40 @@ def spec_schema() -> Schema:
             {"rule": "self.source != 'hf' || has(self.hf)", "message": "source=hf needs model.hf"},
         ]},
     )
+
+
+def _stage_schema(stage: str) -> Schema:
+    props: Schema = {
+        "replicas": _int("Replicas when autoscaling is off.", minimum=0, default=1),
+        "resources": {
+            "type": "object",
+            "description": "Container resources (requests/limits), as in a Pod spec.",
+            "properties": {
+                "requests": {"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": True}},
+                "limits": {"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": True}},
+            },
+        },
+        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+        "tolerations": {"type": "array", "items": _free_object("A Pod toleration.")},
+        "affinity": _free_object("Pod affinity; the operator adds its own co-location terms."),
+        "args": {"type": "array", "description": "Extra arguments after the operator's.", "items": {"type": "string"}},
+        "env": {"type": "array", "description": "Extra environment variables (EnvVar).", "items": _free_object("EnvVar")},
+        "terminationGracePeriodSeconds": _int(
+            "Time the stage gets to drain on scale-down or rollout.", minimum=0, default=_GRACE_SECONDS[stage]
+        ),
+    }
+    if stage in AUTOSCALED_STAGES:
+        props["autoscaling"] = _autoscaling_schema(stage)
+        props["model"] = _model_schema(
+            "This stage's own checkpoint of spec.model in another precision (default: spec.model), e.g. decode on "
+            "the model's AWQ copy behind a bf16 prefill; the decode pods then continue KV that the other weights "
+            "computed (--kv-from-other-weights). Served under spec.model.name.")
+    return _obj(f"The {stage} stage.", props, default={})
+
+
+def spec_schema() -> Schema:
+    """The openAPIV3Schema of `spec`."""
+    model = _model_schema("The checkpoint to serve.")
     image = _obj(
         "The qwen-serve container image.",
         {

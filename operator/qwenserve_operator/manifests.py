@@ -64,6 +64,7 @@ from qwenserve_operator.naming import (
     routed_to,
     selector_labels,
     stage_secret_name,
+    with_stage_model,
 )
 from qwenserve_operator.pod_template import (
     model_fetch_container,
@@ -89,7 +90,7 @@ def deployment(name: str, namespace: str, uid: str, stage: str, spec: Spec, repl
         "containers": [stage_container(name, namespace, stage, spec)],
         "volumes": volumes,
     }
-    fetch = model_fetch_container(spec)
+    fetch = model_fetch_container(with_stage_model(spec, stage))
     if fetch is not None and stage in STAGES_WITH_MODEL:
         pod_spec["initContainers"] = [fetch]
     for key, value in (("nodeSelector", stage_spec.get("nodeSelector")),
@@ -219,15 +220,19 @@ def children(name: str, namespace: str, uid: str, spec: Spec, replicas: dict[str
 def validate_spec(spec: Spec) -> list[str]:
     """Problems the API server's CEL rules would reject, checked again for objects stored without them."""
     problems = []
-    model = spec.get("model") or {}
-    if not model.get("name"):
-        problems.append("spec.model.name is required")
-    if model.get("source") == "pvc" and not (model.get("pvc") or {}).get("claimName"):
-        problems.append("spec.model.source=pvc needs spec.model.pvc.claimName")
-    if model.get("source") == "hostPath" and not model.get("hostPath"):
-        problems.append("spec.model.source=hostPath needs spec.model.hostPath")
-    if model.get("source") == "hf" and not (model.get("hf") or {}).get("repo"):
-        problems.append("spec.model.source=hf needs spec.model.hf.repo")
+    models = {"spec.model": spec.get("model") or {}}
+    for stage in AUTOSCALED_STAGES:  # prefill and decode may load the model in a precision of their own
+        if (own := (spec.get("stages", {}).get(stage) or {}).get("model")) is not None:
+            models[f"spec.stages.{stage}.model"] = own
+    for where, model in models.items():
+        if not model.get("name"):
+            problems.append(f"{where}.name is required")
+        if model.get("source") == "pvc" and not (model.get("pvc") or {}).get("claimName"):
+            problems.append(f"{where}.source=pvc needs {where}.pvc.claimName")
+        if model.get("source") == "hostPath" and not model.get("hostPath"):
+            problems.append(f"{where}.source=hostPath needs {where}.hostPath")
+        if model.get("source") == "hf" and not (model.get("hf") or {}).get("repo"):
+            problems.append(f"{where}.source=hf needs {where}.hf.repo")
     for stage in AUTOSCALED_STAGES:
         scaling = spec.get("stages", {}).get(stage, {}).get("autoscaling", {})
         if scaling.get("minReplicas", 1) > scaling.get("maxReplicas", 1):

@@ -125,6 +125,18 @@ def model_dir(spec: Spec) -> str:
     return f"{MODELS_DIR}/{folder}"
 
 
+def with_stage_model(spec: Spec, stage: str) -> Spec:
+    """`spec` as `stage` sees it: its own `stages.<stage>.model` (the same model in another precision) in place of
+    spec.model where it has one."""
+    own = (spec.get("stages", {}).get(stage) or {}).get("model")
+    return {**spec, "model": own} if own else spec
+
+
+def has_stage_models(spec: Spec) -> bool:
+    """Whether prefill or decode loads a checkpoint of its own (their KV then comes from other weights)."""
+    return any((spec.get("stages", {}).get(stage) or {}).get("model") for stage in ("prefill", "decode"))
+
+
 def routed_to(spec: Spec) -> list[str]:
     """The other QwenDeployments this one's router sends requests to (fallback, canary)."""
     others = [spec.get("fallback"), (spec.get("canary") or {}).get("deployment")]

@@ -21,11 +21,13 @@ from qwenserve_operator.naming import (
     STAGES_WITH_MODEL,
     Spec,
     config_map_name,
+    has_stage_models,
     model_dir,
     routed_to,
     selector_labels,
     stage_secret_file,
     stage_secret_name,
+    with_stage_model,
 )
 
 
@@ -90,15 +92,18 @@ def stage_args(name: str, namespace: str, stage: str, spec: Spec) -> list[str]:
             "--metrics-port", str(METRICS_PORT), "--grace-s", str(drain_seconds(spec["stages"][stage])),
             "--stage-secret-file", stage_secret_file(name)]
     mode = spec["kvTransfer"]["mode"]
+    own = with_stage_model(spec, stage)  # prefill and decode may load the model in a precision of their own
     if stage == "tokenizer":
         args += ["--model", model_dir(spec)]
     elif stage == "prefill":
         # Shared-memory segments live in /dev/shm (the node's, mounted below), where POSIX shm puts them.
         # Handoffs name the pod's own IP (the downward API's POD_IP, expanded by the kubelet), never 0.0.0.0.
-        args += ["--model", model_dir(spec), "--kv-transfer", mode, "--served-model-name", spec["model"]["name"],
+        args += ["--model", model_dir(own), "--kv-transfer", mode, "--served-model-name", spec["model"]["name"],
                  "--advertise-host", "$(POD_IP)"]
     elif stage == "decode":  # decode fetches over the deployment's transport alone
-        args += ["--model", model_dir(spec), "--kv-transfer", mode, "--served-model-name", spec["model"]["name"]]
+        args += ["--model", model_dir(own), "--kv-transfer", mode, "--served-model-name", spec["model"]["name"]]
+        if has_stage_models(spec):  # the prompt's KV was computed by the other stage's weights of this architecture
+            args += ["--kv-from-other-weights"]
         if mode == "mooncake":  # its Transfer Engine, too, announces the pod's own address
             args += ["--advertise-host", "$(POD_IP)"]
     else:  # the router takes its worker addresses from the ConfigMap's environment
@@ -205,7 +210,7 @@ def stage_volumes(name: str, stage: str, spec: Spec) -> tuple[list[dict[str, Any
     """A stage's pod volumes and its container's mounts of them."""
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
-    model = _model_volume(spec)
+    model = _model_volume(with_stage_model(spec, stage))
     if model is not None and stage in STAGES_WITH_MODEL:
         volumes.append(model[0])
         mounts.append(model[1])

@@ -160,6 +160,7 @@ class LLMEngine:
             **linear_state_layout(model_cfg),
             architecture_fingerprint=architecture,
             accepts_other_weights=config.kv_from_other_weights,
+            weights=precision.labels()["weights"],
         )
         self.intake = RequestIntake(model_cfg.vocab_size, self.max_model_len, self.grammar, self._layout)
         self.step = EngineStep(self.scheduler, self.runner, Sampler(config.seed, self.grammar), self._layout,

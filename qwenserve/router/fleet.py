@@ -68,6 +68,7 @@ class WorkerFleet:
         self._closing = asyncio.Event()  # set by close(): delayed releases go out at once
         self.watches: set[StreamWatch] = set()  # decode streams in flight, told when a drain starts
         self.worker_limits: dict[str, int] = {}  # engine worker address -> the max_model_len it reported
+        self.worker_precisions: dict[str, tuple[str, str]] = {}  # engine worker address -> (stage, its precision)
         self.sends_headers_on_accept: set[str] = set()  # decode workers that said so: their calls get accept_timeout_s
         self._limit_asks: dict[str, asyncio.Task[None]] = {}  # worker -> its GetInfo call, until it answers
         self._limits_changed = asyncio.Event()  # a worker reported, stopped being asked, or joined
@@ -252,6 +253,8 @@ class WorkerFleet:
                 continue
             if info.sends_headers_on_accept:
                 self.sends_headers_on_accept.add(address)
+            if info.precision:
+                self.worker_precisions[address] = (stage, info.precision)
             self._note_limit(stage, address, info.max_model_len)
             return
 
@@ -264,6 +267,14 @@ class WorkerFleet:
                 log.warning("%s worker %s serves at most %d tokens: max_model_len lowered from %d to %d",
                             stage, address, limit, self.config.max_model_len, limit)
             self.config.max_model_len = limit
+
+    def precisions(self) -> dict[str, str]:
+        """What each engine stage computes in, as its workers reported it (several values where they differ, as
+        during a rollout): e.g. {"prefill": "bfloat16", "decode": "weights=w4a16 kv=bfloat16 ..."}."""
+        seen: dict[str, set[str]] = {}
+        for stage, precision in self.worker_precisions.values():
+            seen.setdefault(stage, set()).add(precision)
+        return {stage: "; ".join(sorted(values)) for stage, values in sorted(seen.items())}
 
     async def close(self) -> None:
         self._closing.set()

@@ -181,6 +181,8 @@ class OpenAIFront:
             "created": self.created,
             "owned_by": "qwen-serve",
             "max_model_len": self.routes.routers[name].config.max_model_len,
+            # What each stage computes in (a W4A16 decode behind a bf16 prefill shows as such), as workers reported it.
+            "precision": self.routes.routers[name].fleet.precisions(),
         }
 
     def _named(self, model: str | None) -> Router:

@@ -45,6 +45,7 @@ from qwenserve.telemetry.series import (
     TOKENIZER_RPCS,
     TRANSPORTS,
     TTFT_BUCKETS,
+    WEIGHT_PRECISIONS,
     BoundedLabel,
     bounded,
 )
@@ -372,12 +373,21 @@ class HandoffMetrics:
             "qwenserve_handoff_refusals_total",
             "KVTransfer calls refused for not presenting the handoff's token, by rpc (Fetch, Release) and reason "
             "(missing, wrong).", ["rpc", "reason"], registry=r)
+        self.precisions = Counter(
+            "qwenserve_handoff_precision_total",
+            "KV handoffs imported, by the precision of the weights that computed the KV (exporter_weights) and of "
+            "those that continue it (importer_weights): float32, bfloat16, float16, w4a16, w8a16.",
+            ["exporter_weights", "importer_weights"], registry=r)
 
     def record_transfer(self, transport: str, nbytes: int, seconds: float) -> None:
         """Record one successful handoff."""
         t = bounded(transport, TRANSPORTS)
         self.bytes.labels(t).inc(nbytes)
         self.seconds.labels(t).observe(seconds)
+
+    def record_precisions(self, exporter: str, importer: str) -> None:
+        """Record the weights' precision on each side of one imported handoff."""
+        self.precisions.labels(bounded(exporter, WEIGHT_PRECISIONS), bounded(importer, WEIGHT_PRECISIONS)).inc()
 
     def record_failure(self, transport: str, reason: str) -> None:
         """Record one failed handoff."""

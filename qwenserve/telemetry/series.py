@@ -34,6 +34,8 @@ FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "a
 STAGES = frozenset({"tokenizer", "prefill", "decode"})
 RATELIMIT_LIMITS = frozenset({"none", "requests", "tokens", "request_size"})
 TRANSPORTS = frozenset({"shm", "grpc", "mooncake", "nixl", "local"})
+# What a model's weights are held as (Precision.labels()'s "weights").
+WEIGHT_PRECISIONS = frozenset({"float32", "bfloat16", "float16", "w4a16", "w8a16"})
 HANDOFF_FAILURE_REASONS = frozenset(
     {"timeout", "checksum", "connection", "unreachable", "lease_expired", "cancelled", "no_space", "protocol",
      "refused"}

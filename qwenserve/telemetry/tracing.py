@@ -69,6 +69,9 @@ class Attr:
     WORKER = "qwenserve.worker"
     HANDOFF_TRANSPORT = "qwenserve.handoff.transport"
     HANDOFF_BYTES = "qwenserve.handoff.bytes"
+    # The precision of the weights that computed a handoff's KV and of those that continue it (per-stage precision).
+    HANDOFF_EXPORTER_WEIGHTS = "qwenserve.handoff.exporter_weights"
+    HANDOFF_IMPORTER_WEIGHTS = "qwenserve.handoff.importer_weights"
 
 
 class _SpanStamp(SpanProcessor):

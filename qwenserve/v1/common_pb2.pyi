@@ -204,7 +204,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "model_fingerprint", "linear_layers", "linear_conv_dim", "linear_conv_width", "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim", "architecture_fingerprint")
+    __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "model_fingerprint", "linear_layers", "linear_conv_dim", "linear_conv_width", "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim", "architecture_fingerprint", "weights")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,7 @@ class KVLayout(_message.Message):
     LINEAR_KEY_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     LINEAR_VALUE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     block_size: int
     num_layers: int
@@ -231,7 +232,8 @@ class KVLayout(_message.Message):
     linear_key_head_dim: int
     linear_value_head_dim: int
     architecture_fingerprint: str
-    def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., linear_layers: _Optional[int] = ..., linear_conv_dim: _Optional[int] = ..., linear_conv_width: _Optional[int] = ..., linear_value_heads: _Optional[int] = ..., linear_key_head_dim: _Optional[int] = ..., linear_value_head_dim: _Optional[int] = ..., architecture_fingerprint: _Optional[str] = ...) -> None: ...
+    weights: str
+    def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., linear_layers: _Optional[int] = ..., linear_conv_dim: _Optional[int] = ..., linear_conv_width: _Optional[int] = ..., linear_value_heads: _Optional[int] = ..., linear_key_head_dim: _Optional[int] = ..., linear_value_head_dim: _Optional[int] = ..., architecture_fingerprint: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("handoff_id", "transport", "layout", "num_tokens", "location", "offset", "length", "checksum", "lease_expires_unix_ms", "attributes", "control_endpoint")
@@ -271,11 +273,13 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("max_model_len", "kv_cache_tokens", "sends_headers_on_accept")
+    __slots__ = ("max_model_len", "kv_cache_tokens", "sends_headers_on_accept", "precision")
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SENDS_HEADERS_ON_ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     max_model_len: int
     kv_cache_tokens: int
     sends_headers_on_accept: bool
-    def __init__(self, max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., sends_headers_on_accept: _Optional[bool] = ...) -> None: ...
+    precision: str
+    def __init__(self, max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., sends_headers_on_accept: _Optional[bool] = ..., precision: _Optional[str] = ...) -> None: ...

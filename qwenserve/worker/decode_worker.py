@@ -136,7 +136,10 @@ class DecodeWorker:
     async def _import(self, held: _HeldHandoff, prompt_len: int) -> KVImport:
         handle = held.handle
         transport = transport_label(handle.transport)
-        attributes = {Attr.HANDOFF_TRANSPORT: transport, Attr.HANDOFF_BYTES: handle.length}
+        importer_weights = self.engine.kv_layout().weights
+        attributes = {Attr.HANDOFF_TRANSPORT: transport, Attr.HANDOFF_BYTES: handle.length,
+                      Attr.HANDOFF_EXPORTER_WEIGHTS: handle.layout.weights,
+                      Attr.HANDOFF_IMPORTER_WEIGHTS: importer_weights}
         with tracer.start_as_current_span("handoff", attributes=attributes) as span:
             started = time.perf_counter()
             try:
@@ -159,6 +162,7 @@ class DecodeWorker:
             span.set_attribute("qwenserve.handoff.seconds", seconds)
             if self.handoff is not None:
                 self.handoff.record_transfer(transport, handle.length, seconds)
+                self.handoff.record_precisions(handle.layout.weights, importer_weights)
         return KVImport(kv=tensor, layout=self.engine.kv_layout(), state=state)
 
 

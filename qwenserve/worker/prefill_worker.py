@@ -128,6 +128,7 @@ class PrefillWorker:
             transport = transport_label(handle.transport)
             export_span.set_attribute(Attr.HANDOFF_TRANSPORT, transport)
             export_span.set_attribute(Attr.HANDOFF_BYTES, handle.length)
+            export_span.set_attribute(Attr.HANDOFF_EXPORTER_WEIGHTS, handle.layout.weights)
         if self.handoff is not None:
             self.handoff.record_transfer(transport, handle.length, seconds)
         response.kv_handle.CopyFrom(handle)

@@ -20,7 +20,8 @@ ENGINE_STARTUP_ERRORS: tuple[type[Exception], ...] = (MaxModelLenError, Checkpoi
 def engine_info(engine: LLMEngine) -> common_pb2.EngineInfo:
     """What a stage's GetInfo answers: the engine's limits, from which the router learns its own."""
     return common_pb2.EngineInfo(
-        max_model_len=engine.max_model_len, kv_cache_tokens=engine.pool.num_blocks * engine.pool.block_size
+        max_model_len=engine.max_model_len, kv_cache_tokens=engine.pool.num_blocks * engine.pool.block_size,
+        precision=engine.precision.name,
     )
 
 

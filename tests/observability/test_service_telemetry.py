@@ -231,6 +231,11 @@ async def test_one_request_is_one_trace_across_every_hop(
     export = _one(trace, "qwenserve-prefill", "handoff.export")
     assert handoff.attributes["qwenserve.handoff.transport"] == "shm"
     assert handoff.attributes["qwenserve.handoff.bytes"] == export.attributes["qwenserve.handoff.bytes"] > 0
+    # The precision of the weights on each side (per-stage precision); one model here, so they agree.
+    weights = export.attributes["qwenserve.handoff.exporter_weights"]
+    assert weights in ("float32", "bfloat16"), export.attributes
+    assert handoff.attributes["qwenserve.handoff.exporter_weights"] == weights
+    assert handoff.attributes["qwenserve.handoff.importer_weights"] == weights
     for name in ("decode.queue", "decode.first_token", "decode.stream"):
         assert parent(_one(trace, "qwenserve-decode", name)) == decode
     assert decode.attributes["qwenserve.completion_tokens"] == result.tokens - 1

@@ -84,8 +84,9 @@ def test_examples_match_the_crd_schema(path: Path) -> None:
                                  K8S_VERSION, strict=True)
 
 
-def test_there_is_a_cpu_and_a_gpu_example() -> None:
-    assert {p.name for p in EXAMPLES} == {"qwendeployment-cpu.yaml", "qwendeployment-gpu.yaml"}
+def test_there_is_a_cpu_a_gpu_and_a_per_stage_precision_example() -> None:
+    assert {p.name for p in EXAMPLES} == {"qwendeployment-cpu.yaml", "qwendeployment-gpu.yaml",
+                                          "qwendeployment-w4a16-decode.yaml"}
 
 
 @pytest.mark.parametrize("bad", [
@@ -95,6 +96,8 @@ def test_there_is_a_cpu_and_a_gpu_example() -> None:
     {"model": {"name": "m"}, "stages": {"decode": {"autoscaling": {"targetKVUsage": 1.5}}}},
     {"model": {"name": "m"}, "slo": {"ttftSeconds": 0}},
     {"model": {"name": "m"}, "unknownField": 1},
+    {"model": {"name": "m"}, "stages": {"decode": {"model": {"name": "awq", "source": "s3"}}}},
+    {"model": {"name": "m"}, "stages": {"decode": {"model": {"source": "hf", "hf": {"repo": "Qwen/x"}}}}},
 ])
 def test_schema_rejects_invalid_specs(bad: dict[str, Any]) -> None:
     obj = {"apiVersion": "qwenserve.io/v1alpha1", "kind": "QwenDeployment", "metadata": {"name": "x"}, "spec": bad}

@@ -34,6 +34,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                 "telemetry": {"otlpEndpoint": "http://otel:4317"}, "image": {"pullSecrets": ["regcred"]}},
     "extra": {"stages": {"router": {"args": ["--log-requests"], "env": [{"name": "X", "value": "1"}]}},
               "routerService": {"type": "LoadBalancer", "annotations": {"a": "b"}}},
+    "per-stage-precision": {"stages": {"decode": {"model": {"name": "Qwen/Qwen3-0.6B-AWQ", "source": "hf",
+                                                           "hf": {"repo": "Qwen/Qwen3-0.6B-AWQ"}}}}},
     "monitoring": {"telemetry": {"monitoringNamespaceSelector": {
         "matchExpressions": [{"key": "team", "operator": "In", "values": ["obs", "sre"]}]}}},
 }
@@ -454,3 +456,33 @@ def test_an_slo_change_does_not_roll_the_router(make_spec) -> None:
             "qwenserve.io/config-hash"]
 
     assert digest(make_spec()) == digest(make_spec(slo={"ttftSeconds": 0.01, "interTokenLatencySeconds": 0.005}))
+
+
+def test_a_decode_stage_with_its_own_checkpoint_loads_it_and_continues_the_prefills_kv(make_spec) -> None:
+    # The field report's per-stage precision: a bf16 prefill over the model's checkpoint, a W4A16 decode over its AWQ
+    # copy, fetched into the decode pods only; everything is served under the deployment's model name.
+    children = _children(make_spec(model={"name": "Qwen/Qwen3-0.6B", "source": "hf", "hf": {"repo": "Qwen/Qwen3-0.6B"}},
+                                   **VARIANTS["per-stage-precision"]))
+
+    def pod(stage: str) -> dict[str, Any]:
+        return _by(children, "Deployment", stage)["spec"]["template"]["spec"]
+
+    decode, prefill = pod("decode"), pod("prefill")
+    args = decode["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/Qwen3-0.6B-AWQ"
+    assert args[args.index("--served-model-name") + 1] == "Qwen/Qwen3-0.6B" and "--kv-from-other-weights" in args
+    (fetch,) = decode["initContainers"]
+    assert "hf://Qwen/Qwen3-0.6B-AWQ" in fetch["args"] and "/models/Qwen3-0.6B-AWQ" in fetch["args"]
+    assert {"name": "model", "mountPath": "/models/Qwen3-0.6B-AWQ", "readOnly": True} in \
+        decode["containers"][0]["volumeMounts"]
+    for stage in ("prefill", "tokenizer", "router"):  # the others load the model's own checkpoint
+        container = pod(stage)["containers"][0]
+        assert container["args"][container["args"].index("--model") + 1] == "/models/Qwen3-0.6B", stage
+        assert "--kv-from-other-weights" not in container["args"]
+    assert "hf://Qwen/Qwen3-0.6B" in prefill["initContainers"][0]["args"]
+
+
+def test_a_stage_model_is_checked_like_spec_model(make_spec) -> None:
+    spec = make_spec(stages={"decode": {"model": {"name": "awq", "source": "pvc"}}})
+    assert "spec.stages.decode.model.source=pvc needs spec.stages.decode.model.pvc.claimName" in \
+        manifests.validate_spec(spec)
