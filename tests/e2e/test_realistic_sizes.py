@@ -80,14 +80,14 @@ async def _generate(cluster: LocalCluster, prompt: list[int]) -> tuple[list[int]
     return tokens, last
 
 
-def _cluster(model: Path, tmp: Path, dtype: str) -> LocalCluster:
+def _cluster(model: Path, tmp: Path, dtype: str, **kwargs: object) -> LocalCluster:
     env = {
         "QWENSERVE_KV_CACHE_GB": "2.2" if dtype == "float32" else "1.2",
         "QWENSERVE_THREADS": str(THREADS),
         "QWENSERVE_KV_POOL_MIB": str(POOL_MIB),
         "QWENSERVE_DTYPE": dtype,
     }
-    return make_cluster(model, tmp, prefill=1, decode=1, env=env)
+    return make_cluster(model, tmp, prefill=1, decode=1, env=env, **kwargs)
 
 
 def _write_apart(folder: Path, dtype: str) -> Path:
@@ -147,3 +147,36 @@ def test_bf16_prompt_larger_than_the_pool_hands_off_exactly(model: Path, tmp_pat
     with _cluster(model, tmp_path, "bfloat16") as cluster:
         tokens, last = asyncio.run(_generate(cluster, prompts[0]))
         _assert_served_by_handoff(cluster, tokens, last, expected[0])
+
+
+def _awq_copy(src: Path, dst: Path) -> Path:
+    """`src` with its decoder linears in AWQ 4-bit (groups of 128, as Qwen's AWQ checkpoints), in a process of its
+    own (the quantizer holds the model's weights, and their reference dequantization, in fp32)."""
+    from tests.support.quantized_checkpoints import quantize_checkpoint
+
+    quantize_checkpoint(src, dst, "awq", group_size=128)
+    return dst
+
+
+def _samples(port: int, name: str) -> dict[str, float]:
+    """A metric's samples on a stage's page, by their label text."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M)}
+
+
+def test_a_16_bit_prefill_hands_a_2000_token_prompt_to_a_w4a16_decode_on_the_models_awq_copy(
+        model: Path, tmp_path: Path) -> None:
+    """Issue 30's per-stage precision at size: prefill on the bf16 checkpoint, decode on its AWQ copy (the codes kept,
+    W4A16), both at --dtype auto (their KV is bf16 wherever the kernels load). The prompt's ~230 MB of KV is computed
+    once, by prefill, and continued by decode; nothing is refused."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        awq = pool.submit(_awq_copy, model, tmp_path / "qwen3-0.6b-awq").result(timeout=900)
+    with _cluster(model, tmp_path, "auto", decode_model=awq) as cluster:
+        tokens, last = asyncio.run(_generate(cluster, _prompt(2000, 5)))
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and not last.HasField("error"), last
+        assert len(tokens) == OUTPUT_TOKENS
+        port = cluster.child("decode-0").metrics_port
+        assert _handoff_bytes(port) > 0
+        assert sum(_samples(port, "qwenserve_handoff_failures_total").values()) == 0
+        precisions = _samples(port, "qwenserve_handoff_precision_total")
+        assert sum(precisions.values()) == 1 and 'importer_weights="w4a16"' in next(iter(precisions)), precisions
