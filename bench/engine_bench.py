@@ -7,6 +7,7 @@ Run by hand (not a test):
     .venv/bin/python bench/engine_bench.py --precisions             # fp32 vs bf16 KV / weights vs --dtype auto
     .venv/bin/python bench/engine_bench.py --precisions --quantized # + W8A16 (GPTQ) and W4A16 (AWQ) checkpoints
     .venv/bin/python bench/engine_bench.py --quantized-steps        # their decode steps, engines in turn
+    .venv/bin/python bench/engine_bench.py --agreement              # W8A16 / W4A16 top-1 against bf16's
 Options: --requests N, --hf-requests N (subset for sequential generate()), --cb-requests N (for transformers'
 continuous batching), --skip-transformers.
 
@@ -293,6 +294,39 @@ def interleaved_decode_steps(folder: Path, quantized: dict[str, Path], threads: 
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
+def top_predictions(engine: LLMEngine, prompts: list[list[int]]) -> list[list[tuple[tuple[int, float], ...]]]:
+    """Teacher-forced: for every position of every prompt after its first, the model's two most likely next tokens
+    with their logprobs (prompt_logprobs), best first."""
+    outputs = engine.generate_sync_outputs(prompts, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))
+    return [[entry.top for entry in next(o for o in outs if o.prompt_logprobs is not None).prompt_logprobs]
+            for outs in outputs]
+
+
+def agreement(folder: Path, quantized: dict[str, Path], threads: int | None, prompts: int = 4,
+              length: int = 256, margin: float = 0.1) -> None:
+    """Teacher-forced top-1 agreement of each quantized checkpoint's engine (codes kept) with the bf16 engine over
+    every position of `prompts` prompts of `length` tokens, as the field report judged its W4A16 choice: over all
+    positions, and over those where bf16's top-1 leads its top-2 by at least `margin` nats (a clear choice)."""
+    rng = random.Random(3)
+    texts = [[rng.randrange(0, 150_000) for _ in range(length)] for _ in range(prompts)]
+    settings = {"bf16": (folder, dict(dtype="bfloat16")),
+                **{name: (path, dict(dtype="bfloat16")) for name, path in quantized.items()}}
+    tops = {}
+    for name, (path, overrides) in settings.items():
+        engine = LLMEngine.from_pretrained(path, EngineConfig(num_threads=threads, kv_cache_memory_gb=0.5,
+                                                              enable_prefix_caching=False, **overrides))
+        print(f"{name}: {engine.precision.name}", flush=True)
+        tops[name] = [top for per_prompt in top_predictions(engine, texts) for top in per_prompt]
+        engine.shutdown()
+    reference = tops["bf16"]
+    clear = [i for i, top in enumerate(reference) if top[0][1] - top[1][1] >= margin]
+    print(f"\n| against bf16, {len(reference)} positions ({prompts} x {length - 1}) | top-1 agreement | "
+          f"where bf16 leads by >= {margin} nat ({len(clear)} positions) |\n|---|---|---|")
+    for name in quantized:
+        same = [tops[name][i][0][0] == reference[i][0][0] for i in range(len(reference))]
+        print(f"| {name} | {sum(same) / len(same):.1%} | {sum(same[i] for i in clear) / max(len(clear), 1):.1%} |")
+
+
 def transformers_baselines(folder: Path, prompts, out_lens, hf_requests: int, cb_requests: int) -> dict:
     """tok/s of: sequential generate() on the first `hf_requests`; padded batches of the first 8 and 32;
     continuous batching (generate_batch) on the first `cb_requests`."""
@@ -360,12 +394,17 @@ def main() -> None:
     ap.add_argument("--quantized-steps", action="store_true",
                     help="only decode step times at batch 1 and 32 of bf16 weights, auto, W8A16 and W4A16, the "
                          "engines measured in turn (robust to load on a shared machine)")
+    ap.add_argument("--agreement", action="store_true",
+                    help="only the teacher-forced top-1 agreement of W8A16 and W4A16 with bf16 on the same weights")
     args = ap.parse_args()
     shape = "small" if args.small else "0.6b"
     spec = SHAPES[shape]
     folder = make_checkpoint(shape)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.agreement:
+        agreement(folder, {name: make_quantized_checkpoint(shape, name) for name in QUANTIZED}, args.threads)
+        return
     if args.quantized_steps:
         interleaved_decode_steps(folder, {name: make_quantized_checkpoint(shape, name) for name in QUANTIZED},
                                  args.threads)
