@@ -423,8 +423,13 @@ def main() -> None:
     config = EngineConfig(num_threads=args.threads, kv_cache_memory_gb=args.kv_gb,
                           max_num_batched_tokens=args.token_budget, max_num_seqs=128)
     engine = LLMEngine.from_pretrained(folder, config)
-    # Packed weights are no longer parameters: count them from the checkpoint's layout.
-    params = sum(t.numel() for t in engine.runner.model.checkpoint_targets().values())
+    # Packed weights are no longer parameters (nor checkpoint targets once packed): count them in the checkpoint.
+    from safetensors import safe_open
+
+    params = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            params += sum(torch.Size(f.get_slice(name).get_shape()).numel() for name in f.keys())
     weight_bytes = params * 4
     # Every decode step reads all matrices once: layers + the (tied) LM head; the embedding lookup is tiny.
     layer_params = params - spec["vocab_size"] * spec["hidden_size"] * (1 if spec["tie_word_embeddings"] else 2)

@@ -147,14 +147,18 @@ class ServerSpec:
 
 
 # Our configurations: the name's dtype, and `up`'s own flags (unified: no prefill process, the decode worker prefills
-# its prompts itself, one engine as vLLM's).
-OURS = {"ours-fp32": ("float32", ()), "ours-auto": ("auto", ()), "ours-unified": ("auto", ("--prefill", "0"))}
+# its prompts itself, one engine as vLLM's; w4a16: per-stage precision, the decode processes on the checkpoint's AWQ
+# 4-bit copy behind a prefill on the checkpoint itself).
+OURS = {"ours-fp32": ("float32", ()), "ours-auto": ("auto", ()), "ours-unified": ("auto", ("--prefill", "0")),
+        "ours-w4a16": ("auto", ("--decode-model", "{awq}"))}
 
 
 def ours_spec(model: Path, name: str, kv_gb: float, max_len: int) -> ServerSpec:
     dtype, flags = OURS[name]
     exe = Path(sys.executable).with_name("qwen-serve")
     cmd = (str(exe),) if exe.exists() else (sys.executable, "-m", "qwenserve.cli")
+    if "{awq}" in flags:
+        flags = tuple(str(awq_copy(model)) if f == "{awq}" else f for f in flags)
     argv = (*cmd, "up", str(model), "--http-port", "{port}", "--grpc-port", "{grpc_port}", "--dtype", dtype,
             "--kv-cache-gb", f"{kv_gb:g}", "--max-model-len", str(max_len), *flags)
     return ServerSpec(name, dtype, argv)
@@ -457,6 +461,26 @@ def cpu_description() -> tuple[str, dict[str, bool]]:
     return model, {f: f in flags for f in CPU_FLAGS}
 
 
+def awq_copy(model: Path) -> Path:
+    """`model`'s decoder linears in AWQ 4-bit, groups of 128 (round to nearest, the format of Qwen's AWQ checkpoints;
+    tests/support/quantized_checkpoints.py writes it), made once beside it."""
+    target = model.parent / f"{model.name}-awq"
+    if (target / "model.safetensors").is_file():
+        return target
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, where tests/ lives
+    from tests.support.quantized_checkpoints import quantize_checkpoint
+
+    staging = Path(tempfile.mkdtemp(dir=model.parent, prefix=f".{target.name}."))
+    shutil.rmtree(staging)
+    try:
+        print(f"writing {target} (AWQ 4-bit, groups of 128) ...", flush=True)
+        quantize_checkpoint(model, staging, "awq", group_size=128)
+        os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def ensure_checkpoint(model: Path | None) -> Path:
     """--model, else the random Qwen3-0.6B-shaped bf16 checkpoint with the real vocabulary, written once."""
     if model is not None:
@@ -505,7 +529,8 @@ def main() -> None:
                         help=f"checkpoint (default: a random Qwen3-0.6B-shaped bf16 one, ~/.cache/qwen-serve/models/"
                              f"{CHECKPOINT_NAME})")
     parser.add_argument("--servers", default="ours-fp32,ours-auto,vllm",
-                        help=f"which of {','.join(OURS)},vllm (ours-unified: `up --prefill 0`)")
+                        help=f"which of {','.join(OURS)},vllm (ours-unified: `up --prefill 0`; ours-w4a16: "
+                             "`up --decode-model` of the checkpoint's AWQ copy)")
     parser.add_argument("--kv-cache-gb", type=float, default=4.0,
                         help="KV-cache memory of every server (ours: per engine; vLLM: VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--vllm-omp-bind", default=None,

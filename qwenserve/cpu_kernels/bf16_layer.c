@@ -86,18 +86,59 @@ void qk_norm_rope_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_str
     }
 }
 
+/* exp(x) for a vector of floats: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by Cephes' degree-6 polynomial, times 2^n
+ * built in the exponent bits; within about an ulp of expf over [-87.3, 88.7] (inf above, 2^-126 below). libm's expf is a
+ * call per value, which made silu the costliest of these kernels at a 32-row decode step. */
+#define EXP_LANES 16
+typedef float vexp __attribute__((vector_size(EXP_LANES * 4)));
+typedef int32_t vexpi __attribute__((vector_size(EXP_LANES * 4)));
+
+/* *v = exp(*v), in place (a vector argument or result would change the ABI where the vector is wider than the
+ * target's registers). */
+static inline __attribute__((always_inline)) void exp_lanes(vexp *v) {
+    const vexp zero = {0.0f}, hi = zero + 88.3762626647949f, lo = zero - 87.3365447505531f;
+    vexpi above = (vexpi)(*v > hi), below = (vexpi)(*v < lo);
+    vexp x = (vexp)(((vexpi)hi & above) | ((vexpi)*v & ~above));
+    x = (vexp)(((vexpi)lo & below) | ((vexpi)x & ~below));
+    const vexp fx = x * 1.44269504088896341f + 0.5f;
+    vexpi n = __builtin_convertvector(fx, vexpi); /* toward zero: one less where that rounded up */
+    n += (vexpi)(__builtin_convertvector(n, vexp) > fx);
+    const vexp fn = __builtin_convertvector(n, vexp);
+    const vexp r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+    vexp y = r * 1.9875691500E-4f + 1.3981999507E-3f;
+    y = y * r + 8.3334519073E-3f;
+    y = y * r + 4.1665795894E-2f;
+    y = y * r + 1.6666665459E-1f;
+    y = y * r + 5.0000001201E-1f;
+    y = y * r * r + r + 1.0f;
+    y *= (vexp)((n + 127) << 23);
+    const vexpi overflow = (vexpi)(*v > 88.7228391f); /* past FLT_MAX: inf, as expf (silu(-100) is then -0) */
+    *v = (vexp)(((vexpi)(zero + __builtin_inff()) & overflow) | ((vexpi)y & ~overflow));
+}
+
+/* One row's bf16(bf16(silu(g)) * u) for n values, EXP_LANES at a time. */
+static void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t n) {
+    int64_t i = 0;
+    for (; i + EXP_LANES <= n; i += EXP_LANES) {
+        vexp x, up;
+        for (int j = 0; j < EXP_LANES; j++) x[j] = widen(g[i + j]), up[j] = widen(u[i + j]);
+        vexp e = -x;
+        exp_lanes(&e);
+        const vexp s = x / (1.0f + e);
+        for (int j = 0; j < EXP_LANES; j++) o[i + j] = round_bf16(widen(round_bf16(s[j])) * up[j]);
+    }
+    for (; i < n; i++) {
+        const float x = widen(g[i]);
+        o[i] = round_bf16(widen(round_bf16(x / (1.0f + expf(-x)))) * widen(u[i]));
+    }
+}
+
 /* out[r] = bf16(bf16(silu(gate)) * up) where row r of gate_up holds the n gate values, then the n up values. */
 void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, uint16_t *out, int64_t out_stride, int64_t rows,
                    int64_t n, int64_t num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * n >= PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = gate_up + r * stride, *u = g + n;
-        uint16_t *o = out + r * out_stride;
-        for (int64_t i = 0; i < n; i++) {
-            const float x = widen(g[i]);
-            o[i] = round_bf16(widen(round_bf16(x / (1.0f + expf(-x)))) * widen(u[i]));
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up + r * stride, gate_up + r * stride + n,
+                                                    out + r * out_stride, n);
 }
 
 /* The products a bf16 model's few decode rows run in fp32 kernels, with its bf16 rows in and out: widened into

@@ -74,6 +74,18 @@ def test_silu_mul_equals_pytorchs_form(variant_kernels: dict[str, CpuKernels], r
         close_in_bf16(kernels.silu_mul_bf16(gate_up, n), want, name)
 
 
+def test_silu_mul_at_the_ends_of_exp_equals_pytorchs_form(variant_kernels: dict[str, CpuKernels]) -> None:
+    # The vectorised exp: past expf's range silu is -0 (exp overflows) or x itself; inf and NaN as PyTorch has them.
+    ends = [-200.0, -100.0, -88.8, -88.0, -87.5, -50.0, -1.0, 0.0, 1e-3, 3.0, 50.0, 88.0, 89.0, 100.0,
+            float("nan"), float("inf"), -float("inf")]
+    gate = torch.tensor(ends * 2)  # 34 values: two vectors' worth and a scalar tail
+    gate_up = torch.cat([gate, torch.full_like(gate, 1.5)])[None].to(BF16)
+    want = torch_forms.silu_mul(gate_up, gate.numel())
+    for name, kernels in variant_kernels.items():
+        got = kernels.silu_mul_bf16(gate_up, gate.numel())
+        assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0)), (name, got, want)
+
+
 def test_the_kernels_refuse_what_they_cannot_read(variant_kernels: dict[str, CpuKernels]) -> None:
     kernels = next(iter(variant_kernels.values()))
     with pytest.raises(ValueError, match="bf16"):

@@ -3,6 +3,8 @@ stood in where the choice is the subject, and the oneDNN rows of the packed prod
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -187,6 +189,7 @@ def test_a_probe_is_measured_once_per_machine_and_shape_and_read_back_from_disk(
     monkeypatch.setenv("QWENSERVE_CACHE", str(tmp_path))
     taken = StandIn(probe_result(1.7, 64))
     monkeypatch.setattr(linear_probe, "measure_now", taken)
+    monkeypatch.setattr(linear_probe, "machine_busy", lambda: False)
     first = linear_probe.measure.__wrapped__(kernels, 64, 32, 2)
     again = linear_probe.measure.__wrapped__(kernels, 64, 32, 2)  # another process on this machine
     assert taken.calls == [(64, 32, 2)]
@@ -203,3 +206,25 @@ def test_a_probe_is_measured_once_per_machine_and_shape_and_read_back_from_disk(
         linear_probe.measure.__wrapped__(kernels, 64, 32, 2)
     assert len(taken.calls) == 4 and "unreadable" in caplog.text
     assert linear_probe.measure.__wrapped__(kernels, 64, 32, 2).seconds == 0
+
+
+def test_a_probe_measured_on_a_busy_machine_is_used_while_it_stays_busy_and_measured_again_once_quiet(
+        kernels: CpuKernels, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from qwenserve.cpu_kernels import linear_probe
+    monkeypatch.setenv("QWENSERVE_CACHE", str(tmp_path))
+    taken = StandIn(probe_result(1.7, 64))
+    monkeypatch.setattr(linear_probe, "measure_now", taken)
+    busy = [True]
+    monkeypatch.setattr(linear_probe, "machine_busy", lambda: busy[0])
+    linear_probe.measure.__wrapped__(kernels, 64, 32, 2)
+    assert json.loads(linear_probe.cache_path(kernels, 64, 32, 2).read_text())["quiet"] is False
+    linear_probe.measure.__wrapped__(kernels, 64, 32, 2)  # still busy: the busy figure serves
+    assert len(taken.calls) == 1
+    busy[0] = False
+    linear_probe.measure.__wrapped__(kernels, 64, 32, 2)  # quiet now: measured again, and kept as quiet
+    assert len(taken.calls) == 2
+    assert json.loads(linear_probe.cache_path(kernels, 64, 32, 2).read_text())["quiet"] is True
+    busy[0] = True
+    linear_probe.measure.__wrapped__(kernels, 64, 32, 2)
+    linear_probe.measure.__wrapped__(kernels, 64, 32, 2)
+    assert len(taken.calls) == 2  # a quiet figure serves, busy or not
