@@ -268,10 +268,13 @@ def interleaved_decode_steps(folder: Path, quantized: dict[str, Path], threads: 
     precision_rates), every engine loaded at once and measured in turn, `rounds` times: on a shared machine, load that
     comes and goes then weighs on every row alike. Prints the median of each and its ratio to bf16 weights."""
     bf16 = dict(dtype="float32", kv_cache_dtype="bfloat16", cpu_weight_dtype="bfloat16")
+    # "layer by layer": the same engine with --no-fused-decode, what the decode step's per-layer calls cost.
     settings = {"bf16 weights + KV": (folder, bf16), "auto": (folder, {}),
+                "auto, layer by layer": (folder, {"fused_decode": False}),
                 **{name: (path, bf16) for name, path in quantized.items()}}
     if "W4A16" in quantized:
         settings["W4A16 auto"] = (quantized["W4A16"], {})
+        settings["W4A16 auto, layer by layer"] = (quantized["W4A16"], {"fused_decode": False})
     engines = {}
     for name, (path, overrides) in settings.items():
         engines[name] = LLMEngine.from_pretrained(path, EngineConfig(num_threads=threads, kv_cache_memory_gb=0.5,

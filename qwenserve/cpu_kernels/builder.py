@@ -21,7 +21,7 @@ log = logging.getLogger("qwenserve.cpu_kernels")
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode.c", "linear.c", "linear_quant.c", "kv_checksum.c", "token_bitmask.c",
-                             "gated_delta.c", "bf16_layer.c"))
+                             "gated_delta.c", "bf16_layer.c", "decode_stack.c"))
 # Included by the sources: part of what names a build.
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("vec8.h", "linear_tiles.h", "paged_attend.h"))
 ENV_DIR = "QWENSERVE_CPU_KERNEL_DIR"

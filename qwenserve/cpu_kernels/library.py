@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from qwenserve.cpu_kernels.decode_stack import DecodeStack
 from qwenserve.cpu_kernels.packed_weight import PANEL, PANEL_DTYPES, PackedWeight
 from qwenserve.cpu_kernels.quant_weight import QuantWeight
 
@@ -50,6 +51,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_decode_attention_bf16_io.restype = ctypes.c_int
     lib.paged_decode_attention_bf16_io.argtypes = ([pointer, i64] + [pointer] * 2 + [i64, pointer, i64, pointer, pointer]
                                                    + [i64] * 6 + [ctypes.c_float, i64])
+    lib.decode_stack_bf16.restype = ctypes.c_int
+    lib.decode_stack_bf16.argtypes = [pointer, i64, pointer, i64] + [pointer] * 5 + [i64] * 2 + [pointer, i64, pointer]
     return lib
 
 
@@ -337,3 +340,39 @@ class CpuKernels:
         self.lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), n, gate_up.shape[0], n,
                                torch.get_num_threads())
         return out
+
+    def decode_stack_bf16(self, stack: DecodeStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          slots: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                          context_lens: torch.Tensor) -> None:
+        """Every layer of `stack` over the decode rows x [m, hidden] bf16, in place (decode_stack.c): cos / sin [m, rot]
+        bf16 at the rows' positions, slots [m] int64 where each row's K/V is stored, kv_cache [layers, 2, num_blocks,
+        block_size, kv_heads, head_dim] bf16 (written at the slots), block_table [m, max_blocks] and context_lens [m]
+        int64 as paged_decode_attention reads them. IndexError, before anything is written, when a slot or block lies
+        outside the cache. The GIL is released while it runs."""
+        hidden, heads, kv_heads, head_dim, _, rot = stack.sizes
+        m = x.shape[0] if x.dim() == 2 else -1
+        if x.dtype != torch.bfloat16 or x.shape != (m, hidden) or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError(f"decode_stack_bf16 wants x as contiguous bf16 CPU rows [m, {hidden}]")
+        for t in (cos, sin):
+            if t.dtype != torch.bfloat16 or t.numel() != m * rot or not t.is_contiguous():
+                raise ValueError(f"decode_stack_bf16 wants cos and sin as contiguous bf16 [{m}, {rot}]")
+        if (kv_cache.dtype != torch.bfloat16 or kv_cache.dim() != 6 or kv_cache.shape[0] < len(stack)
+                or kv_cache.shape[1] != 2 or kv_cache.shape[4:] != (kv_heads, head_dim) or not kv_cache.is_contiguous()
+                or kv_cache.device.type != "cpu"):
+            raise ValueError(f"decode_stack_bf16 wants a contiguous bf16 CPU cache [>= {len(stack)}, 2, blocks, "
+                             f"block_size, {kv_heads}, {head_dim}]")
+        for t, shape in ((slots, (m,)), (context_lens, (m,)), (block_table, (m, block_table.shape[-1]))):
+            if t.dtype != torch.int64 or t.shape != shape or not t.is_contiguous():
+                raise ValueError("decode_stack_bf16 wants contiguous int64 slots [m], context_lens [m] and "
+                                 "block_table [m, max_blocks]")
+        num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
+        shape = stack.shape(block_size, torch.get_num_threads())
+        status = self.lib.decode_stack_bf16(x.data_ptr(), m, ctypes.addressof(stack.layers), len(stack),
+                                            ctypes.addressof(shape), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                            kv_cache.data_ptr(), kv_cache[0].numel(), num_blocks,
+                                            block_table.data_ptr(), block_table.shape[1], context_lens.data_ptr())
+        if status == -2:
+            raise IndexError(f"decode_stack_bf16: a slot or block lies outside the cache's {num_blocks} blocks, or a "
+                             "block table is shorter than its context (a scheduler bug)")
+        if status != 0:
+            raise MemoryError("decode_stack_bf16 could not allocate its scratch")

@@ -88,6 +88,9 @@ class EngineConfig:
     # Which kernels run is decided once per engine from these (engine/kernels.py); off, the same tokens, slower.
     cpu_kernel: bool = option(True, help="run qwenserve's C kernels for what runs on the CPU, where they load "
                                          "(off: PyTorch's ops)")
+    # The same kernels either way, equal bit for bit; off is for measuring what the per-layer calls cost.
+    fused_decode: bool = option(True, help="a dense bf16 model on the C kernels: run a decode step's decoder layers "
+                                           "in one C call (off: layer by layer)")
     # bf16 halves the weight bytes a CPU decode step streams (bench/kernels_bench.py); activations stay fp32.
     cpu_weight_dtype: str = option(
         "auto", choices=("auto", "float32", "bfloat16"),

@@ -34,10 +34,14 @@ from qwenserve.engine.precision import Precision, resolve_precision
 from qwenserve.engine.quantization import Quantization, quantization_of
 from qwenserve.models import ModelConfig, linear_attention_gpu
 from qwenserve.models.forward_context import AttentionBackend
+from qwenserve.models.fused_decode import with_fused_decode
 from qwenserve.models.ops import TORCH_OPS, Ops, cpu_kernel_ops
-from qwenserve.models.quantized_linear import with_quantized_linears
+from qwenserve.models.quantized_linear import amx_from, with_quantized_linears
 
 log = logging.getLogger("qwenserve.engine")
+
+# The most rows a fused decode step runs where no other product takes over: its scratch is a few rows' activations.
+FUSED_DECODE_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,9 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
         # PyTorch's bf16 product.
         bf16_rows = 1 if precision.dtype == torch.bfloat16 else precision.onednn_rows
         ops = with_quantized_linears(ops, cpu, label, bf16_rows)
+        amx_rows = amx_from(label, bf16_rows)
+        if amx_rows is not None and ops.decode_layers is not TORCH_OPS.decode_layers:
+            ops = with_fused_decode(ops, cpu, min(amx_rows, fused_rows_of(precision)))
         precision = dataclasses.replace(precision, quantized=label, reason=f"{precision.reason}; linear weights "
                                         f"{label.upper()}: {quantized.describe()} kept as codes")
     return KernelSet(cpu, ops, attention, block_size, precision, quantized)
@@ -112,10 +119,20 @@ def model_ops(config: EngineConfig, device: torch.device, precision: Precision, 
     BLAS at decode sizes, the recurrent update ~50x PyTorch's ops: bench/kernels_bench.py), the kernel packages'
     recurrences on CUDA where installed and switched on, PyTorch's everywhere else."""
     if device.type == "cpu" and cpu is not None:
-        return cpu_kernel_ops(cpu, precision.dtype, precision.weight_dtype, precision.onednn_rows)
+        ops = cpu_kernel_ops(cpu, precision.dtype, precision.weight_dtype, precision.onednn_rows)
+        if precision.dtype == torch.bfloat16 and precision.kv_dtype == torch.bfloat16 \
+                and precision.weight_dtype == torch.bfloat16 and config.fused_decode:
+            ops = with_fused_decode(ops, cpu, fused_rows_of(precision))
+        return ops
     if device.type == "cuda" and config.linear_attention_kernels:
         return cuda_ops(device, precision.dtype)
     return TORCH_OPS
+
+
+def fused_rows_of(precision: Precision) -> int:
+    """Decode steps of fewer rows than this run every layer in one C call: up to where PyTorch's bf16 product takes
+    over from the panels (from there the layer-by-layer path runs it)."""
+    return precision.onednn_rows or FUSED_DECODE_MAX_ROWS
 
 
 def cuda_ops(device: torch.device, dtype: torch.dtype) -> Ops:

@@ -27,6 +27,15 @@ class AttentionBatch:
     num_decodes: int
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """A step whose every row is one decode token, as the CPU kernels attend it (`AttentionBackend.decode_rows`)."""
+
+    slot_mapping: torch.Tensor  # [rows] int64: where each row's K/V goes
+    block_table: torch.Tensor  # [rows, max_blocks] int64, padded
+    context_lens: torch.Tensor  # [rows] int64, this step's token included
+
+
 class AttentionBackend(Protocol):
     """Writes this step's K/V into the paged cache and attends over each sequence's context."""
 
@@ -48,6 +57,10 @@ class AttentionBackend(Protocol):
         """Store k/v at the step's slots, then return the attention output for every query token."""
         ...
 
+    def decode_rows(self, meta: Any) -> DecodeRows | None:
+        """The step as DecodeRows where every row is a decode token attended by the CPU kernel, else None."""
+        ...
+
 
 @dataclass(slots=True)
 class ForwardContext:
@@ -63,3 +76,7 @@ class ForwardContext:
         """Attention of layer `layer_idx` (see AttentionBackend.forward)."""
         layer_cache = self.kv_cache[layer_idx]
         return self.backend.forward(q, k, v, layer_cache[0], layer_cache[1], self.meta)
+
+    def decode_rows(self) -> DecodeRows | None:
+        """This step as DecodeRows where every row is a decode token the CPU kernel attends (see AttentionBackend)."""
+        return self.backend.decode_rows(self.meta)

@@ -48,7 +48,8 @@ class Ops:
     products, as models/torch_forms.py's functions of the same names (which are the defaults); `gated_delta_step(q, k, v, g, beta, states, slots)`: one decode token of
     the gated delta rule, the states updated in place; `gated_delta_prefills(q, k, v, g, beta, states, prefills)`:
     a step's prefill chunks; `short_conv_step(x, conv_state, weight, slots)`: the decode rows' convolution
-    (models/gated_delta.py says the three contracts)."""
+    (models/gated_delta.py says the three contracts); `decode_layers(model, x, cos, sin, ctx)`: every decoder layer
+    of a step in one call, or None where it does not apply and the layers run one by one (models/fused_decode.py)."""
 
     name: str
     linear: Callable[..., torch.Tensor]
@@ -61,6 +62,7 @@ class Ops:
     gated_delta_step: Callable[..., torch.Tensor] = recurrent_gated_delta_step
     gated_delta_prefills: Callable[..., torch.Tensor] = chunk_gated_delta_prefills
     short_conv_step: Callable[..., torch.Tensor] = short_conv_step
+    decode_layers: Callable[..., torch.Tensor | None] = lambda model, x, cos, sin, ctx: None
 
 
 def _torch_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

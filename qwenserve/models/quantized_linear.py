@@ -28,9 +28,15 @@ def with_quantized_linears(ops: Ops, kernels: CpuKernels, label: str, bf16_rows:
     """`ops` whose `linear` multiplies QuantWeights in `kernels` (named `ops.name`+`label`, e.g. '+w4a16'), products
     of at least `bf16_rows` rows (None: none) with x rounded to bf16 on AMX where it runs."""
     amx_rows = max(bf16_rows, AMX_MIN_ROWS) if bf16_rows is not None else None
-    amx_here = amx_rows is not None and label == "w4a16" and "amx_bf16" in cpu_flags()
-    name = f"{ops.name}+{label}" + (f"+amx>={amx_rows}" if amx_here else "")
+    name = f"{ops.name}+{label}" + (f"+amx>={amx_rows}" if amx_from(label, bf16_rows) else "")
     return dataclasses.replace(ops, name=name, linear=_quantized_or(ops.linear, kernels, amx_rows))
+
+
+def amx_from(label: str, bf16_rows: int | None) -> int | None:
+    """From how many rows a product of `label`'s codes runs on AMX tiles on this CPU (None: never)."""
+    if bf16_rows is None or label != "w4a16" or "amx_bf16" not in cpu_flags():
+        return None
+    return max(bf16_rows, AMX_MIN_ROWS)
 
 
 def _quantized_or(base: Callable[..., torch.Tensor], kernels: CpuKernels,

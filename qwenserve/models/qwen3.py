@@ -149,6 +149,9 @@ class QwenForCausalLM(nn.Module):
         table = self.lm_head if self.embed_tokens is None else self.embed_tokens
         x = self.ops.embedding(table, input_ids)
         cos, sin = self.rotary.lookup(positions)
+        fused = self.ops.decode_layers(self, x, cos, sin, ctx)
+        if fused is not None:
+            return fused
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         return x

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qwenserve.models.forward_context import AttentionBatch
+from qwenserve.models.forward_context import AttentionBatch, DecodeRows
 
 FLASH_BLOCK_MULTIPLE = 256
 
@@ -72,6 +72,10 @@ class FlashAttentionBackend:
             max_query_len=max(batch.query_lens),
             max_context_len=max(batch.context_lens),
         )
+
+    def decode_rows(self, meta: FlashAttentionMeta) -> DecodeRows | None:
+        """None: the CPU kernels never attend a CUDA cache."""
+        return None
 
     def forward(
         self,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve.cpu_kernels.library import CpuKernels
-from qwenserve.models.forward_context import AttentionBatch
+from qwenserve.models.forward_context import AttentionBatch, DecodeRows
 
 
 @dataclass(slots=True)
@@ -85,6 +85,13 @@ class TorchAttentionBackend:
             prefills.append((start, qlen, ctx, blocks, causal))
             start += qlen
         return TorchAttentionMeta(batch.slot_mapping, nd, table, mask, kernel_lens, prefills)
+
+    def decode_rows(self, meta: TorchAttentionMeta) -> DecodeRows | None:
+        """The step as DecodeRows when its rows are all decode tokens for the CPU kernel (see AttentionBackend)."""
+        if (meta.prefills or not meta.num_decodes or meta.decode_context_lens is None
+                or meta.decode_block_table is None or meta.slot_mapping.numel() != meta.num_decodes):
+            return None
+        return DecodeRows(meta.slot_mapping, meta.decode_block_table, meta.decode_context_lens)
 
     def forward(
         self,
