@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vexp.h"
+
 #define PARALLEL_VALUES 65536 /* below this, one thread: a parallel region costs more than the work */
 
 static inline float widen(uint16_t h) {
@@ -84,36 +86,6 @@ void qk_norm_rope_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_str
         for (int64_t h = 0; h < kv_heads; h++) norm_rope_head(k + r * k_stride + h * dim, k_w, c, s, dim, rot, eps,
                                                               zero_centered);
     }
-}
-
-/* exp(x) for a vector of floats: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by Cephes' degree-6 polynomial, times 2^n
- * built in the exponent bits; within about an ulp of expf over [-87.3, 88.7] (inf above, 2^-126 below). libm's expf is a
- * call per value, which made silu the costliest of these kernels at a 32-row decode step. */
-#define EXP_LANES 16
-typedef float vexp __attribute__((vector_size(EXP_LANES * 4)));
-typedef int32_t vexpi __attribute__((vector_size(EXP_LANES * 4)));
-
-/* *v = exp(*v), in place (a vector argument or result would change the ABI where the vector is wider than the
- * target's registers). */
-static inline __attribute__((always_inline)) void exp_lanes(vexp *v) {
-    const vexp zero = {0.0f}, hi = zero + 88.3762626647949f, lo = zero - 87.3365447505531f;
-    vexpi above = (vexpi)(*v > hi), below = (vexpi)(*v < lo);
-    vexp x = (vexp)(((vexpi)hi & above) | ((vexpi)*v & ~above));
-    x = (vexp)(((vexpi)lo & below) | ((vexpi)x & ~below));
-    const vexp fx = x * 1.44269504088896341f + 0.5f;
-    vexpi n = __builtin_convertvector(fx, vexpi); /* toward zero: one less where that rounded up */
-    n += (vexpi)(__builtin_convertvector(n, vexp) > fx);
-    const vexp fn = __builtin_convertvector(n, vexp);
-    const vexp r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-    vexp y = r * 1.9875691500E-4f + 1.3981999507E-3f;
-    y = y * r + 8.3334519073E-3f;
-    y = y * r + 4.1665795894E-2f;
-    y = y * r + 1.6666665459E-1f;
-    y = y * r + 5.0000001201E-1f;
-    y = y * r * r + r + 1.0f;
-    y *= (vexp)((n + 127) << 23);
-    const vexpi overflow = (vexpi)(*v > 88.7228391f); /* past FLT_MAX: inf, as expf (silu(-100) is then -0) */
-    *v = (vexp)(((vexpi)(zero + __builtin_inff()) & overflow) | ((vexpi)y & ~overflow));
 }
 
 /* One row's bf16(bf16(silu(g)) * u) for n values, EXP_LANES at a time. */

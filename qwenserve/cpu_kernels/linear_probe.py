@@ -26,15 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from qwenserve.cache import cache_root
+from qwenserve.cpu_kernels import onednn_weight
 from qwenserve.cpu_kernels.builder import cpu_flags, source_digest
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.packed_weight import PANEL, PackedWeight
 
 # Row counts where our bf16 panels and PyTorch's bf16 product are compared: decode batches to prefill chunks.
-ROWS = (4, 16, 64, 256)
+ROWS = (4, 8, 16, 64, 256)
 # The probe's matrix is the model's MLP input projection, capped so the probe stays short and small.
 MAX_PROBE_N, MAX_PROBE_K = 6144, 2048
 # Each timing is the best of this many runs (a one-off stall is not the product's speed) ...
@@ -44,7 +44,7 @@ MIN_LOOP_S = 0.004
 # Whole probes, at most, this far apart: the best time of each product over them counts.
 TRIES, SETTLE_S = 3, 0.2
 # Part of the cache key: a change to what is measured or how makes earlier results stale.
-PROBE_VERSION = 1
+PROBE_VERSION = 2  # 2: PyTorch's bf16 product on a weight prepacked once (onednn_weight.py)
 
 log = logging.getLogger("qwenserve.cpu_kernels")
 
@@ -211,7 +211,7 @@ def _probe_once(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProb
         generator = torch.Generator().manual_seed(0)
         weight = torch.randn(n, k, generator=generator) / k**0.5
         fp32, bf16 = PackedWeight.pack(weight), PackedWeight.pack(weight, torch.bfloat16)
-        dense = weight.to(torch.bfloat16)
+        dense = onednn_weight.prepack(weight.to(torch.bfloat16))
         del weight
         x = torch.randn(max(ROWS), k, generator=generator)
         one = x[:1].contiguous()
@@ -223,7 +223,7 @@ def _probe_once(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProb
             xs = x[:rows].contiguous()
             xb = xs.to(torch.bfloat16)
             panels_ms[rows], onednn_ms[rows] = _best_ms(functools.partial(kernels.linear_packed, xs, bf16),
-                                                        lambda xb=xb: F.linear(xb, dense).float())
+                                                        lambda xb=xb: onednn_weight.linear(xb, dense).float())
     finally:
         torch.set_num_threads(previous)
     return LinearProbe(n, k, fp32_ms, bf16_ms, panels_ms, onednn_ms, time.perf_counter() - started)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from qwenserve.cpu_kernels import onednn_weight
+
 PANEL = 16  # output columns per panel of a packed weight (linear.c's PANEL)
 PANEL_DTYPES = (torch.float32, torch.bfloat16)  # what linear.c's products read
 
@@ -25,7 +27,8 @@ class PackedWeight:
     def __init__(self, panels: torch.Tensor, dense: torch.Tensor | None = None) -> None:
         self.panels = panels
         # The weight unpacked [..., n, k] in bf16 as well, where PyTorch's bf16 product runs a step's many rows
-        # faster than the panels (engine/precision.py); None elsewhere.
+        # faster than the panels (engine/precision.py): a matrix in oneDNN's layout (onednn_weight.py), stacked
+        # matrices plain; None elsewhere.
         self.dense = dense
 
     @classmethod
@@ -39,7 +42,7 @@ class PackedWeight:
         *lead, n, k = weight.shape
         rounded = weight.to(dtype)  # before the copy that lays out the panels: no whole fp32 copy of a large matrix
         panels = rounded.reshape(*lead, n // PANEL, PANEL, k).transpose(-1, -2).contiguous()
-        return cls(panels, rounded.to(torch.bfloat16).contiguous() if dense else None)
+        return cls(panels, onednn_weight.prepack(rounded.to(torch.bfloat16).contiguous()) if dense else None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -54,7 +57,7 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.panels.nbytes + (self.dense.nbytes if self.dense is not None else 0)
+        return self.panels.nbytes + (onednn_weight.nbytes(self.dense) if self.dense is not None else 0)
 
     def __getitem__(self, index: int) -> PackedWeight:
         return PackedWeight(self.panels[index], self.dense[index] if self.dense is not None else None)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenserve import progress
+from qwenserve.cpu_kernels import onednn_weight
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.packed_weight import PackedWeight, packable
 from qwenserve.models import torch_forms
@@ -95,7 +96,7 @@ def _packed_linear(kernels: CpuKernels, onednn_rows: int | None, x: torch.Tensor
         y = F.linear(x, weight, bias)
         return y if out is None else y.float()
     if weight.dense is not None and onednn_rows is not None and x.numel() >= onednn_rows * x.shape[-1]:
-        y = F.linear(x.to(torch.bfloat16), weight.dense)
+        y = onednn_weight.linear(x.to(torch.bfloat16), weight.dense)
         y = y.to(x.dtype) if out is None else y.float()
         return y if bias is None else y.add_(bias)
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and out is None and x.stride(-1) == 1:

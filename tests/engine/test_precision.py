@@ -141,7 +141,9 @@ def test_the_packed_product_hands_many_rows_to_pytorchs_bf16(kernels: CpuKernels
     assert ops.prepare(model) == 1
     packed = model.down_proj
     assert isinstance(packed, PackedWeight) and packed.dense is not None and packed.dense.dtype == BF16
-    assert torch.equal(packed.dense, weight.to(BF16))
+    # Held in oneDNN's layout, reordered once (onednn_weight.py), where this PyTorch has oneDNN.
+    assert packed.dense.is_mkldnn == torch.backends.mkldnn.is_available()
+    assert torch.equal(packed.dense.to_dense() if packed.dense.is_mkldnn else packed.dense, weight.to(BF16))
     rounded = weight.to(BF16).float()
     few = torch.randn(3, k, generator=gen)
     torch.testing.assert_close(ops.linear(few, packed, bias), few @ rounded.t() + bias, rtol=1e-5, atol=1e-4)
@@ -228,3 +230,20 @@ def test_a_probe_measured_on_a_busy_machine_is_used_while_it_stays_busy_and_meas
     linear_probe.measure.__wrapped__(kernels, 64, 32, 2)
     linear_probe.measure.__wrapped__(kernels, 64, 32, 2)
     assert len(taken.calls) == 2  # a quiet figure serves, busy or not
+
+
+def test_a_prepacked_weight_multiplies_as_pytorchs_bf16_product_bit_for_bit() -> None:
+    """onednn_weight.prepack reorders a matrix once; its product is F.linear's, the same bits, at any row count and
+    with leading dimensions; stacked matrices stay plain tensors (each expert is indexed out of them)."""
+    from qwenserve.cpu_kernels import onednn_weight
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(80, 56, generator=gen).to(BF16)
+    prepacked = onednn_weight.prepack(weight)
+    assert prepacked.is_mkldnn == torch.backends.mkldnn.is_available()
+    assert onednn_weight.nbytes(prepacked) == weight.nbytes
+    for shape in ((1, 56), (7, 56), (600, 56), (2, 3, 56)):
+        x = torch.randn(*shape, generator=gen).to(BF16)
+        assert torch.equal(onednn_weight.linear(x, prepacked), F.linear(x, weight)), shape
+    stacked = torch.randn(2, 16, 8, generator=gen).to(BF16)
+    assert onednn_weight.prepack(stacked) is stacked

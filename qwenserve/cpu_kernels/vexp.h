@@ -1,0 +1,70 @@
+/* Sixteen floats as one vector (GCC/Clang vector extensions: one AVX-512 register, two AVX ones, or four SSE ones)
+ * and what the kernels do with it: exp lane by lane, a horizontal sum, unaligned loads of fp32 and of bf16 widened. */
+#ifndef QWENSERVE_VEXP_H
+#define QWENSERVE_VEXP_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x) for a vector of floats: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by Cephes' degree-6 polynomial, times 2^n
+ * built in the exponent bits; within about an ulp of expf over [-87.3, 88.7] (inf above, 2^-126 below). libm's expf is a
+ * call per value, which made silu the costliest of these kernels at a 32-row decode step. */
+#define EXP_LANES 16
+typedef float vexp __attribute__((vector_size(EXP_LANES * 4)));
+typedef int32_t vexpi __attribute__((vector_size(EXP_LANES * 4)));
+
+/* *v = exp(*v), in place (a vector argument or result would change the ABI where the vector is wider than the
+ * target's registers). */
+static inline __attribute__((always_inline)) void exp_lanes(vexp *v) {
+    const vexp zero = {0.0f}, hi = zero + 88.3762626647949f, lo = zero - 87.3365447505531f;
+    vexpi above = (vexpi)(*v > hi), below = (vexpi)(*v < lo);
+    vexp x = (vexp)(((vexpi)hi & above) | ((vexpi)*v & ~above));
+    x = (vexp)(((vexpi)lo & below) | ((vexpi)x & ~below));
+    const vexp fx = x * 1.44269504088896341f + 0.5f;
+    vexpi n = __builtin_convertvector(fx, vexpi); /* toward zero: one less where that rounded up */
+    n += (vexpi)(__builtin_convertvector(n, vexp) > fx);
+    const vexp fn = __builtin_convertvector(n, vexp);
+    const vexp r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+    vexp y = r * 1.9875691500E-4f + 1.3981999507E-3f;
+    y = y * r + 8.3334519073E-3f;
+    y = y * r + 4.1665795894E-2f;
+    y = y * r + 1.6666665459E-1f;
+    y = y * r + 5.0000001201E-1f;
+    y = y * r * r + r + 1.0f;
+    y *= (vexp)((n + 127) << 23);
+    const vexpi overflow = (vexpi)(*v > 88.7228391f); /* past FLT_MAX: inf, as expf (silu(-100) is then -0) */
+    *v = (vexp)(((vexpi)(zero + __builtin_inff()) & overflow) | ((vexpi)y & ~overflow));
+}
+
+typedef uint16_t vexph __attribute__((vector_size(EXP_LANES * 2)));
+typedef uint32_t vexpu __attribute__((vector_size(EXP_LANES * 4)));
+
+static inline __attribute__((always_inline)) vexp load16f(const float *p) {
+    vexp v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Sixteen bf16 values (their bits) widened to fp32: a zero-extension and a shift. */
+static inline __attribute__((always_inline)) vexp load16_bf16(const uint16_t *p) {
+    vexph h;
+    memcpy(&h, p, sizeof h);
+    const vexpu u = __builtin_convertvector(h, vexpu) << 16;
+    vexp v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* The sum of the lanes, halves folded pairwise. */
+static inline __attribute__((always_inline)) float hsum16(vexp v) {
+    typedef float half __attribute__((vector_size(EXP_LANES * 2)));
+    half a, b;
+    memcpy(&a, &v, sizeof a);
+    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
+    a += b;
+    float s[EXP_LANES / 2];
+    memcpy(s, &a, sizeof s);
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+#endif
