@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from qwenserve.cpu_kernels.library import CpuKernels
+from qwenserve.engine.host_memory import zeroed
 from qwenserve.engine.kv_handoff import KVExportTarget
 from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.scheduler import ScheduledSequence
@@ -49,10 +50,8 @@ class ModelRunner:
         self.device = device
         # An import into a CPU cache scatters its rows with the C kernel, when the engine chose the kernels.
         self._scatter_kernels = cpu_kernels if device.type == "cpu" else None
-        self.kv_cache = torch.zeros(
-            len(cfg.kv_layers), 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype or dtype,
-            device=device,
-        )
+        self.kv_cache = zeroed((len(cfg.kv_layers), 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+                               kv_dtype or dtype, device)
         self.linear_state = (
             LinearStateCache.for_model(cfg, num_state_slots, dtype, device) if cfg.is_hybrid else None
         )

@@ -1,8 +1,10 @@
-"""keep_freed_memory: a freed activation-sized block is reused instead of faulting fresh pages in."""
+"""keep_freed_memory: a freed activation-sized block is reused instead of faulting fresh pages in; zeroed: a large
+zeroed buffer that costs no memory until it is touched."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -44,3 +46,22 @@ def test_a_freed_block_is_reused_without_faults() -> None:
     # Without the settings the block is mapped for the call and unmapped on free: the next one faults again.
     off = _rounds("off")
     assert off["rounds"][1] >= off["pages"] // 2, off
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_zeroed_buffer_is_zeros_and_costs_no_memory_until_touched() -> None:
+    import torch
+
+    from qwenserve.engine.host_memory import zeroed
+
+    before = _resident_bytes()
+    cache = zeroed((4, 2, 1024, 16, 8, 128), torch.bfloat16, torch.device("cpu"))  # 1 GiB
+    assert cache.shape == (4, 2, 1024, 16, 8, 128) and cache.dtype == torch.bfloat16 and cache.is_contiguous()
+    assert _resident_bytes() - before < 64 * 2**20
+    assert not cache[0, 0, :64].any() and not cache[-1, -1, -64:].any()
+    cache[1, 1, 7] = 1.5
+    assert float(cache[1, 1, 7].sum()) == 1.5 * 16 * 8 * 128 and not cache[1, 1, 8].any()
