@@ -22,6 +22,9 @@ pip install -e ".[${extras}]"
 # flash-linear-attention for its tests in Triton's interpreter (tests/engine/test_linear_attention_gpu.py), in a folder
 # of its own: on the venv's path, transformers would run its kernels for the CPU reference models, where they cannot.
 [ -d .venv/fla/fla ] || pip install --no-deps --target .venv/fla "fla-core==0.6.0" "einops==0.8.1"
+# GemLite's W4A16 / W8A16 kernels likewise, for their test in Triton's interpreter (tests/engine/test_gemlite_linear.py)
+# and for scripts/gpu_check.sh to carry.
+[ -d .venv/gemlite/gemlite ] || pip install --no-deps --target .venv/gemlite "gemlite==0.6.0.post2"
 
 # The tests talk to a real Redis server; Mooncake's engine loads libibverbs even over TCP; the chart's alerts are
 # tested with promtool (Debian's prometheus package; nothing is started); the dev cluster enforces NetworkPolicies

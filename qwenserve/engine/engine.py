@@ -108,7 +108,8 @@ class LLMEngine:
             model = model_class(model_cfg)(model_cfg, dtype, self.max_model_len, kernels.ops)
         architecture = architecture_fingerprint(model_cfg, {n: tuple(t.shape) for n, t in
                                                             model.checkpoint_targets().items()})
-        fingerprint = load_checkpoint(model, checkpoint, keep_codes=kernels.quantized is not None)
+        fingerprint = load_checkpoint(model, checkpoint, keep_codes=kernels.quantized is not None,
+                                      pack_codes=kernels.pack_codes)
         model.eval()
         backend = kernels.attention
         self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, num_state_slots, kernels.cpu,

@@ -11,8 +11,9 @@ logits' token masks). Nothing below asks again which kernels run.
   found it faster), its decode attention (fp32 queries over an fp32 or bf16 KV cache) and its linear-attention
   layers' recurrent update; on any device, the grammar's masks of the logits, which are on the CPU.
 - A checkpoint stored in 4- or 8-bit integer codes (AWQ, GPTQ, compressed-tensors) on a CPU with the C kernels:
-  its linear weights kept as codes and multiplied by the W4A16 / W8A16 kernel (models/quantized_linear.py), unless
-  `dequantize_weights`; elsewhere, and for FP8, they are dequantized to the model's dtype at load.
+  its linear weights kept as codes and multiplied by the W4A16 / W8A16 kernel (models/quantized_linear.py); on CUDA
+  where GemLite is installed and passes its start-up check, by GemLite's Triton kernels (models/gemlite_linear.py);
+  unless `dequantize_weights`. Elsewhere, and for FP8, they are dequantized to the model's dtype at load, logged.
 - On CUDA, flash-attn's paged attention where it imports and the dtype and block size suit it, and a hybrid model's
   recurrences in flash-linear-attention's and causal-conv1d's kernels unless `linear_attention_kernels` is off
   (models/linear_attention_gpu.py: each only where installed and agreeing with PyTorch's forms on the device).
@@ -32,7 +33,8 @@ from qwenserve.engine.attention import default_block_size, select_backend
 from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.precision import Precision, resolve_precision
 from qwenserve.engine.quantization import Quantization, quantization_of
-from qwenserve.models import ModelConfig, linear_attention_gpu
+from qwenserve.engine.quantization.kept import CodePacker
+from qwenserve.models import ModelConfig, gemlite_linear, linear_attention_gpu
 from qwenserve.models.forward_context import AttentionBackend
 from qwenserve.models.fused_decode import with_fused_decode
 from qwenserve.models.ops import TORCH_OPS, Ops, cpu_kernel_ops
@@ -49,7 +51,8 @@ class KernelSet:
     """What one engine computes with. `cpu`: the C kernels, or None (off, or none load here); `ops`: what the
     model's layers call; `attention`: the attention backend over the paged KV cache, for `block_size`-token
     blocks; `precision`: the dtypes they compute in; `quantized`: the checkpoint's quantization where its linear
-    weights stay codes for the W4A16 / W8A16 kernel (None: dequantized at load, or none)."""
+    weights stay codes for the W4A16 / W8A16 kernel (None: dequantized at load, or none), packed by `pack_codes`
+    (None: the CPU kernel's QuantWeight)."""
 
     cpu: CpuKernels | None
     ops: Ops
@@ -57,6 +60,7 @@ class KernelSet:
     block_size: int
     precision: Precision
     quantized: Quantization | None = None
+    pack_codes: CodePacker | None = None
 
     @property
     def name(self) -> str:
@@ -86,8 +90,15 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
     block_size = config.block_size or default_block_size(device, dtype)
     attention = select_backend(backend, device, dtype, block_size, cpu if device.type == "cpu" else None)
     ops = model_ops(config, device, precision, cpu)
-    quantized = kept_quantization(config, device, cpu, model)
-    if quantized is not None:
+    quantized = kept_quantization(config, device, cpu, model, dtype)
+    pack_codes = None
+    if quantized is not None and device.type == "cuda":
+        label = f"w{quantized.bits}a16"
+        ops = gemlite_linear.with_gemlite_linears(ops, label)
+        pack_codes = gemlite_linear.code_packer(device, dtype)
+        precision = dataclasses.replace(precision, quantized=label, reason=f"{precision.reason}; linear weights "
+                                        f"{label.upper()}: {quantized.describe()} kept as codes for GemLite")
+    elif quantized is not None:
         assert cpu is not None
         label = f"w{quantized.bits}a16"
         # bf16 activations lose nothing more to AMX's bf16 x; fp32 ones only where the engine already rounds x for
@@ -99,19 +110,30 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
             ops = with_fused_decode(ops, cpu, min(amx_rows, fused_rows_of(precision)))
         precision = dataclasses.replace(precision, quantized=label, reason=f"{precision.reason}; linear weights "
                                         f"{label.upper()}: {quantized.describe()} kept as codes")
-    return KernelSet(cpu, ops, attention, block_size, precision, quantized)
+    return KernelSet(cpu, ops, attention, block_size, precision, quantized, pack_codes)
 
 
 def kept_quantization(config: EngineConfig, device: torch.device, cpu: CpuKernels | None,
-                      model: ModelConfig | None) -> Quantization | None:
-    """The quantization of `model`'s checkpoint where its linears stay 4- or 8-bit codes: on a CPU with the C kernels,
-    integer formats (not FP8), unless `dequantize_weights`."""
-    if device.type != "cpu" or cpu is None or model is None or config.dequantize_weights:
+                      model: ModelConfig | None, dtype: torch.dtype) -> Quantization | None:
+    """The quantization of `model`'s checkpoint where its linears stay 4- or 8-bit codes: integer formats (not FP8),
+    unless `dequantize_weights`, on a CPU with the C kernels, or on CUDA where GemLite imports and agrees with
+    PyTorch for 16-bit activations of `dtype`."""
+    if model is None or config.dequantize_weights:
         return None
     quantization = quantization_of(model.raw)
     if quantization is None or quantization.block is not None or quantization.bits not in (4, 8):
         return None
-    return quantization
+    if device.type == "cpu":
+        return quantization if cpu is not None else None
+    if device.type == "cuda":
+        if dtype in (torch.bfloat16, torch.float16) and gemlite_linear.gemlite_available() \
+                and gemlite_linear.gemlite_agrees(device, dtype, quantization.bits):
+            return quantization
+        log.warning("%s on CUDA: linear weights dequantized to %s at load (GemLite's W%dA16 kernels are not installed "
+                    "(`pip install gemlite`, in the gpu extra), failed their start-up check (logged above), or the "
+                    "model's dtype is not 16-bit)", quantization.describe(), str(dtype).removeprefix("torch."),
+                    quantization.bits)
+    return None
 
 
 def model_ops(config: EngineConfig, device: torch.device, precision: Precision, cpu: CpuKernels | None) -> Ops:

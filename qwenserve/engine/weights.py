@@ -21,7 +21,7 @@ from safetensors import safe_open
 from qwenserve import progress
 from qwenserve.engine.errors import CheckpointError
 from qwenserve.engine.quantization import QuantizedLinears, quantization_of
-from qwenserve.engine.quantization.kept import CodePlacer, codes_held
+from qwenserve.engine.quantization.kept import CodePacker, CodePlacer, codes_held
 from qwenserve.engine.quantization.scheme import IntegerWeight
 from qwenserve.models import ModelConfig, QwenForCausalLM
 
@@ -59,10 +59,12 @@ def tensor_names(files: list[Path]) -> list[str]:
     return names
 
 
-def load_checkpoint(model: QwenForCausalLM, folder: str | Path, keep_codes: bool = False) -> str:
+def load_checkpoint(model: QwenForCausalLM, folder: str | Path, keep_codes: bool = False,
+                    pack_codes: CodePacker | None = None) -> str:
     """Fill `model` from the checkpoint in `folder` and prepare its weights for its ops; returns the model
-    fingerprint (hex). `keep_codes`: the model's ops multiply QuantWeights (W4A16 / W8A16), so a checkpoint's 4- and
-    8-bit linears stay codes where they can (the fingerprint is the same either way).
+    fingerprint (hex). `keep_codes`: the model's ops multiply 4- and 8-bit codes (W4A16 / W8A16), so a checkpoint's
+    4- and 8-bit linears stay codes where they can, packed by `pack_codes` (None: the CPU kernel's QuantWeight); the
+    fingerprint is the same either way.
 
     Raises CheckpointError naming the tensor when one is missing, unexpected or of the wrong shape, and in one line
     when the checkpoint's quantization is not supported.
@@ -77,7 +79,9 @@ def load_checkpoint(model: QwenForCausalLM, folder: str | Path, keep_codes: bool
     files = checkpoint_files(folder)
     in_memory = sum(dst.numel() * dst.element_size() for dst in targets.values())
     quantized = QuantizedLinears.find(quantization_of(model.cfg.raw), tensor_names(files), targets, keep_codes)
-    placer = CodePlacer(model, targets) if quantized is not None and quantized.keep_codes else None
+    placer = None
+    if quantized is not None and quantized.keep_codes:
+        placer = CodePlacer(model, targets) if pack_codes is None else CodePlacer(model, targets, pack_codes)
     dequantized_codes: set[str] = set()  # linears read as codes but dequantized after all
     with torch.inference_mode(), progress.step(f"loading weights from {folder}", total=len(targets),
                                                unit="tensors", total_bytes=in_memory) as step:

@@ -8,6 +8,7 @@ groups that differ between q, k and v), and the LM head, which is the tied embed
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +16,15 @@ from torch import nn
 
 from qwenserve.cpu_kernels.quant_weight import QuantWeight
 from qwenserve.engine.quantization.scheme import IntegerWeight
+from qwenserve.models.gemlite_linear import GemliteWeight
 from qwenserve.models.ops import PACKED_WEIGHTS
 
 # The model's parameters that may hold codes: every packed linear weight but the LM head.
 KEPT_WEIGHTS = tuple(name for name in PACKED_WEIGHTS if name != "lm_head")
+
+# What packs one matrix's codes for the engine's kernels, in QuantWeight.pack's signature (codes, scales, zeros,
+# bits, group_size, groups); ValueError where they do not take that layout. The result has `nbytes`.
+CodePacker = Callable[..., object]
 
 
 @dataclass(frozen=True)
@@ -36,8 +42,11 @@ class CodePlacer:
     """Puts a model's kept linears in place as the loader reads them: `take` each linear read as codes, `finish`
     after the last. `replaced` counts the parameters now holding codes."""
 
-    def __init__(self, model: nn.Module, targets: dict[str, torch.Tensor]) -> None:
-        """`targets` maps each checkpoint weight name to the view of the model's parameter it fills."""
+    def __init__(self, model: nn.Module, targets: dict[str, torch.Tensor], pack: CodePacker = QuantWeight.pack
+                 ) -> None:
+        """`targets` maps each checkpoint weight name to the view of the model's parameter it fills; `pack` makes
+        the kernels' weight of a matrix's codes (the CPU's QuantWeight unless the engine runs elsewhere)."""
+        self._pack = pack
         by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for name, view in targets.items():
             by_storage.setdefault(view.untyped_storage().data_ptr(), []).append((name, view))
@@ -68,7 +77,7 @@ class CodePlacer:
             return []
         weights = [self._pending.pop(part) for part in slot.parts]
         per_expert = len(weights) // slot.experts
-        packed = [_packed(weights[e * per_expert:(e + 1) * per_expert]) for e in range(slot.experts)]
+        packed = [_packed(weights[e * per_expert:(e + 1) * per_expert], self._pack) for e in range(slot.experts)]
         if any(p is None for p in packed):
             return list(zip(slot.parts, weights, strict=True))
         slot.module._parameters.pop(slot.attr)
@@ -84,28 +93,28 @@ class CodePlacer:
         return left
 
 
-def codes_held(model: nn.Module) -> list[QuantWeight]:
-    """Every QuantWeight the model holds, a stack of experts' one by one."""
-    found: list[QuantWeight] = []
+def codes_held(model: nn.Module) -> list[QuantWeight | GemliteWeight]:
+    """Every weight the model holds as codes (QuantWeight, or GemLite's on CUDA), a stack of experts' one by one."""
+    kinds = (QuantWeight, GemliteWeight)
+    found: list[QuantWeight | GemliteWeight] = []
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, QuantWeight):
+            if isinstance(value, kinds):
                 found.append(value)
             elif isinstance(value, list):
-                found.extend(w for w in value if isinstance(w, QuantWeight))
+                found.extend(w for w in value if isinstance(w, kinds))
     return found
 
 
-def _packed(parts: list[IntegerWeight]) -> QuantWeight | None:
-    """One matrix's parts (in row order) as a QuantWeight, or None where they do not make one our kernel takes."""
+def _packed(parts: list[IntegerWeight], pack: CodePacker) -> object | None:
+    """One matrix's parts (in row order) packed by `pack`, or None where they do not make one its kernel takes."""
     weight = _concatenated(parts)
     if weight is None:
         return None
     try:
-        return QuantWeight.pack(weight.codes, weight.scales, weight.zeros, weight.bits, weight.group_size,
-                                weight.groups)
+        return pack(weight.codes, weight.scales, weight.zeros, weight.bits, weight.group_size, weight.groups)
     except ValueError:
-        return None  # a layout our kernel does not take (a 4-bit group of odd size): dequantized instead
+        return None  # a layout the kernel does not take (a 4-bit group of odd size): dequantized instead
 
 
 def _parts_of(param: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> list[str]:
