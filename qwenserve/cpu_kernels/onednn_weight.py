@@ -15,10 +15,16 @@ import torch.nn.functional as F
 LAYOUT_ROWS = 512
 
 
+def reorders() -> bool:
+    """Whether oneDNN here holds bf16 weights in its own layout: it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT (an
+    AVX2-only CPU has neither, and F.linear then runs on the plain weight)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [n, k] bf16 in oneDNN's layout for `linear`, or as it is where PyTorch cannot reorder it (no oneDNN
-    in this build, a stacked weight)."""
-    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    in this build or no bf16 in it on this CPU, a stacked weight)."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or not reorders():
         return weight
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight, LAYOUT_ROWS)
