@@ -1,7 +1,7 @@
 /* One sequence's decode attention for one K/V element type, included by paged_decode.c once per type (fp32 and
  * bf16 caches), so both walk the blocks the same way. The includer defines:
  *   KV              the cache element type (float, or uint16_t holding bf16 bits);
- *   LOAD_KV16(p)    one vexp of fp32 from 16 consecutive KVs at p;
+ *   LOAD_KV_LANES(p) one vexp of fp32 from EXP_LANES consecutive KVs at p;
  *   KV_FLOAT(x)     one KV as a float;
  *   TYPED(name)     the name of this type's copy of a function (name, name##_bf16).
  * q, the scores and the output are fp32 for both: a bf16 K/V vector is widened in registers and the arithmetic
@@ -10,7 +10,7 @@
  * At a 32-sequence step the cache is read as much as the weights (~1.3 GB at 350 tokens of context for Qwen3-0.6B),
  * so the arithmetic must keep up with memory: each K or V vector is widened once for every query head of its group
  * (G heads at a time, G a constant so their accumulators stay in registers), a dot product is reduced once, the
- * softmax's exp runs 16 lanes at a time, and each block's weighted V sum is kept in registers before it is added to
+ * softmax's exp runs EXP_LANES at a time, and each block's weighted V sum is kept in registers before it is added to
  * the output. Per head walks of 8-wide vectors, a scalar reduction per dot and libm's expf per score ran at half
  * the memory's rate. */
 
@@ -21,11 +21,11 @@ static inline __attribute__((always_inline)) void TYPED(score_group)(const float
     vexp acc[4] = {{0}};
     int64_t i = 0;
     for (; i + EXP_LANES <= dim; i += EXP_LANES) {
-        const vexp kv = LOAD_KV16(k + i);
-        for (int g = 0; g < G; g++) acc[g] += load16f(q + g * dim + i) * kv;
+        const vexp kv = LOAD_KV_LANES(k + i);
+        for (int g = 0; g < G; g++) acc[g] += load_lanes(q + g * dim + i) * kv;
     }
     for (int g = 0; g < G; g++) {
-        float s = hsum16(acc[g]);
+        float s = hsum_lanes(acc[g]);
         for (int64_t r = i; r < dim; r++) s += q[g * dim + r] * KV_FLOAT(k[r]);
         scores[g * stride] = s * scale;
     }
@@ -42,25 +42,25 @@ static inline __attribute__((always_inline)) void TYPED(weigh_group)(float *out,
         for (int64_t t = 0; t < n; t++) {
             const KV *vt = v + t * row + i;
             for (int c = 0; c < PV_VECS; c++) {
-                const vexp vv = LOAD_KV16(vt + c * EXP_LANES);
+                const vexp vv = LOAD_KV_LANES(vt + c * EXP_LANES);
                 for (int g = 0; g < G; g++) acc[g][c] += p[g * stride + t] * vv;
             }
         }
         for (int g = 0; g < G; g++)
             for (int c = 0; c < PV_VECS; c++) {
                 float *o = out + g * dim + i + c * EXP_LANES;
-                const vexp sum = load16f(o) + acc[g][c];
+                const vexp sum = load_lanes(o) + acc[g][c];
                 memcpy(o, &sum, sizeof sum);
             }
     }
     for (; i + EXP_LANES <= dim; i += EXP_LANES) {
         vexp acc[4] = {{0}};
         for (int64_t t = 0; t < n; t++) {
-            const vexp vv = LOAD_KV16(v + t * row + i);
+            const vexp vv = LOAD_KV_LANES(v + t * row + i);
             for (int g = 0; g < G; g++) acc[g] += p[g * stride + t] * vv;
         }
         for (int g = 0; g < G; g++) {
-            const vexp sum = load16f(out + g * dim + i) + acc[g];
+            const vexp sum = load_lanes(out + g * dim + i) + acc[g];
             memcpy(out + g * dim + i, &sum, sizeof sum);
         }
     }
@@ -102,9 +102,9 @@ static void TYPED(attend)(const Job *job, int64_t b, int64_t h0, int64_t h1, flo
         float *s = scores + i * ctx, m = -INFINITY;
         int64_t t = 0;
         if (ctx >= EXP_LANES) {
-            vexp mv = load16f(s);
+            vexp mv = load_lanes(s);
             for (t = EXP_LANES; t + EXP_LANES <= ctx; t += EXP_LANES) {
-                const vexp x = load16f(s + t);
+                const vexp x = load_lanes(s + t);
                 const vexpi more = (vexpi)(x > mv);
                 mv = (vexp)(((vexpi)x & more) | ((vexpi)mv & ~more));
             }
@@ -113,12 +113,12 @@ static void TYPED(attend)(const Job *job, int64_t b, int64_t h0, int64_t h1, flo
         for (; t < ctx; t++) m = s[t] > m ? s[t] : m;
         vexp total = {0};
         for (t = 0; t + EXP_LANES <= ctx; t += EXP_LANES) {
-            vexp x = load16f(s + t) - m;
+            vexp x = load_lanes(s + t) - m;
             exp_lanes(&x);
             memcpy(s + t, &x, sizeof x);
             total += x;
         }
-        float sum = hsum16(total);
+        float sum = hsum_lanes(total);
         for (; t < ctx; t++) {
             s[t] = expf(s[t] - m);
             sum += s[t];

@@ -21,7 +21,7 @@
 #include "vexp.h"
 
 /* Vectors of a head summed in registers at once in the weighted V sum: 4 x 4 accumulators fill half of AVX-512's 32
- * registers; AVX2's 16 take 2 x 4 (each vector is two registers there). */
+ * registers; AVX2's 16 take 2 x 4 (8-lane vectors there, vexp.h). */
 #if defined(__AVX512F__)
 #define PV_VECS 4
 #else
@@ -43,22 +43,22 @@ typedef struct {
 typedef void (*AttendFn)(const Job *job, int64_t b, int64_t h0, int64_t h1, float *scores);
 
 #define KV float
-#define LOAD_KV16(p) load16f(p)
+#define LOAD_KV_LANES(p) load_lanes(p)
 #define KV_FLOAT(x) (x)
 #define TYPED(name) name
 #include "paged_attend.h"
 #undef KV
-#undef LOAD_KV16
+#undef LOAD_KV_LANES
 #undef KV_FLOAT
 #undef TYPED
 
 #define KV uint16_t
-#define LOAD_KV16(p) load16_bf16(p)
+#define LOAD_KV_LANES(p) load_lanes_bf16(p)
 #define KV_FLOAT(x) widen_bf16(x)
 #define TYPED(name) name##_bf16
 #include "paged_attend.h"
 #undef KV
-#undef LOAD_KV16
+#undef LOAD_KV_LANES
 #undef KV_FLOAT
 #undef TYPED
 

@@ -1,5 +1,7 @@
-/* Sixteen floats as one vector (GCC/Clang vector extensions: one AVX-512 register, two AVX ones, or four SSE ones)
- * and what the kernels do with it: exp lane by lane, a horizontal sum, unaligned loads of fp32 and of bf16 widened. */
+/* EXP_LANES floats as one vector (GCC/Clang vector extensions) and what the kernels do with it: exp lane by lane, a
+ * horizontal sum, unaligned loads of fp32 and of bf16 widened. Sixteen (one register) where AVX-512 is compiled in,
+ * eight elsewhere: a 64-byte vector on AVX2 is two registers that GCC moves through the stack at every bit cast, which
+ * ran decode attention over a bf16 cache at 2 GB/s on an AVX2-only EPYC. */
 #ifndef QWENSERVE_VEXP_H
 #define QWENSERVE_VEXP_H
 
@@ -9,7 +11,11 @@
 /* exp(x) for a vector of floats: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by Cephes' degree-6 polynomial, times 2^n
  * built in the exponent bits; within about an ulp of expf over [-87.3, 88.7] (inf above, 2^-126 below). libm's expf is a
  * call per value, which made silu the costliest of these kernels at a 32-row decode step. */
+#if defined(__AVX512F__)
 #define EXP_LANES 16
+#else
+#define EXP_LANES 8
+#endif
 typedef float vexp __attribute__((vector_size(EXP_LANES * 4)));
 typedef int32_t vexpi __attribute__((vector_size(EXP_LANES * 4)));
 
@@ -39,14 +45,14 @@ static inline __attribute__((always_inline)) void exp_lanes(vexp *v) {
 typedef uint16_t vexph __attribute__((vector_size(EXP_LANES * 2)));
 typedef uint32_t vexpu __attribute__((vector_size(EXP_LANES * 4)));
 
-static inline __attribute__((always_inline)) vexp load16f(const float *p) {
+static inline __attribute__((always_inline)) vexp load_lanes(const float *p) {
     vexp v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* Sixteen bf16 values (their bits) widened to fp32: a zero-extension and a shift. */
-static inline __attribute__((always_inline)) vexp load16_bf16(const uint16_t *p) {
+/* EXP_LANES bf16 values (their bits) widened to fp32: a zero-extension and a shift. */
+static inline __attribute__((always_inline)) vexp load_lanes_bf16(const uint16_t *p) {
     vexph h;
     memcpy(&h, p, sizeof h);
     const vexpu u = __builtin_convertvector(h, vexpu) << 16;
@@ -55,15 +61,19 @@ static inline __attribute__((always_inline)) vexp load16_bf16(const uint16_t *p)
     return v;
 }
 
-/* The sum of the lanes, halves folded pairwise. */
-static inline __attribute__((always_inline)) float hsum16(vexp v) {
-    typedef float half __attribute__((vector_size(EXP_LANES * 2)));
+/* The sum of the lanes: sixteen folded to eight, then eight in pairs (the same order for both widths' last eight). */
+static inline __attribute__((always_inline)) float hsum_lanes(vexp v) {
+    float s[8];
+#if EXP_LANES == 16
+    typedef float half __attribute__((vector_size(32)));
     half a, b;
     memcpy(&a, &v, sizeof a);
     memcpy(&b, (const char *)&v + sizeof a, sizeof b);
     a += b;
-    float s[EXP_LANES / 2];
     memcpy(s, &a, sizeof s);
+#else
+    memcpy(s, &v, sizeof s);
+#endif
     return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
 }
 
