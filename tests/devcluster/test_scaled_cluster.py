@@ -525,6 +525,7 @@ def test_a_decode_rollout_to_another_kv_layout_refuses_the_mismatched_handoffs_a
 
 
 @pytest.mark.skipif(not KUBECTL, reason="kubectl is not installed")
+@pytest.mark.timeout(420)
 def test_kubectl_delete_of_the_qwendeployment_stops_every_pod(network_cluster: DevCluster) -> None:
     cluster = network_cluster
     # --wait=false: here kubectl's own wait for the operator's finalizer sometimes did not return within 60 s (not
@@ -533,8 +534,9 @@ def test_kubectl_delete_of_the_qwendeployment_stops_every_pod(network_cluster: D
                                                                                 "--wait=false")
     # The operator handles the deletion once it is through what it is doing: after the rollout above, kopf ran the
     # update handler several times in a row (~5 s each against this API; its stored last-handled state was seen
-    # stale), and one run took over 60 s in all.
-    deadline = time.monotonic() + 150
+    # stale), and one run took over 60 s in all; in a full `make test` on a 2-core AVX2 EPYC the object went after
+    # more than 150 s (the module alone: at once). Not understood yet: the bound is what was seen, with room.
+    deadline = time.monotonic() + 240
     while cluster.kubectl("get", "qwendeployments", "-o", "name").strip():
         assert time.monotonic() < deadline, (cluster.kubectl("get", "qwendeployment", "qwen-cpu", "-o", "yaml"),
                                              "\n".join(cluster.lines[-60:]))
