@@ -31,6 +31,7 @@
 #define QPER_PANEL (QPANEL / QPLANES)
 typedef float vecf __attribute__((vector_size(QPLANES * 4)));
 typedef int32_t veci __attribute__((vector_size(QPLANES * 4)));
+typedef uint32_t vecu __attribute__((vector_size(QPLANES * 4)));
 typedef uint8_t vecb __attribute__((vector_size(QPLANES)));
 
 /* A strip of STRIP panels is a thread's unit of work. Tiles of x's rows x panels keep their accumulators in
@@ -192,6 +193,115 @@ static void any_quant_tile(const float *x, const float *xsum, const uint8_t *cod
 #undef QUANT_TILE
 #undef TILE_OF
 
+/* One row of x (a single stream's decode step) on AVX2 and narrower: the tiles above widen 8 codes per vpmovzxbd, a
+ * lane-crossing shuffle that Zen 3 and most cores run on one or two ports, and with one row that shuffle, not the
+ * multiply-adds or the memory, set the pace (4-bit codes read at ~5 GB/s a core). Here a vector of QPLANES 32-bit
+ * lanes is loaded as it lies: each lane holds 4 bytes of one step (bytes 4j'..4j'+3: columns 4j'+b, b = 0..3), and
+ * lane j belongs to step j / 4 of the QPLANES / 4 steps the vector covers. A field of a lane (a 4-bit nibble f = 2b +
+ * h, or an 8-bit byte f = b) is masked in place, not shifted: converted, it is code * 2^(width * f), exact, and that
+ * power of two leaves the sum exactly at the group's end; the top field is shifted down instead (its bit 31 would
+ * make it negative). Each field has its own accumulator, and the broadcast x is a vector whose lanes follow their
+ * steps (xv, laid out once per call). So each field costs one and, one conversion and one FMA, all on any of the
+ * vector ports. Used where groups and k are whole vectors of steps. */
+#if QPLANES <= 8
+#define ROW_STEPS (QPLANES / 4) /* steps a vector of codes covers */
+#define ROW_FIELDS_MAX 8
+
+static inline __attribute__((always_inline)) void row_panel(const float *xv, const float *xsum, const uint8_t *cq,
+                                                            const float *sq, const float *zq, float *tot, int64_t k,
+                                                            int64_t group, int64_t groups, const int bits) {
+    const int fields = 32 / bits, halves = bits == 4 ? 2 : 1;
+    const int64_t chunk_inputs = (int64_t)ROW_STEPS * halves; /* inputs a vector of codes covers */
+    for (int j = 0; j < QPANEL; j++) tot[j] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t c0 = g * group / chunk_inputs, c1 = ((g + 1) * group < k ? (g + 1) * group : k) / chunk_inputs;
+        vecf acc[ROW_FIELDS_MAX];
+        for (int f = 0; f < fields; f++) acc[f] = SPLATF(0.0f);
+        for (int64_t c = c0; c < c1; c++) {
+            const uint8_t *p = cq + c * ROW_STEPS * QPANEL;
+            __builtin_prefetch(p + PREFETCH_BYTES);
+            veci v;
+            memcpy(&v, p, sizeof v);
+            const float *xc = xv + c * halves * QPLANES;
+            for (int f = 0; f < fields; f++) {
+                const vecf xf = loadf(xc + (f % halves) * QPLANES);
+                const veci field = f == fields - 1 ? (veci)((vecu)v >> (32 - bits))
+                                                   : v & SPLATI((int32_t)(((1u << bits) - 1) << (bits * f)));
+                acc[f] += __builtin_convertvector(field, vecf) * xf;
+            }
+        }
+        /* Column 4j' + b: the fields of byte b in lane j' of every step, each scaled back by its power of two. */
+#if QPLANES == 8 && defined(__AVX2__)
+        __m128 cols[4];
+        for (int b = 0; b < 4; b++) {
+            cols[b] = _mm_setzero_ps();
+            for (int h = 0; h < halves; h++) {
+                const int f = b * halves + h;
+                const __m256 a = (__m256)acc[f];
+                const __m128 steps = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+                const float unit = f == fields - 1 ? 1.0f : 1.0f / (float)(1u << (bits * f));
+                cols[b] = _mm_fmadd_ps(steps, _mm_set1_ps(unit), cols[b]);
+            }
+        }
+        _MM_TRANSPOSE4_PS(cols[0], cols[1], cols[2], cols[3]); /* cols[j']: columns 4j' .. 4j' + 3 */
+        const __m128 xs = _mm_set1_ps(xsum[g]);
+        for (int j = 0; j < 4; j++) {
+            const __m128 sc = _mm_loadu_ps(sq + g * QPANEL + 4 * j), z = _mm_loadu_ps(zq + g * QPANEL + 4 * j);
+            _mm_storeu_ps(tot + 4 * j, _mm_fmadd_ps(sc, _mm_fnmadd_ps(z, xs, cols[j]), _mm_loadu_ps(tot + 4 * j)));
+        }
+#else
+        float lanes[ROW_FIELDS_MAX][QPLANES];
+        for (int f = 0; f < fields; f++) memcpy(lanes[f], &acc[f], sizeof(vecf));
+        for (int col = 0; col < QPANEL; col++) {
+            const int b = col % 4, lane = col / 4;
+            float sum = 0.0f;
+            for (int h = 0; h < halves; h++) {
+                const int f = b * halves + h;
+                const float unit = f == fields - 1 ? 1.0f : 1.0f / (float)(1u << (bits * f));
+                float part = 0.0f;
+                for (int st = 0; st < ROW_STEPS; st++) part += lanes[f][4 * st + lane];
+                sum += part * unit;
+            }
+            tot[col] += sq[g * QPANEL + col] * (sum - zq[g * QPANEL + col] * xsum[g]);
+        }
+#endif
+    }
+}
+
+/* Whether one row can take row_panel: every group (and k) whole vectors of steps. */
+static int row_path_fits(int64_t m, int64_t k, int64_t bits, int64_t group) {
+    const int64_t chunk_inputs = (int64_t)ROW_STEPS * (bits == 4 ? 2 : 1);
+    return m == 1 && k % chunk_inputs == 0 && group % chunk_inputs == 0;
+}
+
+/* xv: for each vector of steps c and half h, QPLANES floats, lane j = x[input of step c * ROW_STEPS + j / 4, half h]. */
+static void row_layout(const float *x, float *xv, int64_t k, int64_t bits) {
+    const int64_t halves = bits == 4 ? 2 : 1, chunks = k / (ROW_STEPS * halves);
+    for (int64_t c = 0; c < chunks; c++)
+        for (int64_t h = 0; h < halves; h++)
+            for (int j = 0; j < QPLANES; j++) xv[(c * halves + h) * QPLANES + j] = x[(c * ROW_STEPS + j / 4) * halves + h];
+}
+
+static void row_product(const float *x, const float *xsum, const uint8_t *codes, const float *scales,
+                        const float *zeros, float *y, int64_t k, int64_t n, int64_t bits, int64_t group,
+                        int64_t num_threads) {
+    const int64_t groups = (k + group - 1) / group, panels = (n + QPANEL - 1) / QPANEL;
+    const int64_t panel_bytes = (bits == 4 ? k / 2 : k) * QPANEL;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t q = 0; q < panels; q++) {
+        float tot[QPANEL];
+        const uint8_t *cq = codes + q * panel_bytes;
+        const float *sq = scales + q * groups * QPANEL, *zq = zeros + q * groups * QPANEL;
+        if (bits == 4)
+            row_panel(x, xsum, cq, sq, zq, tot, k, group, groups, 4);
+        else
+            row_panel(x, xsum, cq, sq, zq, tot, k, group, groups, 8);
+        const int64_t col = q * QPANEL, width = n - col < QPANEL ? n - col : QPANEL;
+        memcpy(y + col, tot, (size_t)width * sizeof(float));
+    }
+}
+#endif
+
 /* x [m, k] fp32, y [m, n] fp32, the weight as described above with `bits` 4 or 8 and groups of `group` inputs
  * (the last one may be shorter; at 4 bits every group but the last has an even length, so no input pair
  * straddles two groups). Returns 0, or -1 when the scratch for the groups' sums of x could not be allocated. */
@@ -201,8 +311,15 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
     const int64_t groups = (k + group - 1) / group, panels = (n + QPANEL - 1) / QPANEL;
     const int64_t strips = (panels + STRIP - 1) / STRIP, stride = bits == 4 ? 2 * ((k + 1) / 2) : k;
     float *xsum = malloc((size_t)(m * groups > 0 ? m * groups : 1) * sizeof(float));
-    float *xt = bits == 4 ? malloc((size_t)(m * stride > 0 ? m * stride : 1) * sizeof(float)) : NULL;
-    if (xsum == NULL || (bits == 4 && xt == NULL)) {
+#if QPLANES <= 8
+    const int one_row = row_path_fits(m, k, bits, group);
+#else
+    const int one_row = 0;
+#endif
+    /* xt: x transformed for the tiles (4 bits), or laid out for row_product (4 * k floats). */
+    const int64_t xt_floats = one_row ? 4 * k : bits == 4 ? m * stride : 0;
+    float *xt = xt_floats ? malloc((size_t)xt_floats * sizeof(float)) : NULL;
+    if (xsum == NULL || (xt_floats && xt == NULL)) {
         free(xsum);
         free(xt);
         return -1;
@@ -215,13 +332,22 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
             for (int64_t i = g * group; i < i1; i++) s += xr[i];
             xsum[r * groups + g] = s;
         }
-        if (bits == 4)
+        if (bits == 4 && !one_row)
             for (int64_t i = 0; i < stride; i += 2) {
                 const float x1 = i + 1 < k ? xr[i + 1] : 0.0f;
                 xt[r * stride + i] = xr[i] - x1 * 0.0625f;
                 xt[r * stride + i + 1] = x1 * 0.0625f;
             }
     }
+#if QPLANES <= 8
+    if (one_row) {
+        row_layout(x, xt, k, bits);
+        row_product(xt, xsum, codes, scales, zeros, y, k, n, bits, group, num_threads);
+        free(xsum);
+        free(xt);
+        return 0;
+    }
+#endif
     const float *xs = bits == 4 ? xt : x;
     const int rows_per_tile = m > FEW_ROWS ? MANY_ROWS : FEW_ROWS;
     const int tile_panels = m > FEW_ROWS ? MANY_PANELS : STRIP;

@@ -29,7 +29,8 @@ from tests.support.engine_checkpoints import load_reference, random_prompts, ref
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler: the kernels cannot be built here")
 
-# Rows: decode's few (the 4-row tiles: 1, 3) and more than a tile (17: the 8-row tiles and a tail of 1).
+# Rows: decode's few (the 4-row tiles: 1, 3) and more than a tile (17: the 8-row tiles and a tail of 1). One row
+# takes row_product on AVX2 and narrower objects where k and the groups are whole vectors of steps (k = 200 here).
 ROWS = (1, 3, 17)
 # (k, n): k odd (a 4-bit pair split at the end) and not a multiple of the group size, n not a multiple of a panel
 # (16) or of a strip (4 panels): the last panel's padded columns are dropped.
