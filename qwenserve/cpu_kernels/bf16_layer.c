@@ -33,16 +33,48 @@ static inline uint16_t round_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* out = w * bf16(x * rsqrt(mean(x^2) + eps)) over n values; `zero_centered`: the weight is stored as w - 1. */
+/* EXP_LANES fp32 values rounded to bf16 as round_bf16 does, kept as fp32 (the rounded value's bits, low half zero). */
+static inline __attribute__((always_inline)) vexp rounded_lanes(vexp v) {
+    vexpu u;
+    memcpy(&u, &v, sizeof u);
+    const vexpu nan = (vexpu)((u & 0x7fffffffu) > 0x7f800000u);
+    u = (nan & (u | 0x400000u)) | (~nan & (u + 0x7fffu + ((u >> 16) & 1u)));
+    u &= 0xffff0000u;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* EXP_LANES fp32 values stored at p as bf16 (rounded as round_bf16). */
+static inline __attribute__((always_inline)) void store_lanes_bf16(uint16_t *p, vexp v) {
+    v = rounded_lanes(v);
+    vexpu u;
+    memcpy(&u, &v, sizeof u);
+    const vexph h = __builtin_convertvector(u >> 16, vexph);
+    memcpy(p, &h, sizeof h);
+}
+
+/* out = w * bf16(x * rsqrt(mean(x^2) + eps)) over n values; `zero_centered`: the weight is stored as w - 1.
+ * EXP_LANES at a time: the sum of squares in lanes (another order than PyTorch's, see the top). */
 static void norm_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t n, float eps, int zero_centered) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
+    vexp acc = {0.0f};
+    int64_t i = 0;
+    for (; i + EXP_LANES <= n; i += EXP_LANES) {
+        const vexp v = load_lanes_bf16(x + i);
+        acc += v * v;
+    }
+    float sum = hsum_lanes(acc);
+    for (; i < n; i++) {
         const float v = widen(x[i]);
         sum += v * v;
     }
     const float r = 1.0f / sqrtf(sum / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) {
-        if (zero_centered) /* Qwen3-Next: (x * r) * (1 + w) in fp32, rounded once */
+    for (i = 0; i + EXP_LANES <= n; i += EXP_LANES) {
+        const vexp v = load_lanes_bf16(x + i), wv = load_lanes_bf16(w + i);
+        /* Qwen3-Next: (x * r) * (1 + w) in fp32, rounded once */
+        store_lanes_bf16(out + i, zero_centered ? v * r * (1.0f + wv) : wv * rounded_lanes(v * r));
+    }
+    for (; i < n; i++) {
+        if (zero_centered)
             out[i] = round_bf16(widen(x[i]) * r * (1.0f + widen(w[i])));
         else
             out[i] = round_bf16(widen(w[i]) * widen(round_bf16(widen(x[i]) * r)));
@@ -62,7 +94,16 @@ static void norm_rope_head(uint16_t *h, const uint16_t *w, const uint16_t *cos, 
                            int64_t rot, float eps, int zero_centered) {
     if (w) norm_row(h, w, h, dim, eps, zero_centered);
     const int64_t half = rot / 2;
-    for (int64_t i = 0; i < half; i++) {
+    int64_t i = 0;
+    for (; i + EXP_LANES <= half; i += EXP_LANES) {
+        const vexp a = load_lanes_bf16(h + i), b = load_lanes_bf16(h + i + half);
+        const vexp lo = rounded_lanes(a * load_lanes_bf16(cos + i)) + rounded_lanes(-b * load_lanes_bf16(sin + i));
+        const vexp hi = rounded_lanes(b * load_lanes_bf16(cos + i + half))
+                        + rounded_lanes(a * load_lanes_bf16(sin + i + half));
+        store_lanes_bf16(h + i, lo);
+        store_lanes_bf16(h + i + half, hi);
+    }
+    for (; i < half; i++) {
         const float a = widen(h[i]), b = widen(h[i + half]);
         /* x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1), each product and the sum rounded */
         const float lo = widen(round_bf16(a * widen(cos[i]))) + widen(round_bf16(-b * widen(sin[i])));
@@ -92,12 +133,10 @@ void qk_norm_rope_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_str
 static void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t n) {
     int64_t i = 0;
     for (; i + EXP_LANES <= n; i += EXP_LANES) {
-        vexp x, up;
-        for (int j = 0; j < EXP_LANES; j++) x[j] = widen(g[i + j]), up[j] = widen(u[i + j]);
+        const vexp x = load_lanes_bf16(g + i);
         vexp e = -x;
         exp_lanes(&e);
-        const vexp s = x / (1.0f + e);
-        for (int j = 0; j < EXP_LANES; j++) o[i + j] = round_bf16(widen(round_bf16(s[j])) * up[j]);
+        store_lanes_bf16(o + i, rounded_lanes(x / (1.0f + e)) * load_lanes_bf16(u + i));
     }
     for (; i < n; i++) {
         const float x = widen(g[i]);

@@ -61,20 +61,22 @@ static inline __attribute__((always_inline)) vexp load_lanes_bf16(const uint16_t
     return v;
 }
 
-/* The sum of the lanes: sixteen folded to eight, then eight in pairs (the same order for both widths' last eight). */
+/* The sum of the lanes: sixteen folded to eight, then eight in pairs (the same order for both widths' last eight),
+ * in registers: through memory, a wide store read back in halves stalls each call (a head's RMSNorm waited on it). */
+typedef float vexp8 __attribute__((vector_size(32)));
+typedef float vexp4 __attribute__((vector_size(16)));
+typedef float vexp2 __attribute__((vector_size(8)));
 static inline __attribute__((always_inline)) float hsum_lanes(vexp v) {
-    float s[8];
 #if EXP_LANES == 16
-    typedef float half __attribute__((vector_size(32)));
-    half a, b;
-    memcpy(&a, &v, sizeof a);
-    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
-    a += b;
-    memcpy(s, &a, sizeof s);
+    const vexp8 s = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+                    + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
-    memcpy(s, &v, sizeof s);
+    const vexp8 s = v;
 #endif
-    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+    /* ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)) */
+    const vexp4 b = __builtin_shufflevector(s, s, 0, 1, 2, 3) + __builtin_shufflevector(s, s, 4, 5, 6, 7);
+    const vexp2 c = __builtin_shufflevector(b, b, 0, 2) + __builtin_shufflevector(b, b, 1, 3);
+    return c[0] + c[1];
 }
 
 #endif
