@@ -13,7 +13,7 @@ import pytest
 
 from qwenserve import cli, up
 from qwenserve.default_model import TINY_CONFIG, write_checkpoint
-from qwenserve.launcher import LocalCluster
+from qwenserve.launcher import SHARED_CORES_SPINCOUNT, LocalCluster
 from qwenserve.stages import tokenizer as tokenizer_stage
 from qwenserve.telemetry import logs
 
@@ -116,3 +116,18 @@ def test_up_parses_each_child_with_its_environment_without_changing_its_own(
     assert by_name["router"].front.api_key == "sk-test-secret"  # from the router child's own variables
     assert by_name["decode-1"].port != by_name["decode-0"].port
     assert "QWENSERVE_WORKERS" not in os.environ
+
+
+def test_up_gives_its_engines_short_openmp_spins_unless_the_user_set_how_threads_wait(
+        read_only_environ: ReadOnlyEnviron, tiny_model: Path) -> None:
+    # On shared cores an idle engine's spinning OpenMP threads hold the cores the other engine needs (launcher.py).
+    cluster = LocalCluster(model=tiny_model, prefill=1, decode=1)
+    cluster.plan()
+    spins = {c.name: cluster.child_environment(c).get("GOMP_SPINCOUNT") for c in cluster.children}
+    assert spins == {"tokenizer": None, "prefill-0": SHARED_CORES_SPINCOUNT, "decode-0": SHARED_CORES_SPINCOUNT,
+                     "router": None}
+    for given in ({"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "active"}):
+        cluster = LocalCluster(model=tiny_model, prefill=1, decode=1, env=given)
+        cluster.plan()
+        env = cluster.child_environment(cluster.child("decode-0"))
+        assert {k: env.get(k) for k in given} == given and ("GOMP_SPINCOUNT" in env) == ("GOMP_SPINCOUNT" in given)
