@@ -14,24 +14,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec8.h"
 #include "vexp.h"
 
 #define PARALLEL_VALUES 65536 /* below this, one thread: a parallel region costs more than the work */
 
-static inline float widen(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
-static inline uint16_t round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* EXP_LANES fp32 values rounded to bf16 as round_bf16 does, kept as fp32 (the rounded value's bits, low half zero). */
 static inline __attribute__((always_inline)) vexp rounded_lanes(vexp v) {
@@ -64,7 +52,7 @@ static void norm_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
     }
     float sum = hsum_lanes(acc);
     for (; i < n; i++) {
-        const float v = widen(x[i]);
+        const float v = widen_bf16(x[i]);
         sum += v * v;
     }
     const float r = 1.0f / sqrtf(sum / (float)n + eps);
@@ -75,9 +63,9 @@ static void norm_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
     }
     for (; i < n; i++) {
         if (zero_centered)
-            out[i] = round_bf16(widen(x[i]) * r * (1.0f + widen(w[i])));
+            out[i] = round_bf16(widen_bf16(x[i]) * r * (1.0f + widen_bf16(w[i])));
         else
-            out[i] = round_bf16(widen(w[i]) * widen(round_bf16(widen(x[i]) * r)));
+            out[i] = round_bf16(widen_bf16(w[i]) * widen_bf16(round_bf16(widen_bf16(x[i]) * r)));
     }
 }
 
@@ -104,10 +92,10 @@ static void norm_rope_head(uint16_t *h, const uint16_t *w, const uint16_t *cos, 
         store_lanes_bf16(h + i + half, hi);
     }
     for (; i < half; i++) {
-        const float a = widen(h[i]), b = widen(h[i + half]);
+        const float a = widen_bf16(h[i]), b = widen_bf16(h[i + half]);
         /* x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1), each product and the sum rounded */
-        const float lo = widen(round_bf16(a * widen(cos[i]))) + widen(round_bf16(-b * widen(sin[i])));
-        const float hi = widen(round_bf16(b * widen(cos[i + half]))) + widen(round_bf16(a * widen(sin[i + half])));
+        const float lo = widen_bf16(round_bf16(a * widen_bf16(cos[i]))) + widen_bf16(round_bf16(-b * widen_bf16(sin[i])));
+        const float hi = widen_bf16(round_bf16(b * widen_bf16(cos[i + half]))) + widen_bf16(round_bf16(a * widen_bf16(sin[i + half])));
         h[i] = round_bf16(lo);
         h[i + half] = round_bf16(hi);
     }
@@ -139,8 +127,8 @@ static void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *o, int6
         store_lanes_bf16(o + i, rounded_lanes(x / (1.0f + e)) * load_lanes_bf16(u + i));
     }
     for (; i < n; i++) {
-        const float x = widen(g[i]);
-        o[i] = round_bf16(widen(round_bf16(x / (1.0f + expf(-x)))) * widen(u[i]));
+        const float x = widen_bf16(g[i]);
+        o[i] = round_bf16(widen_bf16(round_bf16(x / (1.0f + expf(-x)))) * widen_bf16(u[i]));
     }
 }
 
@@ -171,12 +159,19 @@ int linear_packed_bf16_io(const uint16_t *x, int64_t x_stride, const uint16_t *w
     if (!xf) return -1;
     float *yf = xf + m * k;
     for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) xf[r * k + i] = widen(x[r * x_stride + i]);
+        for (int64_t i = 0; i < k; i++) xf[r * k + i] = widen_bf16(x[r * x_stride + i]);
     linear_packed_bf16(xf, wp, yf, m, k, n, num_threads);
     for (int64_t i = 0; i < m * n; i++) y[i] = round_bf16(yf[i]);
     free(xf);
     return 0;
 }
+
+int paged_decode_dp_supports(int64_t dim);
+int paged_decode_attention_bf16_dp(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                   const uint16_t *v_cache, int64_t num_blocks, const int64_t *block_table,
+                                   int64_t table_stride, const int64_t *context_lens, uint16_t *out,
+                                   int64_t out_stride, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                                   int64_t block_size, float scale, int64_t num_threads);
 
 /* Decode attention of bf16 queries q [batch, heads, dim] (row stride q_stride; each row's heads contiguous) over a
  * bf16 cache into out [batch, heads, dim] bf16 (row stride out_stride). Returns the fp32 kernel's status, or -1
@@ -188,11 +183,15 @@ int paged_decode_attention_bf16_io(const uint16_t *q, int64_t q_stride, const ui
                                    int64_t block_size, float scale, int64_t num_threads) {
     const int64_t row = heads * dim;
     if (batch <= 0) return 0;
+    if (paged_decode_dp_supports(dim))
+        return paged_decode_attention_bf16_dp(q, q_stride, k_cache, v_cache, num_blocks, block_table, table_stride,
+                                              context_lens, out, out_stride, batch, heads, kv_heads, dim, block_size,
+                                              scale, num_threads);
     float *qf = malloc(sizeof(float) * (size_t)(2 * batch * row));
     if (!qf) return -1;
     float *of = qf + batch * row;
     for (int64_t b = 0; b < batch; b++)
-        for (int64_t i = 0; i < row; i++) qf[b * row + i] = widen(q[b * q_stride + i]);
+        for (int64_t i = 0; i < row; i++) qf[b * row + i] = widen_bf16(q[b * q_stride + i]);
     const int status = paged_decode_attention_bf16(qf, k_cache, v_cache, num_blocks, block_table, table_stride,
                                                    context_lens, of, batch, heads, kv_heads, dim, block_size, scale,
                                                    num_threads);

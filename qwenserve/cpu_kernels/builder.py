@@ -23,7 +23,8 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode.c", "linear.c", "linear_quant.c", "kv_checksum.c", "token_bitmask.c",
                              "gated_delta.c", "bf16_layer.c", "decode_stack.c"))
 # Included by the sources: part of what names a build.
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("vec8.h", "vexp.h", "linear_tiles.h", "paged_attend.h"))
+HEADERS = tuple(Path(__file__).with_name(name)
+                for name in ("vec8.h", "vexp.h", "linear_tiles.h", "paged_attend.h", "paged_attend_dp.h"))
 ENV_DIR = "QWENSERVE_CPU_KERNEL_DIR"
 # -fopenmp: the library then needs libgomp.so.1, which torch has already loaded, so both share one pool. A
 # compiler without OpenMP builds the single-threaded form.
@@ -41,10 +42,13 @@ class Variant:
 
 
 _V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"})
-# Best first. x86-64-v4 has 32 vector registers, for which linear.c uses its wide tiles.
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+# Best first. x86-64-v4 has 32 vector registers, for which linear.c uses its wide tiles; AVX512_BF16's dot product
+# serves a bf16 model's decode attention (paged_attend_dp.h).
 VARIANTS: dict[str, tuple[Variant, ...]] = {
     "x86_64": (
-        Variant("x86-64-v4", ("-march=x86-64-v4",), _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+        Variant("x86-64-v4-bf16", ("-march=x86-64-v4", "-mavx512bf16"), _V4 | {"avx512_bf16"}),
+        Variant("x86-64-v4", ("-march=x86-64-v4",), _V4),
         Variant("x86-64-v3", ("-march=x86-64-v3",), _V3),
         Variant("x86-64", ("-march=x86-64",), frozenset()),
     ),

@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec8.h"
+
 /* The kernels this file strings together (defined in the other sources of the same object). */
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t out_stride,
                    int64_t rows, int64_t n, float eps, int zero_centered, int64_t num_threads);
@@ -52,21 +54,7 @@ typedef struct {
     int64_t qk_zero_centered;
 } StackShape;
 
-static inline float widen(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
-/* Nearest even, NaN kept a quiet NaN: PyTorch's float -> bf16 conversion. */
-static inline uint16_t round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* y [m, n] bf16 = x [m, k] bf16 (row stride x_stride) times w, rounded once from the fp32 product, then + bias
  * rounded again (PyTorch's bf16 add). xf and yf: fp32 scratch of m * k and m * n. */
@@ -74,7 +62,7 @@ static int linear(const StackWeight *w, const uint16_t *x, int64_t x_stride, con
                   int64_t m, float *xf, float *yf, int64_t num_threads) {
     const int64_t k = w->k, n = w->n;
     for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) xf[r * k + i] = widen(x[r * x_stride + (w->perm ? w->perm[i] : i)]);
+        for (int64_t i = 0; i < k; i++) xf[r * k + i] = widen_bf16(x[r * x_stride + (w->perm ? w->perm[i] : i)]);
     if (w->bits == 16) {
         linear_packed_bf16(xf, (const uint16_t *)w->data, yf, m, k, n, num_threads);
     } else if (linear_quant(xf, (const uint8_t *)w->data, w->scales, w->zeros, yf, m, k, n, w->bits, w->group,
@@ -84,13 +72,13 @@ static int linear(const StackWeight *w, const uint16_t *x, int64_t x_stride, con
     for (int64_t r = 0; r < m; r++)
         for (int64_t j = 0; j < n; j++) {
             const uint16_t v = round_bf16(yf[r * n + j]);
-            y[r * n + j] = bias ? round_bf16(widen(v) + widen(bias[j])) : v;
+            y[r * n + j] = bias ? round_bf16(widen_bf16(v) + widen_bf16(bias[j])) : v;
         }
     return 0;
 }
 
 static void add_rows(uint16_t *x, const uint16_t *y, int64_t count) {
-    for (int64_t i = 0; i < count; i++) x[i] = round_bf16(widen(x[i]) + widen(y[i]));
+    for (int64_t i = 0; i < count; i++) x[i] = round_bf16(widen_bf16(x[i]) + widen_bf16(y[i]));
 }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {

@@ -51,6 +51,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_decode_attention_bf16_io.restype = ctypes.c_int
     lib.paged_decode_attention_bf16_io.argtypes = ([pointer, i64] + [pointer] * 2 + [i64, pointer, i64, pointer, pointer]
                                                    + [i64] * 6 + [ctypes.c_float, i64])
+    lib.paged_decode_dp_supports.restype, lib.paged_decode_dp_supports.argtypes = ctypes.c_int, [i64]
     lib.decode_stack_bf16.restype = ctypes.c_int
     lib.decode_stack_bf16.argtypes = [pointer, i64, pointer, i64] + [pointer] * 5 + [i64] * 2 + [pointer, i64, pointer]
     return lib
@@ -81,6 +82,11 @@ class CpuKernels:
     def __repr__(self) -> str:
         return f"CpuKernels({self.variant})"
 
+    def bf16_decode_attention_uses_dot_product(self, head_dim: int) -> bool:
+        """Whether a bf16 model's decode attention (bf16 q and out) runs AVX512_BF16's dot product at this head
+        dim in this object (paged_attend_dp.h), rather than the fp32 kernel on the widened queries."""
+        return bool(self.lib.paged_decode_dp_supports(head_dim))
+
     def paged_decode_attention(
         self,
         q: torch.Tensor,  # [batch, heads, dim] fp32 contiguous
@@ -94,7 +100,7 @@ class CpuKernels:
         """softmax(q·K^T · scale)·V over each sequence's first context_lens[b] cached tokens, every tensor on CPU.
         A bf16 cache is widened to fp32 as it is read (the fp32 attention over the bf16 K/V). A bf16 model's q and
         out (bf16 over a bf16 cache; rows may be strided, each row's heads contiguous) are widened and rounded in
-        the C call. IndexError, before anything is read, when a block id is outside the cache. The GIL is released
+        the C call, or taken as they are by AVX512_BF16's dot product (bf16_decode_attention_uses_dot_product). IndexError, before anything is read, when a block id is outside the cache. The GIL is released
         while it runs."""
         batch, heads, dim = q.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape

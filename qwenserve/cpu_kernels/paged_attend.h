@@ -75,7 +75,8 @@ static inline __attribute__((always_inline)) void TYPED(weigh_group)(float *out,
 /* One item: KV heads [h0, h1) of sequence b. Tokens are walked in order and every head of a token is read
  * together, so the reads are one stream per block: a token's heads sit in one contiguous row of the cache,
  * and a walk per head (a 4 KiB stride) would start a new page at each token, where prefetchers stop. */
-static void TYPED(attend)(const Job *job, int64_t b, int64_t h0, int64_t h1, float *scores) {
+static void TYPED(attend)(const void *item_job, int64_t b, int64_t h0, int64_t h1, float *scores) {
+    const Job *job = item_job;
     const int64_t group = job->heads / job->kv_heads, dim = job->dim, bs = job->block_size;
     const int64_t ctx = job->context_lens[b], row = job->kv_heads * dim, nq = (h1 - h0) * group;
     const int64_t *table = job->block_table + b * job->table_stride;
@@ -83,7 +84,10 @@ static void TYPED(attend)(const Job *job, int64_t b, int64_t h0, int64_t h1, flo
     float *out = job->out + (b * job->heads + h0 * group) * dim;
     for (int64_t start = 0, j = 0; start < ctx; start += bs, j++) {
         const KV *k = (const KV *)job->k_cache + table[j] * bs * row + h0 * dim;
-        const int64_t n = ctx - start < bs ? ctx - start : bs;
+        const int64_t n = ctx - start < bs ? ctx - start : bs, after = ctx - start - n < bs ? ctx - start - n : bs;
+        if (after > 0)
+            prefetch_rows((const KV *)job->k_cache + table[j + 1] * bs * row + h0 * dim, after,
+                          row * (int64_t)sizeof(KV), (h1 - h0) * dim * (int64_t)sizeof(KV));
         for (int64_t t = 0; t < n; t++, k += row)
             for (int64_t h = 0; h < h1 - h0; h++) {
                 const float *qh = q + h * group * dim;
@@ -99,36 +103,15 @@ static void TYPED(attend)(const Job *job, int64_t b, int64_t h0, int64_t h1, flo
     }
     float sums[nq];
     for (int64_t i = 0; i < nq; i++) {
-        float *s = scores + i * ctx, m = -INFINITY;
-        int64_t t = 0;
-        if (ctx >= EXP_LANES) {
-            vexp mv = load_lanes(s);
-            for (t = EXP_LANES; t + EXP_LANES <= ctx; t += EXP_LANES) {
-                const vexp x = load_lanes(s + t);
-                const vexpi more = (vexpi)(x > mv);
-                mv = (vexp)(((vexpi)x & more) | ((vexpi)mv & ~more));
-            }
-            for (int l = 0; l < EXP_LANES; l++) m = mv[l] > m ? mv[l] : m;
-        }
-        for (; t < ctx; t++) m = s[t] > m ? s[t] : m;
-        vexp total = {0};
-        for (t = 0; t + EXP_LANES <= ctx; t += EXP_LANES) {
-            vexp x = load_lanes(s + t) - m;
-            exp_lanes(&x);
-            memcpy(s + t, &x, sizeof x);
-            total += x;
-        }
-        float sum = hsum_lanes(total);
-        for (; t < ctx; t++) {
-            s[t] = expf(s[t] - m);
-            sum += s[t];
-        }
-        sums[i] = sum;
+        sums[i] = softmax_in_place(scores + i * ctx, ctx);
         memset(out + i * dim, 0, sizeof(float) * (size_t)dim);
     }
     for (int64_t start = 0, j = 0; start < ctx; start += bs, j++) {
         const KV *v = (const KV *)job->v_cache + table[j] * bs * row + h0 * dim;
-        const int64_t n = ctx - start < bs ? ctx - start : bs;
+        const int64_t n = ctx - start < bs ? ctx - start : bs, after = ctx - start - n < bs ? ctx - start - n : bs;
+        if (after > 0)
+            prefetch_rows((const KV *)job->v_cache + table[j + 1] * bs * row + h0 * dim, after,
+                          row * (int64_t)sizeof(KV), (h1 - h0) * dim * (int64_t)sizeof(KV));
         for (int64_t h = 0; h < h1 - h0; h++) {
             float *oh = out + h * group * dim;
             const float *p = scores + h * group * ctx + start;

@@ -47,4 +47,13 @@ static inline float widen_bf16(uint16_t h) {
     return f;
 }
 
+/* Nearest even, NaN kept a quiet NaN: PyTorch's float -> bf16 conversion. */
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 #endif

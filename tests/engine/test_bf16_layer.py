@@ -130,4 +130,7 @@ def test_bf16_queries_attend_as_the_fp32_kernel_on_them_widened(variant_kernels:
         kernels.paged_decode_attention(q.float().contiguous(), k_cache, v_cache, table, lens, want, dim**-0.5)
         got = torch.empty(2, heads, dim, dtype=BF16)
         kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, got, dim**-0.5)
-        assert torch.equal(got, want.to(BF16)), name
+        if kernels.bf16_decode_attention_uses_dot_product(dim):  # the same sums in another order: test_paged_attend_dp
+            close_in_bf16(got, want.to(BF16), name, max_mismatch=0.05)
+        else:
+            assert torch.equal(got, want.to(BF16)), name

@@ -146,7 +146,7 @@ def test_build_writes_every_variant_and_load_opens_the_best_this_cpu_runs(fresh_
     assert main(["build"]) == 0
     built = sorted(path.name for path in (tmp_path / "prebuilt").iterdir())
     assert built == sorted(builder.variant_path(v).name for v in builder.machine_variants())
-    assert [v.name for v in builder.machine_variants()] == ["x86-64-v4", "x86-64-v3", "x86-64"]
+    assert [v.name for v in builder.machine_variants()] == ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64"]
     gen = torch.Generator().manual_seed(16)
     for variant in builder.supported_variants():
         lib = ctypes.CDLL(str(builder.variant_path(variant)))
