@@ -120,6 +120,9 @@ def workloads(plan: Plan, seed: int) -> dict[str, list[tuple[Prompt, int]]]:
     }
 
 
+WORKLOADS = ("burst", "stream", "long")
+
+
 def load_requests(name: str, items: list[tuple[Prompt, int]], tag: str) -> list[LoadRequest]:
     return [LoadRequest(f"peer-{tag}-{name}-{i}", RequestSpec(i, len(p.token_ids), out, name, arrival_s=0.0), p)
             for i, (p, out) in enumerate(items)]
@@ -352,8 +355,9 @@ def errors_of(name: str, records: list[RequestRecord]) -> list[str]:
 
 
 async def run_server(spec: ServerSpec, loads: dict[str, list[tuple[Prompt, int]]], tag: str, log: Path,
-                     timeout_s: float) -> dict[str, Any]:
-    """Start `spec`, wait for it, warm it up, run the three workloads, stop it; its figures and CPU window."""
+                     timeout_s: float, only: tuple[str, ...] = WORKLOADS) -> dict[str, Any]:
+    """Start `spec`, wait for it, warm it up, run the workloads (`only` those named), stop it; its figures and CPU
+    window."""
     out: dict[str, Any] = {"log": str(log), "errors": [], "phase_s": {}}
     server = ServerProcess(spec, log)
     try:
@@ -362,6 +366,8 @@ async def run_server(spec: ServerSpec, loads: dict[str, list[tuple[Prompt, int]]
         out["start_to_ready_s"] = ready_s
         print(f"    {spec.name}: ready after {ready_s:.1f} s", flush=True)
         for name, at_once in (("warmup", True), ("burst", True), ("stream", False), ("long", False)):
+            if name != "warmup" and name not in only:
+                continue
             t = time.monotonic()
             records = await run_workload(server.url, model, load_requests(name, loads[name], tag), at_once, timeout_s)
             out["phase_s"][name] = time.monotonic() - t
@@ -513,7 +519,7 @@ async def bench(args: argparse.Namespace, plan: Plan, specs: list[ServerSpec],
             log = log_dir / f"round{r + 1}-{spec.name}.log"
             try:
                 result["servers"][spec.name] = await run_server(spec, loads, f"r{r + 1}-{spec.name}", log,
-                                                                args.request_timeout_s)
+                                                                args.request_timeout_s, args.workloads)
             except (RuntimeError, TimeoutError) as e:
                 failed[spec.name] = str(e) or f"a workload ran past {args.request_timeout_s + 30:g} s"
                 print(f"    {spec.name} FAILED, left out from now on: {e}", flush=True)
@@ -537,12 +543,18 @@ def main() -> None:
                         help="VLLM_CPU_OMP_THREADS_BIND (default: 0-<cores-1> of this process's CPUs)")
     parser.add_argument("--quick", action="store_true", help="smoke run: one round, fewer and shorter requests")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"which of {','.join(WORKLOADS)} to run after the warm-up (default: all; the others' "
+                             "rows stay empty)")
     parser.add_argument("--request-timeout-s", type=float, default=900.0, help="bound on one workload's requests")
     parser.add_argument("--log-dir", type=Path, default=None, help="servers' logs (default: a temporary folder)")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args()
     plan = QUICK if args.quick else Plan()
     args.rounds = args.rounds or (1 if args.quick else 3)
+    args.workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+    if unknown := set(args.workloads) - set(WORKLOADS):
+        parser.error(f"--workloads: unknown {', '.join(sorted(unknown))} (known: {', '.join(WORKLOADS)})")
     wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="peer-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)

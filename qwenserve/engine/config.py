@@ -47,6 +47,9 @@ class EngineConfig:
     block_size: int | None = option(None, help="tokens per KV cache block (default: 16; 256 with flash-attn)")
     num_kv_blocks: int | None = None  # default: kv_cache_memory_gb worth of blocks
     kv_cache_memory_gb: float = option(4.0, flag="--kv-cache-gb", help="memory for the paged KV cache (and a hybrid model's linear-attention states), in GB")
+    # A fresh page's first write waits for the kernel (and a VM's host) to back it: 12% of a 2k-token prefill.
+    kv_prefault: bool = option(True, help="on CPU, fault the KV cache's pages in from an idle-priority thread after "
+                                          "start (off: each page on its first write)")
     # Per-step token budget (prefill chunks + decodes); default: 512 on CPU, 2048 on CUDA (token_budget()).
     max_num_batched_tokens: int | None = option(None,
                                                 help="per-step token budget (default: 512 on CPU, 2048 on CUDA)")

@@ -113,7 +113,7 @@ class LLMEngine:
         model.eval()
         backend = kernels.attention
         self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, num_state_slots, kernels.cpu,
-                                  kv_dtype)
+                                  kv_dtype, config.kv_prefault)
         prefix_caching = config.enable_prefix_caching
         snapshots = None
         if model_cfg.is_hybrid and prefix_caching:
@@ -398,6 +398,8 @@ class LLMEngine:
                 return
             self._closed = True
         self._commands.put(_STOP)
+        if self.runner.kv_prefault is not None:
+            self.runner.kv_prefault.stop()
         self._thread.join(timeout=60)
         self.grammar.close()
 

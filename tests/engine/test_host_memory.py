@@ -65,3 +65,52 @@ def test_a_zeroed_buffer_is_zeros_and_costs_no_memory_until_touched() -> None:
     assert not cache[0, 0, :64].any() and not cache[-1, -1, -64:].any()
     cache[1, 1, 7] = 1.5
     assert float(cache[1, 1, 7].sum()) == 1.5 * 16 * 8 * 128 and not cache[1, 1, 8].any()
+
+
+def _resident_pages(tensor) -> tuple[int, int]:  # noqa: ANN001 - a CPU tensor
+    """Pages of the tensor's memory that are in RAM (mincore), and the pages it spans."""
+    import ctypes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr() // page * page
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    vec = (ctypes.c_ubyte * (-(-length // page)))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec), len(vec)
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or tuple(map(int, platform.release().split(".")[:2])) < (5, 14),
+                    reason="MADV_POPULATE_WRITE is Linux 5.14's")
+def test_prefault_brings_every_page_in_and_changes_no_byte() -> None:
+    import torch
+
+    from qwenserve.engine.host_memory import Prefault, zeroed
+
+    # [layers, K/V, blocks, ...], 66 MiB: past the heap's mmap threshold (keep_freed_memory), so fresh pages
+    cache = zeroed((3, 2, 1400, 16, 4, 64), torch.bfloat16, torch.device("cpu"))
+    cache[1, 0, 7].fill_(1.5)  # a block written before and while the pages fault in
+    resident, pages = _resident_pages(cache)
+    assert resident < pages
+    prefault = Prefault(cache, block_dim=2, blocks_per_step=64)
+    cache[2, 1, 1399].fill_(-2.0)
+    assert prefault.done.wait(30)
+    assert _resident_pages(cache) == (pages, pages)
+    assert bool((cache[1, 0, 7] == 1.5).all()) and bool((cache[2, 1, 1399] == -2.0).all())
+    cache[1, 0, 7].zero_()
+    cache[2, 1, 1399].zero_()
+    assert not bool(cache.any())
+
+
+def test_a_stopped_prefault_ends_at_its_next_step() -> None:
+    import torch
+
+    from qwenserve.engine.host_memory import Prefault, zeroed
+
+    cache = zeroed((28, 2, 4096, 16, 8, 128), torch.bfloat16, torch.device("cpu"))  # 28 GiB of address space
+    prefault = Prefault(cache, block_dim=2, blocks_per_step=1)
+    prefault.stop()
+    assert prefault.done.wait(10)
+    resident, pages = _resident_pages(cache)
+    assert resident < pages // 28  # far from all 28 GiB
