@@ -32,7 +32,7 @@ from qwenserve.engine.block_pool import BlockPool
 from qwenserve.engine.config import EngineConfig, KVCapacity, derived_max_model_len, resolve_max_model_len
 from qwenserve.engine.errors import DuplicateRequestError, EngineDeadError, EngineShutdownError
 from qwenserve.engine.grammar import GrammarBackend
-from qwenserve.engine.host_memory import keep_freed_memory
+from qwenserve.engine.host_memory import Prefault, keep_freed_memory
 from qwenserve.engine.intake import RequestIntake
 from qwenserve.engine.kernels import select_kernels
 from qwenserve.engine.kv_handoff import KVExportSink, KVImport
@@ -113,7 +113,7 @@ class LLMEngine:
         model.eval()
         backend = kernels.attention
         self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, num_state_slots, kernels.cpu,
-                                  kv_dtype, config.kv_prefault)
+                                  kv_dtype)
         prefix_caching = config.enable_prefix_caching
         snapshots = None
         if model_cfg.is_hybrid and prefix_caching:
@@ -180,6 +180,9 @@ class LLMEngine:
         self._failure_callbacks: list[Callable[[str], None]] = []
         self._idle = threading.Event()
         self._idle.set()
+        # Only while nothing runs: populating competes with a step for the cores and the memory's bandwidth.
+        self.kv_prefault = (Prefault(self.runner.kv_cache, block_dim=2, when=self._idle)
+                            if config.kv_prefault and device.type == "cpu" else None)
         # One per event loop that calls generate(): a step's outputs reach a loop with one wake-up.
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (
             weakref.WeakKeyDictionary()
@@ -398,8 +401,8 @@ class LLMEngine:
                 return
             self._closed = True
         self._commands.put(_STOP)
-        if self.runner.kv_prefault is not None:
-            self.runner.kv_prefault.stop()
+        if self.kv_prefault is not None:
+            self.kv_prefault.stop()
         self._thread.join(timeout=60)
         self.grammar.close()
 

@@ -63,16 +63,21 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 class Prefault:
     """Faults in a CPU KV cache's pages from a daemon thread at the lowest priority (nice 19), a step of blocks at a
-    time in the order the block pool hands them out (block 0 first, every layer's slice of it).
+    time in the order the block pool hands them out (block 0 first, every layer's slice of it), each step only while
+    `when` is set.
 
     A cache from `zeroed` costs nothing at start, but the first write to each page then waits for the kernel to
     find and zero it, and in a VM for the host to back it: 12% of a 2,000-token prefill into fresh blocks on this
     project's Xeon, every prompt until the pool has gone round once. MADV_POPULATE_WRITE does that work ahead,
-    in the time the cores would idle, and never changes a byte (a block being written meanwhile keeps its data).
+    in the time the engine idles (beside a 32-request burst on two cores, the populating of `up`'s two engines
+    cost the burst more than the faults it saved), and never changes a byte (a block being written meanwhile keeps its data).
     Where the call is missing (Linux before 5.14, other systems) nothing is done and the pages fault on use."""
 
-    def __init__(self, cache: torch.Tensor, block_dim: int, blocks_per_step: int = 64) -> None:
+    def __init__(self, cache: torch.Tensor, block_dim: int, blocks_per_step: int = 64,
+                 when: threading.Event | None = None) -> None:
+        """`when`: populate only while it is set (an engine's idle event), one step at a time."""
         self._stop = threading.Event()
+        self._when = when
         self._planes = cache.flatten(0, block_dim - 1) if block_dim > 0 else cache.unsqueeze(0)  # [planes, blocks, ...]
         self._step = blocks_per_step
         self.done = threading.Event()
@@ -92,6 +97,9 @@ class Prefault:
             planes, blocks = self._planes.shape[0], self._planes.shape[1]
             block_bytes = self._planes[0, 0].numel() * self._planes.element_size()
             for first in range(0, blocks, self._step):
+                while self._when is not None and not self._when.wait(0.5):
+                    if self._stop.is_set():
+                        return
                 for plane in range(planes):
                     if self._stop.is_set():
                         return

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from qwenserve.cpu_kernels.library import CpuKernels
-from qwenserve.engine.host_memory import Prefault, zeroed
+from qwenserve.engine.host_memory import zeroed
 from qwenserve.engine.kv_handoff import KVExportTarget
 from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.scheduler import ScheduledSequence
@@ -40,10 +40,8 @@ class ModelRunner:
         num_state_slots: int = 0,
         cpu_kernels: CpuKernels | None = None,
         kv_dtype: torch.dtype | None = None,
-        kv_prefault: bool = False,
     ) -> None:
-        """`kv_dtype`: the KV cache's dtype (None: `dtype`, the model's); `kv_prefault`: fault a CPU cache's pages in
-        from a background thread (host_memory.Prefault)."""
+        """`kv_dtype`: the KV cache's dtype (None: `dtype`, the model's)."""
         cfg = model.cfg
         self.model = model
         self.backend = backend
@@ -54,7 +52,6 @@ class ModelRunner:
         self._scatter_kernels = cpu_kernels if device.type == "cpu" else None
         self.kv_cache = zeroed((len(cfg.kv_layers), 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
                                kv_dtype or dtype, device)
-        self.kv_prefault = Prefault(self.kv_cache, block_dim=2) if device.type == "cpu" and kv_prefault else None
         self.linear_state = (
             LinearStateCache.for_model(cfg, num_state_slots, dtype, device) if cfg.is_hybrid else None
         )

@@ -114,3 +114,23 @@ def test_a_stopped_prefault_ends_at_its_next_step() -> None:
     assert prefault.done.wait(10)
     resident, pages = _resident_pages(cache)
     assert resident < pages // 28  # far from all 28 GiB
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or tuple(map(int, platform.release().split(".")[:2])) < (5, 14),
+                    reason="MADV_POPULATE_WRITE is Linux 5.14's")
+def test_a_prefault_waits_while_its_engine_is_busy() -> None:
+    import threading
+
+    import torch
+
+    from qwenserve.engine.host_memory import Prefault, zeroed
+
+    cache = zeroed((2, 2, 2000, 16, 4, 64), torch.bfloat16, torch.device("cpu"))  # 62 MiB
+    idle = threading.Event()  # an engine with work
+    prefault = Prefault(cache, block_dim=2, blocks_per_step=100, when=idle)
+    assert not prefault.done.wait(1.0)
+    resident, pages = _resident_pages(cache)
+    assert resident < pages // 2
+    idle.set()
+    assert prefault.done.wait(30)
+    assert _resident_pages(cache) == (pages, pages)
