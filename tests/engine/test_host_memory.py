@@ -67,6 +67,19 @@ def test_a_zeroed_buffer_is_zeros_and_costs_no_memory_until_touched() -> None:
     assert float(cache[1, 1, 7].sum()) == 1.5 * 16 * 8 * 128 and not cache[1, 1, 8].any()
 
 
+def _fresh(shape: tuple[int, ...]):  # noqa: ANN202 - a CPU tensor
+    """A zeroed bf16 tensor on pages of its own that nothing has touched: an anonymous mapping (the heap of a long
+    test process may hand `zeroed` memory that earlier tests touched)."""
+    import math
+    import mmap
+
+    import numpy
+    import torch
+
+    memory = mmap.mmap(-1, math.prod(shape) * 2)
+    return torch.from_numpy(numpy.frombuffer(memory, dtype=numpy.uint8)).view(torch.bfloat16).view(shape)
+
+
 def _resident_pages(tensor) -> tuple[int, int]:  # noqa: ANN001 - a CPU tensor
     """Pages of the tensor's memory that are in RAM (mincore), and the pages it spans."""
     import ctypes
@@ -84,12 +97,10 @@ def _resident_pages(tensor) -> tuple[int, int]:  # noqa: ANN001 - a CPU tensor
 @pytest.mark.skipif(platform.system() != "Linux" or tuple(map(int, platform.release().split(".")[:2])) < (5, 14),
                     reason="MADV_POPULATE_WRITE is Linux 5.14's")
 def test_prefault_brings_every_page_in_and_changes_no_byte() -> None:
-    import torch
 
-    from qwenserve.engine.host_memory import Prefault, zeroed
+    from qwenserve.engine.host_memory import Prefault
 
-    # [layers, K/V, blocks, ...], 66 MiB: past the heap's mmap threshold (keep_freed_memory), so fresh pages
-    cache = zeroed((3, 2, 1400, 16, 4, 64), torch.bfloat16, torch.device("cpu"))
+    cache = _fresh((3, 2, 1400, 16, 4, 64))  # [layers, K/V, blocks, ...]
     cache[1, 0, 7].fill_(1.5)  # a block written before and while the pages fault in
     resident, pages = _resident_pages(cache)
     assert resident < pages
@@ -121,11 +132,9 @@ def test_a_stopped_prefault_ends_at_its_next_step() -> None:
 def test_a_prefault_waits_while_its_engine_is_busy() -> None:
     import threading
 
-    import torch
+    from qwenserve.engine.host_memory import Prefault
 
-    from qwenserve.engine.host_memory import Prefault, zeroed
-
-    cache = zeroed((2, 2, 2000, 16, 4, 64), torch.bfloat16, torch.device("cpu"))  # 62 MiB
+    cache = _fresh((2, 2, 2000, 16, 4, 64))
     idle = threading.Event()  # an engine with work
     prefault = Prefault(cache, block_dim=2, blocks_per_step=100, when=idle)
     assert not prefault.done.wait(1.0)
