@@ -78,14 +78,17 @@ class Prefault:
         """`when`: populate only while it is set (an engine's idle event), one step at a time."""
         self._stop = threading.Event()
         self._when = when
-        self._planes = cache.flatten(0, block_dim - 1) if block_dim > 0 else cache.unsqueeze(0)  # [planes, blocks, ...]
-        self._step = blocks_per_step
+        # Plain addresses, taken here: the thread never holds the cache or calls into PyTorch, so the interpreter's
+        # exit (which ends daemon threads where they stand) never finds it inside C++.
+        self._steps = _populate_steps(cache, block_dim, blocks_per_step)
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-prefault", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ends the thread: it returns between two calls, each at most one step of one plane."""
         self._stop.set()
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         try:
@@ -94,25 +97,38 @@ class Prefault:
             madvise = _madvise()
             if madvise is None:
                 return
-            planes, blocks = self._planes.shape[0], self._planes.shape[1]
-            block_bytes = self._planes[0, 0].numel() * self._planes.element_size()
-            for first in range(0, blocks, self._step):
+            for ranges in self._steps:
                 while self._when is not None and not self._when.wait(0.5):
                     if self._stop.is_set():
                         return
-                for plane in range(planes):
+                for start, length in ranges:
                     if self._stop.is_set():
                         return
-                    address = self._planes[plane, first].data_ptr()
-                    start = address // _PAGE * _PAGE
-                    end = address + min(self._step, blocks - first) * block_bytes
-                    if madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+                    if madvise(start, length, _MADV_POPULATE_WRITE) != 0:
                         log.debug("MADV_POPULATE_WRITE refused (errno %d): KV pages fault on first use",
                                   ctypes.get_errno())
                         return
         finally:
-            self._planes = None  # type: ignore[assignment]  # the cache's memory is the engine's to free
             self.done.set()
+
+
+def _populate_steps(cache: torch.Tensor, block_dim: int, blocks_per_step: int) -> list[list[tuple[int, int]]]:
+    """Page-aligned (address, length) ranges, one list per step of blocks, each with every plane's slice of them."""
+    planes = cache.flatten(0, block_dim - 1) if block_dim > 0 else cache.unsqueeze(0)  # [planes, blocks, ...]
+    count, blocks = planes.shape[0], planes.shape[1]
+    size = planes.element_size()
+    base, plane_bytes, block_stride = planes.data_ptr(), planes.stride(0) * size, planes.stride(1) * size
+    block_bytes = planes[0, 0].numel() * size
+    steps = []
+    for first in range(0, blocks, blocks_per_step):
+        ranges = []
+        for plane in range(count):
+            address = base + plane * plane_bytes + first * block_stride
+            start = address // _PAGE * _PAGE
+            end = address + (min(blocks_per_step, blocks - first) - 1) * block_stride + block_bytes
+            ranges.append((start, end - start))
+        steps.append(ranges)
+    return steps
 
 
 def _madvise():  # noqa: ANN202 - a ctypes function
