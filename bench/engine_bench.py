@@ -269,12 +269,14 @@ def interleaved_decode_steps(folder: Path, quantized: dict[str, Path], threads: 
     comes and goes then weighs on every row alike. Prints the median of each and its ratio to bf16 weights."""
     bf16 = dict(dtype="float32", kv_cache_dtype="bfloat16", cpu_weight_dtype="bfloat16")
     # "layer by layer": the same engine with --no-fused-decode, what the decode step's per-layer calls cost.
+    head8 = {"quantize_lm_head": "int8"}
     settings = {"bf16 weights + KV": (folder, bf16), "auto": (folder, {}),
-                "auto, layer by layer": (folder, {"fused_decode": False}),
+                "auto, layer by layer": (folder, {"fused_decode": False}), "auto, LM head 8-bit": (folder, head8),
                 **{name: (path, bf16) for name, path in quantized.items()}}
     if "W4A16" in quantized:
         settings["W4A16 auto"] = (quantized["W4A16"], {})
         settings["W4A16 auto, layer by layer"] = (quantized["W4A16"], {"fused_decode": False})
+        settings["W4A16 auto, LM head 8-bit"] = (quantized["W4A16"], head8)
     engines = {}
     for name, (path, overrides) in settings.items():
         engines[name] = LLMEngine.from_pretrained(path, EngineConfig(num_threads=threads, kv_cache_memory_gb=0.5,
@@ -313,7 +315,10 @@ def agreement(folder: Path, quantized: dict[str, Path], threads: int | None, pro
     rng = random.Random(3)
     texts = [[rng.randrange(0, 150_000) for _ in range(length)] for _ in range(prompts)]
     settings = {"bf16": (folder, dict(dtype="bfloat16")),
+                "bf16, LM head 8-bit": (folder, dict(dtype="bfloat16", quantize_lm_head="int8")),
                 **{name: (path, dict(dtype="bfloat16")) for name, path in quantized.items()}}
+    if "W4A16" in quantized:
+        settings["W4A16, LM head 8-bit"] = (quantized["W4A16"], dict(dtype="bfloat16", quantize_lm_head="int8"))
     tops = {}
     for name, (path, overrides) in settings.items():
         engine = LLMEngine.from_pretrained(path, EngineConfig(num_threads=threads, kv_cache_memory_gb=0.5,
@@ -325,7 +330,7 @@ def agreement(folder: Path, quantized: dict[str, Path], threads: int | None, pro
     clear = [i for i, top in enumerate(reference) if top[0][1] - top[1][1] >= margin]
     print(f"\n| against bf16, {len(reference)} positions ({prompts} x {length - 1}) | top-1 agreement | "
           f"where bf16 leads by >= {margin} nat ({len(clear)} positions) |\n|---|---|---|")
-    for name in quantized:
+    for name in (n for n in settings if n != "bf16"):
         same = [tops[name][i][0][0] == reference[i][0][0] for i in range(len(reference))]
         print(f"| {name} | {sum(same) / len(same):.1%} | {sum(same[i] for i in clear) / max(len(clear), 1):.1%} |")
 

@@ -105,6 +105,12 @@ class EngineConfig:
         False, help="a 4- or 8-bit checkpoint (AWQ, GPTQ, compressed-tensors) on CPU with the C kernels: dequantize its "
                     "linear weights to the model's dtype at load instead of keeping them as codes for the W4A16 / "
                     "W8A16 products (more memory; elsewhere they are always dequantized)")
+    # A single stream's decode step reads the whole LM head: behind W4A16 layers, most of a small model's bytes.
+    quantize_lm_head: str = option(
+        "none", choices=("none", "int8"),
+        help="on CPU with the C kernels: hold the LM head (and a tied embedding table) as 8-bit codes in groups of "
+             "128, quantized at load: half of bf16's bytes per decode step, logits moved by the rounding (none: as "
+             "the checkpoint has it)")
     # A decode step reads the whole KV context: in bf16 it is half the bytes of fp32 (the model's math stays fp32).
     kv_cache_dtype: str = option(
         "auto", choices=("auto", "float32", "bfloat16"),

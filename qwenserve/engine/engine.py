@@ -47,7 +47,7 @@ from qwenserve.engine.state_pool import StatePool, linear_state_layout
 from qwenserve.engine.state_snapshots import StateSnapshots
 from qwenserve.engine.step import EngineStep, StepObserver
 from qwenserve.engine.structured import GrammarLimitExceeded
-from qwenserve.engine.weights import architecture_fingerprint, load_checkpoint
+from qwenserve.engine.weights import architecture_fingerprint, embedded_by_codes, load_checkpoint
 from qwenserve.kv_layout import KVLayout
 from qwenserve.models import ModelConfig, linear_attention_gpu, model_class
 from qwenserve.models.linear_state import LinearStateCache
@@ -157,7 +157,7 @@ class LLMEngine:
             num_layers=len(model_cfg.kv_layers),
             num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim,
-            model_fingerprint=fingerprint,
+            model_fingerprint=embedded_by_codes(fingerprint, model_cfg, precision.lm_head),
             **linear_state_layout(model_cfg),
             architecture_fingerprint=architecture,
             accepts_other_weights=config.kv_from_other_weights,

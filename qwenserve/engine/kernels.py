@@ -38,6 +38,7 @@ from qwenserve.models import ModelConfig, gemlite_linear, linear_attention_gpu
 from qwenserve.models.forward_context import AttentionBackend
 from qwenserve.models.fused_decode import with_fused_decode
 from qwenserve.models.ops import TORCH_OPS, Ops, cpu_kernel_ops
+from qwenserve.models.quantized_head import with_quantized_head
 from qwenserve.models.quantized_linear import amx_from, with_quantized_linears
 
 log = logging.getLogger("qwenserve.engine")
@@ -110,6 +111,14 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
             ops = with_fused_decode(ops, cpu, min(amx_rows, fused_rows_of(precision)))
         precision = dataclasses.replace(precision, quantized=label, reason=f"{precision.reason}; linear weights "
                                         f"{label.upper()}: {quantized.describe()} kept as codes")
+    if config.quantize_lm_head == "int8":
+        if device.type == "cpu" and cpu is not None:
+            ops = with_quantized_head(ops, cpu, dtype)
+            precision = dataclasses.replace(precision, lm_head="w8a16", reason=f"{precision.reason}; LM head 8-bit "
+                                            "codes (--quantize-lm-head int8)")
+        else:
+            log.warning("--quantize-lm-head int8 applies on a CPU with the C kernels; the LM head stays %s",
+                        str(dtype).removeprefix("torch."))
     return KernelSet(cpu, ops, attention, block_size, precision, quantized, pack_codes)
 
 

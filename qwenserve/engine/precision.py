@@ -57,6 +57,8 @@ class Precision:
     # 'w4a16' / 'w8a16' where a checkpoint's linear weights stay 4- or 8-bit codes (engine/kernels.py): shown as the
     # weights' part in place of weight_dtype, which is then what the others (the LM head) are packed in.
     quantized: str | None = None
+    # 'w8a16' where the LM head is held as 8-bit codes (--quantize-lm-head int8; models/quantized_head.py).
+    lm_head: str | None = None
 
     def labels(self) -> dict[str, str]:
         """The dtypes by part, as names ('float32', 'bfloat16', 'w4a16'), for the precision metric and status."""
@@ -72,6 +74,7 @@ class Precision:
             text = labels["activations"]
         else:
             text = f"weights={labels['weights']} kv={labels['kv']} activations={labels['activations']}"
+        text += f" lm_head={self.lm_head}" if self.lm_head else ""
         return text + (f" onednn>={self.onednn_rows}" if self.onednn_rows else "")
 
 

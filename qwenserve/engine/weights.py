@@ -190,3 +190,12 @@ def model_fingerprint(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], samp
         h.update(f"{name}:{shapes[name]}".encode())
         h.update(samples.get(name, b""))
     return h.hexdigest()[:32]
+
+
+def embedded_by_codes(fingerprint: str, cfg: ModelConfig, lm_head_codes: str | None) -> str:
+    """The KV fingerprint of a model whose tied embedding table is read from its LM head's codes (`lm_head_codes`,
+    e.g. 'w8a16': --quantize-lm-head): its prompts' KV comes from other embeddings than the checkpoint's, so a peer
+    serving the plain table must not take it for its own. An untied head or a plain one changes no KV."""
+    if not lm_head_codes or not cfg.tie_word_embeddings:
+        return fingerprint
+    return hashlib.sha256(f"{fingerprint}+embeddings={lm_head_codes}".encode()).hexdigest()[:32]
