@@ -26,7 +26,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.linear_quant.restype = ctypes.c_int
     lib.linear_quant.argtypes = [pointer] * 5 + [i64] * 6
     lib.linear_quant_amx.restype = ctypes.c_int
-    lib.linear_quant_amx.argtypes = [pointer] * 5 + [i64] * 5
+    lib.linear_quant_amx.argtypes = [pointer] * 5 + [i64] * 6
     lib.kv_checksum_chunks.restype = None
     lib.kv_checksum_chunks.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] + [i64] * 2
     lib.kv_checksum_combine.restype = ctypes.c_uint64
@@ -203,16 +203,14 @@ class CpuKernels:
 
     def linear_quant_amx(self, x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None
                          ) -> torch.Tensor | None:
-        """`linear_quant` for a 4-bit weight with x rounded to bf16 first, on AMX tiles (linear_quant.c): many rows'
-        product, as PyTorch's bf16 product rounds x. None where it cannot run (no AMX here or in this build, 8-bit
-        codes, groups not a multiple of 32 inputs): then `linear_quant` does."""
+        """`linear_quant` with x rounded to bf16 first, on AMX tiles (linear_quant.c): many rows' product, as
+        PyTorch's bf16 product rounds x. None where it cannot run (no AMX here or in this build, groups not a multiple
+        of 32 inputs): then `linear_quant` does."""
         _check_cpu_fp32("linear_quant_amx", x)
         weight.check()
         n, k = weight.shape
         if x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"linear_quant_amx: x must be [m, {k}], got {tuple(x.shape)}")
-        if weight.bits != 4:
-            return None
         if weight.perm is not None:
             x = x.index_select(1, weight.perm)
         m = x.shape[0]
@@ -224,8 +222,8 @@ class CpuKernels:
         if m == 0:
             return out  # nothing to multiply (the C code's zero-row scratch would be an allocation of nothing)
         status = self.lib.linear_quant_amx(x.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(),
-                                           weight.zeros.data_ptr(), out.data_ptr(), m, k, n, weight.group_size,
-                                           torch.get_num_threads())
+                                           weight.zeros.data_ptr(), out.data_ptr(), m, k, n, weight.bits,
+                                           weight.group_size, torch.get_num_threads())
         if status == -3:
             return None
         if status != 0:

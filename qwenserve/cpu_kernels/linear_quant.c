@@ -373,7 +373,7 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
     return 0;
 }
 
-/* Many rows at 4 bits (a prefill chunk, a large decode batch) on a CPU with AMX: x rounded to bf16 (as PyTorch's
+/* Many rows (a prefill chunk, a large decode batch) on a CPU with AMX: x rounded to bf16 (as PyTorch's
  * bf16 product rounds it, where the engine's precision allows that), the codes widened to bf16 tiles and multiplied
  * by TDPBF16PS, 16 x 16 fp32 results from 16 rows x 32 inputs a tile.
  *
@@ -436,10 +436,30 @@ AMX_TARGET static void amx_widen(const uint8_t *cp, uint32_t *b, int64_t steps, 
     for (; s < padded; s++) _mm512_store_si512((__m512i *)(b + s * QPANEL), exponent);
 }
 
+/* The same for 8-bit codes (a panel's `k` inputs of 16 bytes): a B-tile row's dword j holds the bf16 of column j's
+ * codes for inputs 2s and 2s + 1, exact (integers below 256 are bf16s): the high half of each code's fp32. A missing
+ * odd last input, padding and a missing panel are 0. */
+AMX_TARGET static void amx_widen8(const uint8_t *cp, uint32_t *b, int64_t k, int64_t padded) {
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m128i none = _mm_setzero_si128();
+    int64_t s = 0;
+    if (cp != NULL)
+        for (; 2 * s < k; s++) {
+            const __m128i c0 = _mm_loadu_si128((const __m128i *)(cp + 2 * s * QPANEL));
+            const __m128i c1 = 2 * s + 1 < k ? _mm_loadu_si128((const __m128i *)(cp + (2 * s + 1) * QPANEL)) : none;
+            const __m512i f0 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)));
+            const __m512i f1 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)));
+            /* 0xEA: (f1 & high) | (f0 >> 16) */
+            _mm512_store_si512((__m512i *)(b + s * QPANEL),
+                               _mm512_ternarylogic_epi32(f1, high, _mm512_srli_epi32(f0, 16), 0xEA));
+        }
+    for (; s < padded; s++) _mm512_store_si512((__m512i *)(b + s * QPANEL), _mm512_setzero_si512());
+}
+
 /* Rows [r0, r0 + 32) of xb against the strip's two panels of B tiles, every group, into tot [32][32]. */
 AMX_TARGET static void amx_block(const uint16_t *xb, const float *xsum, const uint32_t *b0, const uint32_t *b1,
                                  const float *s0, const float *z0, const float *s1, const float *z1, float *tot,
-                                 float *cbuf, int64_t kp, int64_t groups, int64_t group) {
+                                 float *cbuf, int64_t kp, int64_t groups, int64_t group, float offset) {
     const int64_t xstride = kp * 2, bsteps = AMX_K / 2 * QPANEL; /* bytes per row of x; dwords per B tile */
     memset(tot, 0, AMX_BLOCK_ROWS * AMX_STRIP * QPANEL * sizeof(float));
     for (int64_t g = 0; g < groups; g++) {
@@ -465,7 +485,7 @@ AMX_TARGET static void amx_block(const uint16_t *xb, const float *xsum, const ui
         _tile_stored(3, cbuf + AMX_ROWS * AMX_STRIP * QPANEL + QPANEL, cstride);
         for (int p = 0; p < AMX_STRIP; p++) {
             const __m512 s = _mm512_loadu_ps((p ? s1 : s0) + g * QPANEL);
-            const __m512 z = _mm512_add_ps(_mm512_loadu_ps((p ? z1 : z0) + g * QPANEL), _mm512_set1_ps(128.0f));
+            const __m512 z = _mm512_add_ps(_mm512_loadu_ps((p ? z1 : z0) + g * QPANEL), _mm512_set1_ps(offset));
             for (int r = 0; r < AMX_BLOCK_ROWS; r++) {
                 float *t = tot + r * AMX_STRIP * QPANEL + p * QPANEL;
                 const __m512 acc = _mm512_loadu_ps(cbuf + r * AMX_STRIP * QPANEL + p * QPANEL);
@@ -476,16 +496,20 @@ AMX_TARGET static void amx_block(const uint16_t *xb, const float *xsum, const ui
     }
 }
 
-/* y [m, n] = x [m, k] (fp32, rounded to bf16 here) times the 4-bit weight, codes/scales/zeros as linear_quant's.
+/* y [m, n] = x [m, k] (fp32, rounded to bf16 here) times the 4- or 8-bit weight, codes/scales/zeros as
+ * linear_quant's.
  * Returns 0; -1 when scratch cannot be allocated; -3 when this cannot run here (groups not a multiple of 32
  * inputs, or the kernel refuses the tile state), and the caller runs linear_quant instead. */
 AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const float *scales, const float *zeros,
-                                float *y, int64_t m, int64_t k, int64_t n, int64_t group, int64_t num_threads) {
-    if (group % AMX_K != 0 || !amx_permitted()) return -3;
+                                float *y, int64_t m, int64_t k, int64_t n, int64_t bits, int64_t group,
+                                int64_t num_threads) {
+    if ((bits != 4 && bits != 8) || group % AMX_K != 0 || !amx_permitted()) return -3;
     if (num_threads < 1) num_threads = 1;
     const int64_t kp = (k + AMX_K - 1) / AMX_K * AMX_K, mp = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS * AMX_BLOCK_ROWS;
     const int64_t groups = (k + group - 1) / group, panels = (n + QPANEL - 1) / QPANEL;
     const int64_t strips = (panels + AMX_STRIP - 1) / AMX_STRIP, steps = (k + 1) / 2;
+    const int64_t panel_bytes = (bits == 4 ? steps : k) * QPANEL;
+    const float offset = bits == 4 ? 128.0f : 0.0f; /* what the widening adds to every code */
     uint16_t *xb = aligned_alloc(64, (size_t)(mp * kp) * sizeof(uint16_t));
     float *xsum = malloc((size_t)(mp * groups) * sizeof(float));
     if (xb == NULL || xsum == NULL) {
@@ -526,13 +550,20 @@ AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const floa
                 const int64_t q = strip * AMX_STRIP;
                 const int has_second = q + 1 < panels;
                 uint32_t *b1 = b + kp / 2 * QPANEL;
-                amx_widen(codes + q * steps * QPANEL, b, steps, kp / 2);
-                amx_widen(has_second ? codes + (q + 1) * steps * QPANEL : NULL, b1, steps, kp / 2);
+                const uint8_t *c0 = codes + q * panel_bytes, *c1 = has_second ? c0 + panel_bytes : NULL;
+                if (bits == 4) {
+                    amx_widen(c0, b, steps, kp / 2);
+                    amx_widen(c1, b1, steps, kp / 2);
+                } else {
+                    amx_widen8(c0, b, k, kp / 2);
+                    amx_widen8(c1, b1, k, kp / 2);
+                }
                 const float *s0 = scales + q * groups * QPANEL, *z0 = zeros + q * groups * QPANEL;
                 const float *s1 = has_second ? s0 + groups * QPANEL : s0, *z1 = has_second ? z0 + groups * QPANEL : z0;
                 const int64_t col = q * QPANEL, width = n - col < AMX_STRIP * QPANEL ? n - col : AMX_STRIP * QPANEL;
                 for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK_ROWS) {
-                    amx_block(xb + r0 * kp, xsum + r0 * groups, b, b1, s0, z0, s1, z1, tot, cbuf, kp, groups, group);
+                    amx_block(xb + r0 * kp, xsum + r0 * groups, b, b1, s0, z0, s1, z1, tot, cbuf, kp, groups, group,
+                              offset);
                     const int64_t rows = m - r0 < AMX_BLOCK_ROWS ? m - r0 : AMX_BLOCK_ROWS;
                     for (int64_t r = 0; r < rows; r++)
                         memcpy(y + (r0 + r) * n + col, tot + r * AMX_STRIP * QPANEL, (size_t)width * sizeof(float));
@@ -550,8 +581,9 @@ AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const floa
 }
 #else
 int linear_quant_amx(const float *x, const uint8_t *codes, const float *scales, const float *zeros, float *y,
-                     int64_t m, int64_t k, int64_t n, int64_t group, int64_t num_threads) {
-    (void)x, (void)codes, (void)scales, (void)zeros, (void)y, (void)m, (void)k, (void)n, (void)group, (void)num_threads;
+                     int64_t m, int64_t k, int64_t n, int64_t bits, int64_t group, int64_t num_threads) {
+    (void)x, (void)codes, (void)scales, (void)zeros, (void)y, (void)m, (void)k, (void)n, (void)bits, (void)group;
+    (void)num_threads;
     return -3; /* built without AVX-512 or a compiler that knows AMX */
 }
 #endif

@@ -113,7 +113,8 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
                                         f"{label.upper()}: {quantized.describe()} kept as codes")
     if config.quantize_lm_head == "int8":
         if device.type == "cpu" and cpu is not None:
-            ops = with_quantized_head(ops, cpu, dtype)
+            bf16_rows = 1 if precision.dtype == torch.bfloat16 else precision.onednn_rows
+            ops = with_quantized_head(ops, cpu, dtype, amx_from("w8a16", bf16_rows))
             precision = dataclasses.replace(precision, lm_head="w8a16", reason=f"{precision.reason}; LM head 8-bit "
                                             "codes (--quantize-lm-head int8)")
         else:

@@ -2,7 +2,7 @@
 engine/quantization/kept.py) is multiplied by the C kernel without being dequantized; every other weight goes to the
 ops' own product. Activations reach the kernel in fp32 whatever the model's dtype (it widens codes to fp32 and
 accumulates there), and leave in the model's dtype. From `bf16_rows` rows up (where x is bf16 already, or the
-engine's precision rounds it for bf16 products: Precision.onednn_rows) and at least AMX_MIN_ROWS, 4-bit weights run
+engine's precision rounds it for bf16 products: Precision.onednn_rows) and at least AMX_MIN_ROWS, 4- and 8-bit weights run
 on AMX tiles where the CPU has them, x rounded to bf16 (several times the fp32 kernel's rate at 16 rows and more;
 linear_quant.c)."""
 
@@ -34,7 +34,7 @@ def with_quantized_linears(ops: Ops, kernels: CpuKernels, label: str, bf16_rows:
 
 def amx_from(label: str, bf16_rows: int | None) -> int | None:
     """From how many rows a product of `label`'s codes runs on AMX tiles on this CPU (None: never)."""
-    if bf16_rows is None or label != "w4a16" or "amx_bf16" not in cpu_flags():
+    if bf16_rows is None or label not in ("w4a16", "w8a16") or "amx_bf16" not in cpu_flags():
         return None
     return max(bf16_rows, AMX_MIN_ROWS)
 

@@ -83,3 +83,20 @@ def test_kv_of_embeddings_read_from_codes_is_not_the_plain_models(tied: bool, tm
     cfg = ModelConfig.from_folder(tiny_checkpoint(tmp_path, tie_word_embeddings=tied))
     assert embedded_by_codes("f" * 32, cfg, None) == "f" * 32
     assert (embedded_by_codes("f" * 32, cfg, "w8a16") != "f" * 32) is tied  # an untied head changes no KV
+
+
+@needs_kernels
+def test_many_rows_of_a_bf16_models_head_go_to_amx_where_it_runs(tmp_path: Path) -> None:
+    from qwenserve.cpu_kernels import builder
+    from qwenserve.engine.kernels import select_kernels
+    from qwenserve.models import ModelConfig
+
+    cfg = ModelConfig.from_folder(tiny_checkpoint(tmp_path))
+    cpu = torch.device("cpu")
+    bf16 = select_kernels(EngineConfig(dtype="bfloat16", quantize_lm_head="int8"), cpu, cfg)
+    assert "+head_w8" in bf16.ops.name and bf16.precision.lm_head == "w8a16"
+    assert ("+head_w8+amx>=8" in bf16.ops.name) == ("amx_bf16" in builder.cpu_flags())
+    fp32 = select_kernels(EngineConfig(dtype="float32", quantize_lm_head="int8"), cpu, cfg)
+    assert "+head_w8" in fp32.ops.name and "amx" not in fp32.ops.name  # fp32 never rounds x
+    plain = select_kernels(EngineConfig(dtype="bfloat16"), cpu, cfg)
+    assert "head_w8" not in plain.ops.name and plain.precision.lm_head is None

@@ -6,6 +6,7 @@ fp32 summation order, on odd shapes, group sizes 32/64/128 and one group per col
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -99,8 +100,8 @@ def test_every_variant_multiplies_the_codes_as_the_dequantized_weight(
 def test_amx_multiplies_bf16_rounded_rows_by_the_dequantized_weight(
         threads: int, variant_kernels: dict[str, CpuKernels]) -> None:
     """Many rows on AMX (x86-64-v4 objects on a CPU with AMX-BF16): x rounded to bf16 as PyTorch's bf16 product
-    rounds it, times the dequantized 4-bit weight, up to fp32 summation order; the codes enter the tiles as bf16 of
-    128 + code, so the bound counts that offset too. Every other object, and groups that are not a multiple of 32
+    rounds it, times the dequantized 4- or 8-bit weight, up to fp32 summation order; 4-bit codes enter the tiles as
+    bf16 of 128 + code, so the bound counts that offset too. Every other object, and groups that are not a multiple of 32
     inputs, decline (None) and the fp32 kernel runs instead."""
     gen = torch.Generator().manual_seed(31)
     amx = "amx_bf16" in builder.cpu_flags() and "x86-64-v4" in variant_kernels
@@ -109,10 +110,10 @@ def test_amx_multiplies_bf16_rounded_rows_by_the_dequantized_weight(
     torch.set_num_threads(threads)
     try:
         for name, kernels in variant_kernels.items():
-            for k, n in (*SHAPES, (1024, 80)):
+            for bits, (k, n) in itertools.product((4, 8), (*SHAPES, (1024, 80))):
                 for group_size in (32, 64, 128):
-                    codes, scales, zeros = random_quantized(n, k, 4, group_size, gen)
-                    weight = QuantWeight.pack(codes, scales, zeros, 4, group_size)
+                    codes, scales, zeros = random_quantized(n, k, bits, group_size, gen)
+                    weight = QuantWeight.pack(codes, scales, zeros, bits, group_size)
                     groups = torch.arange(k) // group_size
                     reference = dequantized(codes, scales, zeros, groups)
                     for rows in (*ROWS, 33):
@@ -124,17 +125,17 @@ def test_amx_multiplies_bf16_rounded_rows_by_the_dequantized_weight(
                         assert y is not None
                         rounded = x.to(torch.bfloat16).double()
                         error = (y.double() - rounded @ reference.double().T).abs()
-                        bound = summation_bound(rounded.float(), codes + 128, scales, zeros, groups)
+                        widened = codes + 128 if bits == 4 else codes
+                        bound = summation_bound(rounded.float(), widened, scales, zeros, groups)
                         worst = (error / bound).max().item()
-                        assert worst <= 1.0, f"{name} rows={rows} k={k} n={n} group={group_size}: {worst:.2f}x"
+                        assert worst <= 1.0, f"{name} {bits} bits rows={rows} k={k} n={n} group={group_size}: " \
+                                             f"{worst:.2f}x"
             if amx and name in avx512:
                 odd = QuantWeight.pack(*random_quantized(32, 96, 4, 48, gen), 4, 48)
                 assert kernels.linear_quant_amx(torch.randn(20, 96), odd) is None  # groups of 48: not tiles of 32
                 empty = kernels.linear_quant_amx(torch.empty(0, 64), QuantWeight.pack(
                     *random_quantized(32, 64, 4, 32, gen), 4, 32))
                 assert empty is not None and empty.shape == (0, 32)
-                eight = QuantWeight.pack(*random_quantized(32, 64, 8, 32, gen), 8, 32)
-                assert kernels.linear_quant_amx(torch.randn(20, 64), eight) is None
     finally:
         torch.set_num_threads(previous)
     if not amx:
