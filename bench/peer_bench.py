@@ -151,9 +151,10 @@ class ServerSpec:
 
 # Our configurations: the name's dtype, and `up`'s own flags (unified: no prefill process, the decode worker prefills
 # its prompts itself, one engine as vLLM's; w4a16: per-stage precision, the decode processes on the checkpoint's AWQ
-# 4-bit copy behind a prefill on the checkpoint itself).
+# 4-bit copy behind a prefill on the checkpoint itself; w4a16-head8: and the LM head as 8-bit codes, --quantize-lm-head).
 OURS = {"ours-fp32": ("float32", ()), "ours-auto": ("auto", ()), "ours-unified": ("auto", ("--prefill", "0")),
-        "ours-w4a16": ("auto", ("--decode-model", "{awq}"))}
+        "ours-w4a16": ("auto", ("--decode-model", "{awq}")),
+        "ours-w4a16-head8": ("auto", ("--decode-model", "{awq}", "--quantize-lm-head", "int8"))}
 
 
 def ours_spec(model: Path, name: str, kv_gb: float, max_len: int) -> ServerSpec:
@@ -536,7 +537,8 @@ def main() -> None:
                              f"{CHECKPOINT_NAME})")
     parser.add_argument("--servers", default="ours-fp32,ours-auto,vllm",
                         help=f"which of {','.join(OURS)},vllm (ours-unified: `up --prefill 0`; ours-w4a16: "
-                             "`up --decode-model` of the checkpoint's AWQ copy)")
+                             "`up --decode-model` of the checkpoint's AWQ copy; ours-w4a16-head8: and "
+                             "--quantize-lm-head int8)")
     parser.add_argument("--kv-cache-gb", type=float, default=4.0,
                         help="KV-cache memory of every server (ours: per engine; vLLM: VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--vllm-omp-bind", default=None,
