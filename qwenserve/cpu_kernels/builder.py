@@ -21,10 +21,11 @@ log = logging.getLogger("qwenserve.cpu_kernels")
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode.c", "linear.c", "linear_quant.c", "kv_checksum.c", "token_bitmask.c",
-                             "gated_delta.c", "bf16_layer.c", "decode_stack.c"))
+                             "gated_delta.c", "bf16_layer.c", "decode_stack.c", "linear_amx.c"))
 # Included by the sources: part of what names a build.
 HEADERS = tuple(Path(__file__).with_name(name)
-                for name in ("vec8.h", "vexp.h", "linear_tiles.h", "paged_attend.h", "paged_attend_dp.h"))
+                for name in ("vec8.h", "vexp.h", "linear_tiles.h", "paged_attend.h", "paged_attend_dp.h",
+                             "amx_tiles.h"))
 ENV_DIR = "QWENSERVE_CPU_KERNEL_DIR"
 # -fopenmp: the library then needs libgomp.so.1, which torch has already loaded, so both share one pool. A
 # compiler without OpenMP builds the single-threaded form.

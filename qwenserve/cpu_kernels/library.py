@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from qwenserve.cpu_kernels.amx_weight import AmxWeight
 from qwenserve.cpu_kernels.decode_stack import DecodeStack
 from qwenserve.cpu_kernels.packed_weight import PANEL, PANEL_DTYPES, PackedWeight
 from qwenserve.cpu_kernels.quant_weight import QuantWeight
@@ -27,6 +28,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.linear_quant.argtypes = [pointer] * 5 + [i64] * 6
     lib.linear_quant_amx.restype = ctypes.c_int
     lib.linear_quant_amx.argtypes = [pointer] * 5 + [i64] * 6
+    lib.linear_bf16_amx.restype = ctypes.c_int
+    lib.linear_bf16_amx.argtypes = [pointer, i64, pointer, pointer] + [i64] * 5
     lib.kv_checksum_chunks.restype = None
     lib.kv_checksum_chunks.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] + [i64] * 2
     lib.kv_checksum_combine.restype = ctypes.c_uint64
@@ -228,6 +231,32 @@ class CpuKernels:
             return None
         if status != 0:
             raise MemoryError("linear_quant_amx could not allocate its scratch")
+        return out
+
+    def linear_bf16_amx(self, x: torch.Tensor, weight: AmxWeight, out: torch.Tensor | None = None
+                        ) -> torch.Tensor | None:
+        """x [m, k] bf16 (rows contiguous, maybe strided) @ Wᵀ -> [m, n] on AMX tiles (linear_amx.c): bf16, or fp32
+        into `out` [m, n] (contiguous fp32) when given; fp32 sums either way. None where it cannot run (no AMX here
+        or in this build): the caller multiplies another way."""
+        _check_bf16_rows("linear_bf16_amx", x)
+        n, k = weight.shape
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"linear_bf16_amx: x must be [m, {k}], got {tuple(x.shape)}")
+        m = x.shape[0]
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+        elif out.shape != (m, n):
+            raise ValueError(f"linear_bf16_amx: out must have shape {(m, n)}")
+        else:
+            _check_cpu_fp32("linear_bf16_amx", out)
+        if m == 0:
+            return out
+        status = self.lib.linear_bf16_amx(x.data_ptr(), x.stride(0), weight.tiles.data_ptr(), out.data_ptr(),
+                                          int(out.dtype == torch.float32), m, k, n, torch.get_num_threads())
+        if status == -3:
+            return None
+        if status != 0:
+            raise MemoryError("linear_bf16_amx could not allocate its scratch")
         return out
 
     def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:

@@ -6,7 +6,8 @@ bf16 panels halve the bytes a decode step streams and win wherever decode is mem
 hundreds of rows oneDNN's bf16 product (AMX tiles, AVX512_BF16 dot products) can run several times our fp32
 panels on one CPU and far slower on another (AVX2 only). So it is measured, once per process, on a matrix the
 model's shape: our fp32 and bf16 panels at one row, and our bf16 panels against PyTorch's bf16 `F.linear` at
-`ROWS` rows. About a second of both cores, so a result is kept on disk (cache.py's folder, `linear-probe/`) under
+`ROWS` rows, and, on a CPU with AMX, our own bf16 product on AMX tiles (linear_amx.c) at those rows too: the
+faster of the two many-row products is the one an engine keeps its weights for. About a second of both cores, so a result is kept on disk (cache.py's folder, `linear-probe/`) under
 a key naming the CPU, its flags, the kernels' sources, PyTorch's version, the shape and the thread count: a second
 start on the same machine reads it (every stage of `qwen-serve up`, every restart), and prefill and decode workers of
 one host choose alike. Remove the folder to measure again.
@@ -18,17 +19,18 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from qwenserve.cache import cache_root
-from qwenserve.cpu_kernels import onednn_weight
+from qwenserve.cpu_kernels import amx_weight, onednn_weight
 from qwenserve.cpu_kernels.builder import cpu_flags, source_digest
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.packed_weight import PANEL, PackedWeight
@@ -44,15 +46,18 @@ MIN_LOOP_S = 0.004
 # Whole probes, at most, this far apart: the best time of each product over them counts.
 TRIES, SETTLE_S = 3, 0.2
 # Part of the cache key: a change to what is measured or how makes earlier results stale.
-PROBE_VERSION = 2  # 2: PyTorch's bf16 product on a weight prepacked once (onednn_weight.py)
+PROBE_VERSION = 3  # 2: PyTorch's bf16 product on a weight prepacked once (onednn_weight.py); 3: our AMX product
+# Row counts from which a many-row product is weighed against the other (decode batches and prefill chunks).
+DENSE_CHOICE_ROWS = 16
 
 log = logging.getLogger("qwenserve.cpu_kernels")
 
 
 @dataclass(frozen=True)
 class LinearProbe:
-    """Milliseconds per product on an n x k matrix: `fp32_ms` and `bf16_ms` our panels at one row; `panels_ms` and
-    `onednn_ms` our bf16 panels and PyTorch's bf16 product at each of `ROWS` rows (keys)."""
+    """Milliseconds per product on an n x k matrix: `fp32_ms` and `bf16_ms` our panels at one row; `panels_ms`,
+    `onednn_ms` and `amx_ms` our bf16 panels, PyTorch's bf16 product and ours on AMX tiles at each of `ROWS` rows
+    (keys; `amx_ms` empty where that product cannot run)."""
 
     n: int
     k: int
@@ -61,26 +66,43 @@ class LinearProbe:
     panels_ms: dict[int, float]
     onednn_ms: dict[int, float]
     seconds: float  # what the probe took (0: read from the cache)
+    amx_ms: dict[int, float] = field(default_factory=dict)
 
     def bf16_speedup(self) -> float:
         """fp32 panels' time over bf16 panels' at one row: above 1, bf16 weights decode faster."""
         return self.fp32_ms / self.bf16_ms
 
-    def onednn_from(self, margin: float = 0.9) -> int | None:
-        """The fewest probed rows from which PyTorch's bf16 product beats our bf16 panels (takes at most `margin`
-        of their time) at that count and every larger one probed; None where it never does."""
-        start = None
+    def dense_product(self) -> str:
+        """The many-row product to keep weights for: 'amx' where ours on AMX tiles ran and took less time than
+        PyTorch's over the probed counts from DENSE_CHOICE_ROWS rows up (the geometric mean of the ratios, so a
+        32-row decode step weighs as much as a prefill chunk), 'onednn' otherwise."""
+        many = [rows for rows in self.onednn_ms if rows >= DENSE_CHOICE_ROWS]
+        if not self.amx_ms or not many:
+            return "onednn"
+        log_ratio = sum(math.log(self.amx_ms[rows] / self.onednn_ms[rows]) for rows in many) / len(many)
+        return "amx" if log_ratio < 0 else "onednn"
+
+    def dense_ms(self) -> dict[int, float]:
+        """The chosen many-row product's times (dense_product)."""
+        return self.amx_ms if self.dense_product() == "amx" else self.onednn_ms
+
+    def dense_from(self, margin: float = 0.9) -> int | None:
+        """The fewest probed rows from which the many-row product (dense_product) beats our bf16 panels (takes at
+        most `margin` of their time) at that count and every larger one probed; None where it never does."""
+        start, dense = None, self.dense_ms()
         for rows in sorted(self.panels_ms, reverse=True):
-            if self.onednn_ms[rows] > margin * self.panels_ms[rows]:
+            if dense[rows] > margin * self.panels_ms[rows]:
                 break
             start = rows
         return start
 
     def summary(self) -> str:
         """One line for the start-up log."""
-        rows = ", ".join(f"{r} rows {self.panels_ms[r]:.2f}/{self.onednn_ms[r]:.2f}" for r in sorted(self.panels_ms))
+        rows = ", ".join(f"{r} rows {self.panels_ms[r]:.2f}/{self.onednn_ms[r]:.2f}"
+                         + (f"/{self.amx_ms[r]:.2f}" if self.amx_ms else "") for r in sorted(self.panels_ms))
         return (f"{self.n}x{self.k} at 1 row: fp32 panels {self.fp32_ms:.3f} ms, bf16 panels {self.bf16_ms:.3f} ms; "
-                f"bf16 panels/oneDNN bf16 ms: {rows} " + (f"({self.seconds:.2f} s)" if self.seconds else "(measured before)"))
+                f"bf16 panels/oneDNN bf16{'/AMX tiles' if self.amx_ms else ''} ms: {rows} "
+                + (f"({self.seconds:.2f} s)" if self.seconds else "(measured before)"))
 
 
 def _best_ms(*runs: Callable[[], object]) -> list[float]:
@@ -126,7 +148,8 @@ def measure(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProbe:
             raise LookupError("measured on a busy machine, and this one is quiet now")
         cached = LinearProbe(n, k, float(fields["fp32_ms"]), float(fields["bf16_ms"]),
                              {r: float(fields["panels_ms"][str(r)]) for r in ROWS},
-                             {r: float(fields["onednn_ms"][str(r)]) for r in ROWS}, 0.0)
+                             {r: float(fields["onednn_ms"][str(r)]) for r in ROWS}, 0.0,
+                             {r: float(fields["amx_ms"][str(r)]) for r in ROWS} if fields["amx_ms"] else {})
     except FileNotFoundError:
         pass
     except LookupError as e:
@@ -140,7 +163,8 @@ def measure(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProbe:
     measured = measure_now(kernels, n, k, threads)
     fields = {"quiet": not (busy_before or machine_busy()), "fp32_ms": measured.fp32_ms, "bf16_ms": measured.bf16_ms,
               "panels_ms": {str(r): t for r, t in measured.panels_ms.items()},
-              "onednn_ms": {str(r): t for r, t in measured.onednn_ms.items()}, "seconds": measured.seconds,
+              "onednn_ms": {str(r): t for r, t in measured.onednn_ms.items()},
+              "amx_ms": {str(r): t for r, t in measured.amx_ms.items()}, "seconds": measured.seconds,
               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:  # written whole or not at all: two stages starting together may both write
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +215,8 @@ def measure_now(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProb
         merged = LinearProbe(n, k, min(best.fp32_ms, again.fp32_ms), min(best.bf16_ms, again.bf16_ms),
                              {r: min(best.panels_ms[r], again.panels_ms[r]) for r in ROWS},
                              {r: min(best.onednn_ms[r], again.onednn_ms[r]) for r in ROWS},
-                             best.seconds + SETTLE_S + again.seconds)
+                             best.seconds + SETTLE_S + again.seconds,
+                             {r: min(best.amx_ms[r], again.amx_ms[r]) for r in best.amx_ms if r in again.amx_ms})
         settled = all(new >= 0.9 * old for new, old in zip(_times(merged), _times(best), strict=True))
         best = merged
         if settled:
@@ -200,7 +225,8 @@ def measure_now(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProb
 
 
 def _times(probe: LinearProbe) -> list[float]:
-    return [probe.fp32_ms, probe.bf16_ms, *probe.panels_ms.values(), *probe.onednn_ms.values()]
+    return [probe.fp32_ms, probe.bf16_ms, *probe.panels_ms.values(), *probe.onednn_ms.values(),
+            *probe.amx_ms.values()]
 
 
 def _probe_once(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProbe:
@@ -212,18 +238,34 @@ def _probe_once(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProb
         weight = torch.randn(n, k, generator=generator) / k**0.5
         fp32, bf16 = PackedWeight.pack(weight), PackedWeight.pack(weight, torch.bfloat16)
         dense = onednn_weight.prepack(weight.to(torch.bfloat16))
-        del weight
         x = torch.randn(max(ROWS), k, generator=generator)
+        tiles = _amx_tiles(kernels, weight, x)
+        del weight
         one = x[:1].contiguous()
         fp32_ms, bf16_ms = _best_ms(functools.partial(kernels.linear_packed, one, fp32),
                                     functools.partial(kernels.linear_packed, one, bf16))
         del fp32  # a model-sized fp32 matrix need not outlive its timing
-        panels_ms, onednn_ms = {}, {}
+        panels_ms, onednn_ms, amx_ms = {}, {}, {}
         for rows in ROWS:
             xs = x[:rows].contiguous()
             xb = xs.to(torch.bfloat16)
-            panels_ms[rows], onednn_ms[rows] = _best_ms(functools.partial(kernels.linear_packed, xs, bf16),
-                                                        lambda xb=xb: onednn_weight.linear(xb, dense).float())
+            # Each many-row product as the engine calls it: x rounded to bf16, the result widened.
+            runs = [functools.partial(kernels.linear_packed, xs, bf16),
+                    lambda xb=xb: onednn_weight.linear(xb, dense).float()]
+            if tiles is not None:
+                runs.append(lambda xb=xb: kernels.linear_bf16_amx(xb, tiles).float())
+            panels_ms[rows], onednn_ms[rows], *amx = _best_ms(*runs)
+            if amx:
+                amx_ms[rows] = amx[0]
     finally:
         torch.set_num_threads(previous)
-    return LinearProbe(n, k, fp32_ms, bf16_ms, panels_ms, onednn_ms, time.perf_counter() - started)
+    return LinearProbe(n, k, fp32_ms, bf16_ms, panels_ms, onednn_ms, time.perf_counter() - started, amx_ms)
+
+
+def _amx_tiles(kernels: CpuKernels, weight: torch.Tensor, x: torch.Tensor) -> amx_weight.AmxWeight | None:
+    """`weight` in AMX tile order where our AMX product runs here (the CPU has AMX, the build has the kernel, the
+    kernel gets the tile state, the shape tiles), else None."""
+    if "amx_bf16" not in cpu_flags() or not amx_weight.tileable(weight):
+        return None
+    tiles = amx_weight.pack(weight)
+    return tiles if kernels.linear_bf16_amx(x[:1].to(torch.bfloat16), tiles) is not None else None

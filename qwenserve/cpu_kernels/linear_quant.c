@@ -383,30 +383,10 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
  * per strip for all of x's rows. The 128 comes out with the zero point: s * (sum - (z + 128) * xsum), xsum over the
  * rounded x. Groups must be multiples of 32 inputs (a tile's K), which 32/64/128 are. */
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__GNUC__) && __GNUC__ >= 11
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
-#define AMX_ROWS 16                 /* a tile's rows: of x (A) and of results (C) */
-#define AMX_K 32                    /* inputs per tile product */
 #define AMX_BLOCK_ROWS (2 * AMX_ROWS) /* rows of x per pass: two A tiles */
 #define AMX_STRIP 2                 /* panels per pass: two B tiles; 2 x 2 C tiles, 8 tile registers in all */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-struct tile_config {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* Linux hands AMX's tile state to a process that asks (once: the permission is process-wide). */
-static int amx_permitted(void) {
-    static int state; /* 0: not asked yet, 1: granted, -1: refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
 
 static inline uint16_t bf16_rne(float f) {
     uint32_t u;
@@ -527,14 +507,7 @@ AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const floa
     int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        struct tile_config config;
-        memset(&config, 0, sizeof config);
-        config.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            config.rows[t] = AMX_ROWS;
-            config.colsb[t] = 64;
-        }
-        _tile_loadconfig(&config);
+        amx_configure();
         uint32_t *b = aligned_alloc(64, (size_t)(AMX_STRIP * kp / 2 * QPANEL) * sizeof(uint32_t));
         float *tot = aligned_alloc(64, AMX_BLOCK_ROWS * AMX_STRIP * QPANEL * sizeof(float));
         float *cbuf = aligned_alloc(64, AMX_BLOCK_ROWS * AMX_STRIP * QPANEL * sizeof(float));

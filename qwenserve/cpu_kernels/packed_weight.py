@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from qwenserve.cpu_kernels import onednn_weight
+from qwenserve.cpu_kernels import amx_weight, onednn_weight
+from qwenserve.cpu_kernels.amx_weight import AmxWeight
 
 PANEL = 16  # output columns per panel of a packed weight (linear.c's PANEL)
 PANEL_DTYPES = (torch.float32, torch.bfloat16)  # what linear.c's products read
+DENSE_PRODUCTS = ("onednn", "amx")  # the many-row products a weight can be kept for (engine/precision.py)
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -24,25 +26,32 @@ class PackedWeight:
 
     __slots__ = ("panels", "dense")
 
-    def __init__(self, panels: torch.Tensor, dense: torch.Tensor | None = None) -> None:
+    def __init__(self, panels: torch.Tensor, dense: torch.Tensor | AmxWeight | None = None) -> None:
         self.panels = panels
-        # The weight unpacked [..., n, k] in bf16 as well, where PyTorch's bf16 product runs a step's many rows
-        # faster than the panels (engine/precision.py): a matrix in oneDNN's layout (onednn_weight.py), stacked
-        # matrices plain; None elsewhere.
+        # The weight in bf16 as well, laid out for the product that runs a step's many rows faster than the panels
+        # (engine/precision.py): in AMX tile order for ours (amx_weight.py), or unpacked [..., n, k] for PyTorch's
+        # (a matrix in oneDNN's layout, onednn_weight.py; stacked matrices plain); None elsewhere.
         self.dense = dense
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, dtype: torch.dtype | None = None, dense: bool = False) -> PackedWeight:
-        """`weight` packed with panels in `dtype` (fp32 or bf16; default: the weight's own), and kept unpacked in
-        bf16 too if `dense`. fp32 to bf16 rounds to nearest even, as `weight.to(torch.bfloat16)`."""
+    def pack(cls, weight: torch.Tensor, dtype: torch.dtype | None = None, dense: str | None = None) -> PackedWeight:
+        """`weight` packed with panels in `dtype` (fp32 or bf16; default: the weight's own), and kept in bf16 for
+        the many-row product `dense` too ('amx': in tile order where the shape allows, for oneDNN's otherwise;
+        'onednn'; None: not). fp32 to bf16 rounds to nearest even, as `weight.to(torch.bfloat16)`."""
         dtype = dtype or weight.dtype
+        if dense not in (None, *DENSE_PRODUCTS):
+            raise ValueError(f"PackedWeight.pack: dense must be one of {DENSE_PRODUCTS} or None, got {dense!r}")
         if not packable(weight) or dtype not in PANEL_DTYPES:
             raise ValueError(f"PackedWeight.pack wants fp32 or bf16 CPU weights with rows a multiple of {PANEL}, "
                              f"packed as fp32 or bf16, got {tuple(weight.shape)} {weight.dtype} as {dtype}")
         *lead, n, k = weight.shape
         rounded = weight.to(dtype)  # before the copy that lays out the panels: no whole fp32 copy of a large matrix
         panels = rounded.reshape(*lead, n // PANEL, PANEL, k).transpose(-1, -2).contiguous()
-        return cls(panels, onednn_weight.prepack(rounded.to(torch.bfloat16).contiguous()) if dense else None)
+        if dense is None:
+            return cls(panels)
+        if dense == "amx" and amx_weight.tileable(rounded):
+            return cls(panels, amx_weight.pack(rounded))
+        return cls(panels, onednn_weight.prepack(rounded.to(torch.bfloat16).contiguous()))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -57,9 +66,13 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
+        if isinstance(self.dense, AmxWeight):
+            return self.panels.nbytes + self.dense.nbytes
         return self.panels.nbytes + (onednn_weight.nbytes(self.dense) if self.dense is not None else 0)
 
     def __getitem__(self, index: int) -> PackedWeight:
+        # Only a stacked weight is indexed, and stacked weights are never tiled (amx_weight.tileable).
+        assert not isinstance(self.dense, AmxWeight)
         return PackedWeight(self.panels[index], self.dense[index] if self.dense is not None else None)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

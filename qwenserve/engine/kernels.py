@@ -104,7 +104,7 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
         label = f"w{quantized.bits}a16"
         # bf16 activations lose nothing more to AMX's bf16 x; fp32 ones only where the engine already rounds x for
         # PyTorch's bf16 product.
-        bf16_rows = 1 if precision.dtype == torch.bfloat16 else precision.onednn_rows
+        bf16_rows = 1 if precision.dtype == torch.bfloat16 else precision.dense_rows
         ops = with_quantized_linears(ops, cpu, label, bf16_rows)
         amx_rows = amx_from(label, bf16_rows)
         if amx_rows is not None and ops.decode_layers is not TORCH_OPS.decode_layers:
@@ -113,7 +113,7 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
                                         f"{label.upper()}: {quantized.describe()} kept as codes")
     if config.quantize_lm_head == "int8":
         if device.type == "cpu" and cpu is not None:
-            bf16_rows = 1 if precision.dtype == torch.bfloat16 else precision.onednn_rows
+            bf16_rows = 1 if precision.dtype == torch.bfloat16 else precision.dense_rows
             ops = with_quantized_head(ops, cpu, dtype, amx_from("w8a16", bf16_rows))
             precision = dataclasses.replace(precision, lm_head="w8a16", reason=f"{precision.reason}; LM head 8-bit "
                                             "codes (--quantize-lm-head int8)")
@@ -151,7 +151,8 @@ def model_ops(config: EngineConfig, device: torch.device, precision: Precision, 
     BLAS at decode sizes, the recurrent update ~50x PyTorch's ops: bench/kernels_bench.py), the kernel packages'
     recurrences on CUDA where installed and switched on, PyTorch's everywhere else."""
     if device.type == "cpu" and cpu is not None:
-        ops = cpu_kernel_ops(cpu, precision.dtype, precision.weight_dtype, precision.onednn_rows)
+        ops = cpu_kernel_ops(cpu, precision.dtype, precision.weight_dtype, precision.dense_rows,
+                             precision.dense_product)
         if precision.dtype == torch.bfloat16 and precision.kv_dtype == torch.bfloat16 \
                 and precision.weight_dtype == torch.bfloat16 and config.fused_decode:
             ops = with_fused_decode(ops, cpu, fused_rows_of(precision))
@@ -164,7 +165,7 @@ def model_ops(config: EngineConfig, device: torch.device, precision: Precision, 
 def fused_rows_of(precision: Precision) -> int:
     """Decode steps of fewer rows than this run every layer in one C call: up to where PyTorch's bf16 product takes
     over from the panels (from there the layer-by-layer path runs it)."""
-    return precision.onednn_rows or FUSED_DECODE_MAX_ROWS
+    return precision.dense_rows or FUSED_DECODE_MAX_ROWS
 
 
 def cuda_ops(device: torch.device, dtype: torch.dtype) -> Ops:

@@ -39,21 +39,25 @@ MIN_BF16_SPEEDUP = 1.1
 DEFAULT_PROBE_MODEL = (1024, 3072)
 
 Probe = Callable[[CpuKernels, int, int, int], LinearProbe]
+# The many-row products, as the start-up log names them.
+DENSE_PRODUCT_NAMES = {"amx": "our bf16 product on AMX tiles", "onednn": "PyTorch's bf16 product"}
 
 
 @dataclass(frozen=True)
 class Precision:
     """`dtype`: the model's (activations, norms, embeddings, weights left unpacked); `weight_dtype`: the packed
-    linear weights' (the model's where none are packed); `kv_dtype`: the paged KV cache's; `onednn_rows`: products
-    of at least this many rows run in PyTorch's bf16 on an unpacked bf16 copy of the weight (None: never);
+    linear weights' (the model's where none are packed); `kv_dtype`: the paged KV cache's; `dense_rows`: products
+    of at least this many rows run in `dense_product` on a bf16 copy of the weight laid out for it (None: never):
+    'amx', ours on AMX tiles (linear_amx.c), or 'onednn', PyTorch's bf16 product;
     `reason`: why, for the start-up log and the metrics. A bf16 `dtype` with bf16 `weight_dtype` on a CPU is the
     packed product's too (ops.cpu_kernel_ops)."""
 
     dtype: torch.dtype
     weight_dtype: torch.dtype
     kv_dtype: torch.dtype
-    onednn_rows: int | None = None
+    dense_rows: int | None = None
     reason: str = ""
+    dense_product: str = "onednn"
     # 'w4a16' / 'w8a16' where a checkpoint's linear weights stay 4- or 8-bit codes (engine/kernels.py): shown as the
     # weights' part in place of weight_dtype, which is then what the others (the LM head) are packed in.
     quantized: str | None = None
@@ -68,14 +72,14 @@ class Precision:
 
     @property
     def name(self) -> str:
-        """e.g. 'float32', 'bfloat16 onednn>=16' or 'weights=bfloat16 kv=float32 activations=float32'."""
+        """e.g. 'float32', 'bfloat16 amx>=16' or 'weights=bfloat16 kv=float32 activations=float32'."""
         labels = self.labels()
         if len(set(labels.values())) == 1:
             text = labels["activations"]
         else:
             text = f"weights={labels['weights']} kv={labels['kv']} activations={labels['activations']}"
         text += f" lm_head={self.lm_head}" if self.lm_head else ""
-        return text + (f" onednn>={self.onednn_rows}" if self.onednn_rows else "")
+        return text + (f" {self.dense_product}>={self.dense_rows}" if self.dense_rows else "")
 
 
 def is_auto(config: EngineConfig) -> bool:
@@ -94,7 +98,7 @@ def resolve_precision(config: EngineConfig, device: torch.device, cpu: CpuKernel
     packs = device.type == "cpu" and cpu is not None and dtype == torch.float32
     auto = is_auto(config) and packs
     reasons = []
-    weight_dtype, onednn_rows = dtype, None
+    weight_dtype, dense_rows, dense_product = dtype, None, "onednn"
 
     def measure() -> LinearProbe:
         assert cpu is not None
@@ -107,21 +111,23 @@ def resolve_precision(config: EngineConfig, device: torch.device, cpu: CpuKernel
         weight_dtype = TORCH_DTYPES[config.cpu_weight_dtype]
         reasons.append(f"weights {config.cpu_weight_dtype} (--cpu-weight-dtype)")
     elif device.type == "cpu" and cpu is not None and dtype == torch.bfloat16:
-        # --dtype bfloat16: the packed bf16 panels for a step's few rows, PyTorch's product where it wins.
-        onednn_rows = measure().onednn_from()
-        reasons.append("--dtype bfloat16" + (f"; PyTorch's bf16 product from {onednn_rows} rows, where it beats the "
-                                             "panels" if onednn_rows else ""))
+        # --dtype bfloat16: the packed bf16 panels for a step's few rows, a many-row product where it wins.
+        measured = measure()
+        dense_rows, dense_product = measured.dense_from(), measured.dense_product()
+        reasons.append("--dtype bfloat16" + (f"; {DENSE_PRODUCT_NAMES[dense_product]} from {dense_rows} rows, where "
+                                             "it beats the panels" if dense_rows else ""))
     elif auto:
         measured = measure()
         speedup = measured.bf16_speedup()
         if speedup >= MIN_BF16_SPEEDUP:
-            weight_dtype, onednn_rows = torch.bfloat16, measured.onednn_from()
+            weight_dtype, dense_rows, dense_product = torch.bfloat16, measured.dense_from(), measured.dense_product()
             reasons.append(f"weights bfloat16: bf16 panels decode {speedup:.2f}x fp32's here")
             if not hybrid:
                 dtype = torch.bfloat16
                 reasons.append("activations bfloat16 (logits float32)")
-            if onednn_rows:
-                reasons.append(f"PyTorch's bf16 product from {onednn_rows} rows, where it beats the panels")
+            if dense_rows:
+                reasons.append(f"{DENSE_PRODUCT_NAMES[dense_product]} from {dense_rows} rows, where it beats the "
+                               "panels")
         else:
             reasons.append(f"weights float32: bf16 panels decode only {speedup:.2f}x fp32's here")
     if config.kv_cache_dtype != "auto":
@@ -134,7 +140,7 @@ def resolve_precision(config: EngineConfig, device: torch.device, cpu: CpuKernel
         kv_dtype = dtype
     if not reasons:
         reasons.append(_why_uniform(config, device, cpu, dtype))
-    return Precision(dtype, weight_dtype, kv_dtype, onednn_rows, "; ".join(reasons))
+    return Precision(dtype, weight_dtype, kv_dtype, dense_rows, "; ".join(reasons), dense_product)
 
 
 def _why_uniform(config: EngineConfig, device: torch.device, cpu: CpuKernels | None, dtype: torch.dtype) -> str:

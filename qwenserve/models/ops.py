@@ -25,6 +25,7 @@ from torch import nn
 
 from qwenserve import progress
 from qwenserve.cpu_kernels import onednn_weight
+from qwenserve.cpu_kernels.amx_weight import AmxWeight
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.packed_weight import PackedWeight, packable
 from qwenserve.models import torch_forms
@@ -85,20 +86,23 @@ def _nothing_to_prepare(model: nn.Module) -> int:
 TORCH_OPS = Ops("torch", _torch_linear, _torch_logits, _torch_embedding, _nothing_to_prepare)
 
 
-def _packed_linear(kernels: CpuKernels, onednn_rows: int | None, x: torch.Tensor, weight: Weight,
+def _packed_linear(kernels: CpuKernels, dense_rows: int | None, x: torch.Tensor, weight: Weight,
                    bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The packed product on PackedWeights, in x's dtype (fp32, or bf16: the panels' product reads fp32 rows, so a
     few rows are widened and the result rounded back); weights that could not be packed (rows not a multiple of 16)
-    stay tensors and go to F.linear. From `onednn_rows` rows up (None: never), a weight kept unpacked in bf16 too is
-    multiplied there by PyTorch's bf16 product, x rounded to bf16. `out`: an fp32 buffer for a 2-D product wanted
-    in fp32 (the logits: fresh memory of that size would be faulted in page by page at every step)."""
+    stay tensors and go to F.linear. From `dense_rows` rows up (None: never), a weight kept in bf16 for a many-row
+    product too is multiplied there, x rounded to bf16: ours on AMX tiles, or PyTorch's. `out`: an fp32 buffer for a
+    2-D product wanted in fp32 (the logits: fresh memory of that size would be faulted in page by page at every
+    step)."""
     if not isinstance(weight, PackedWeight):
         y = F.linear(x, weight, bias)
         return y if out is None else y.float()
-    if weight.dense is not None and onednn_rows is not None and x.numel() >= onednn_rows * x.shape[-1]:
-        y = onednn_weight.linear(x.to(torch.bfloat16), weight.dense)
-        y = y.to(x.dtype) if out is None else y.float()
-        return y if bias is None else y.add_(bias)
+    if weight.dense is not None and dense_rows is not None and x.numel() >= dense_rows * x.shape[-1]:
+        y = (_amx_linear(kernels, x, weight.dense, out) if isinstance(weight.dense, AmxWeight)
+             else onednn_weight.linear(x.to(torch.bfloat16), weight.dense))
+        if y is not None:
+            y = y.to(x.dtype) if out is None else y.float()
+            return y if bias is None else y.add_(bias)
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and out is None and x.stride(-1) == 1:
         y = kernels.linear_packed_bf16_io(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
         return y if bias is None else y.add_(bias)
@@ -110,13 +114,25 @@ def _packed_linear(kernels: CpuKernels, onednn_rows: int | None, x: torch.Tensor
     return y if bias is None else y.add_(bias)
 
 
-def _packed_logits(kernels: CpuKernels, onednn_rows: int | None, x: torch.Tensor, weight: Weight,
+def _amx_linear(kernels: CpuKernels, x: torch.Tensor, weight: AmxWeight, out: torch.Tensor | None
+                ) -> torch.Tensor | None:
+    """x [..., k] @ Wᵀ on AMX tiles (linear_amx.c), x rounded to bf16: bf16, or fp32 in `out` for a 2-D x;
+    None where the kernel cannot run here."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    into = out if out is not None and x.dim() == 2 and out.is_contiguous() and out.dtype == torch.float32 else None
+    y = kernels.linear_bf16_amx(rows, weight, into)
+    return None if y is None else y.view(*x.shape[:-1], weight.n)
+
+
+def _packed_logits(kernels: CpuKernels, dense_rows: int | None, x: torch.Tensor, weight: Weight,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The LM head's product in fp32 (`out`: a buffer for it): a bf16 model's hidden rows are widened first, so the
     panels' product of its few sampled rows is fp32 throughout."""
     if not isinstance(weight, PackedWeight):
         return F.linear(x, weight).float()
-    return _packed_linear(kernels, onednn_rows, x.float(), weight, None, out)
+    return _packed_linear(kernels, dense_rows, x.float(), weight, None, out)
 
 
 def _packed_embedding(dtype: torch.dtype, table: Weight, ids: torch.Tensor) -> torch.Tensor:
@@ -153,10 +169,10 @@ def _bf16_silu_mul(kernels: CpuKernels, gate_up: torch.Tensor, n: int) -> torch.
     return kernels.silu_mul_bf16(gate_up, n)
 
 
-def pack_linear_weights(model: nn.Module, dtype: torch.dtype = torch.float32, dense: bool = False) -> int:
+def pack_linear_weights(model: nn.Module, dtype: torch.dtype = torch.float32, dense: str | None = None) -> int:
     """Replace the model's packable linear weights by PackedWeights with panels in `dtype` (after the checkpoint
-    is loaded: checkpoint_targets describes the unpacked layout), each kept unpacked in bf16 too if `dense`;
-    returns how many were packed."""
+    is loaded: checkpoint_targets describes the unpacked layout), each kept in bf16 for the many-row product
+    `dense` too ('amx', 'onednn'; None: not); returns how many were packed."""
     found = [(module, name) for module in model.modules() for name in PACKED_WEIGHTS
              if (param := module._parameters.get(name)) is not None and packable(param.data)]
     with progress.step("packing weights for the CPU kernels", total=len(found), unit="matrices",
@@ -169,21 +185,23 @@ def pack_linear_weights(model: nn.Module, dtype: torch.dtype = torch.float32, de
 
 
 def cpu_kernel_ops(kernels: CpuKernels, dtype: torch.dtype, weight_dtype: torch.dtype = torch.float32,
-                   onednn_rows: int | None = None) -> Ops:
+                   dense_rows: int | None = None, dense_product: str = "onednn") -> Ops:
     """The C kernels' ops for a model in `dtype` on the CPU: for fp32 activations, and for bf16 activations over bf16
     weights, the packed product (the weights packed once after loading, in `weight_dtype`: fp32, or bf16 for half the
-    bytes per decode step, widened to fp32 in the product; with bf16 weights and `onednn_rows`, PyTorch's bf16
-    product from that many rows up, on an unpacked bf16 copy) and the recurrent update; for other bf16 / fp16 models
-    PyTorch's products and the C kernel's recurrent update (a hybrid model's state is fp32 in every dtype)."""
+    bytes per decode step, widened to fp32 in the product; with bf16 weights and `dense_rows`, the many-row product
+    `dense_product` from that many rows up: ours on AMX tiles ('amx') or PyTorch's bf16 product ('onednn'), on a
+    bf16 copy laid out for it) and the recurrent update; for other bf16 / fp16 models PyTorch's products and the C
+    kernel's recurrent update (a hybrid model's state is fp32 in every dtype)."""
     if dtype == torch.float32 or (dtype == torch.bfloat16 and weight_dtype == torch.bfloat16):
-        onednn_rows = onednn_rows if weight_dtype == torch.bfloat16 else None
+        dense_rows = dense_rows if weight_dtype == torch.bfloat16 else None
         name = "cpu_kernels" if weight_dtype == torch.float32 else "cpu_kernels+bf16_weights"
         name += "+bf16_activations" if dtype == torch.bfloat16 else ""
-        name += f"+onednn>={onednn_rows}" if onednn_rows else ""
-        ops = Ops(name, functools.partial(_packed_linear, kernels, onednn_rows),
-                  functools.partial(_packed_logits, kernels, onednn_rows),
+        name += f"+{dense_product}>={dense_rows}" if dense_rows else ""
+        ops = Ops(name, functools.partial(_packed_linear, kernels, dense_rows),
+                  functools.partial(_packed_logits, kernels, dense_rows),
                   functools.partial(_packed_embedding, dtype),
-                  functools.partial(pack_linear_weights, dtype=weight_dtype, dense=onednn_rows is not None),
+                  functools.partial(pack_linear_weights, dtype=weight_dtype,
+                                    dense=dense_product if dense_rows else None),
                   gated_delta_step=kernels.gated_delta_step)
         if dtype == torch.bfloat16:  # fp32 keeps PyTorch's forms: token for token transformers'
             ops = dataclasses.replace(ops, name=f"{name}+bf16_layer",

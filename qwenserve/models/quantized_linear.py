@@ -2,7 +2,7 @@
 engine/quantization/kept.py) is multiplied by the C kernel without being dequantized; every other weight goes to the
 ops' own product. Activations reach the kernel in fp32 whatever the model's dtype (it widens codes to fp32 and
 accumulates there), and leave in the model's dtype. From `bf16_rows` rows up (where x is bf16 already, or the
-engine's precision rounds it for bf16 products: Precision.onednn_rows) and at least AMX_MIN_ROWS, 4- and 8-bit weights run
+engine's precision rounds it for bf16 products: Precision.dense_rows) and at least AMX_MIN_ROWS, 4- and 8-bit weights run
 on AMX tiles where the CPU has them, x rounded to bf16 (several times the fp32 kernel's rate at 16 rows and more;
 linear_quant.c)."""
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qwenserve.cpu_kernels import loader
+from qwenserve.cpu_kernels import amx_weight, loader
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.linear_probe import ROWS, LinearProbe, measure_now, probe_shape
 from qwenserve.cpu_kernels.packed_weight import PackedWeight
@@ -22,13 +22,14 @@ CPU = torch.device("cpu")
 FP32, BF16 = torch.float32, torch.bfloat16
 
 
-def probe_result(bf16_speedup: float, onednn_wins_from: int | None) -> LinearProbe:
+def probe_result(bf16_speedup: float, onednn_wins_from: int | None, amx_time: float | None = None) -> LinearProbe:
     """A probe whose bf16 panels decode `bf16_speedup` times fp32's and whose oneDNN product wins from
-    `onednn_wins_from` probed rows up."""
+    `onednn_wins_from` probed rows up; with `amx_time`, our AMX product timed at that multiple of oneDNN's."""
     panels = {rows: float(rows) for rows in ROWS}
     onednn = {rows: rows * (0.5 if onednn_wins_from is not None and rows >= onednn_wins_from else 2.0)
               for rows in ROWS}
-    return LinearProbe(64, 32, 1.0, 1.0 / bf16_speedup, panels, onednn, 0.01)
+    amx = {rows: amx_time * t for rows, t in onednn.items()} if amx_time is not None else {}
+    return LinearProbe(64, 32, 1.0, 1.0 / bf16_speedup, panels, onednn, 0.01, amx)
 
 
 class StandIn:
@@ -55,7 +56,7 @@ def test_auto_takes_bf16_throughout_where_the_probe_finds_the_bf16_panels_faster
     probe = StandIn(probe_result(1.8, 16))
     precision = resolve_precision(EngineConfig(), CPU, kernels, (1024, 3072), probe=probe)
     assert (precision.dtype, precision.weight_dtype, precision.kv_dtype) == (BF16, BF16, BF16)
-    assert precision.onednn_rows == 16
+    assert precision.dense_rows == 16
     assert "1.80x" in precision.reason and "16 rows" in precision.reason and "activations bfloat16" in precision.reason
     assert precision.labels() == {"activations": "bfloat16", "weights": "bfloat16", "kv": "bfloat16"}
     assert precision.name == "bfloat16 onednn>=16"
@@ -67,14 +68,14 @@ def test_auto_keeps_fp32_weights_where_bf16_is_no_faster_but_the_kv_choice_does_
         kernels: CpuKernels) -> None:
     """The KV dtype is what a prefill and a decode worker must agree on, so it never depends on a measurement."""
     precision = resolve_precision(EngineConfig(), CPU, kernels, (1024, 3072), probe=StandIn(probe_result(1.02, 4)))
-    assert (precision.dtype, precision.weight_dtype, precision.kv_dtype, precision.onednn_rows) == (FP32, FP32, BF16,
+    assert (precision.dtype, precision.weight_dtype, precision.kv_dtype, precision.dense_rows) == (FP32, FP32, BF16,
                                                                                                    None)
     assert "only 1.02x" in precision.reason
 
 
-def test_onednn_rows_are_none_where_it_never_wins(kernels: CpuKernels) -> None:
+def test_dense_rows_are_none_where_it_never_wins(kernels: CpuKernels) -> None:
     precision = resolve_precision(EngineConfig(), CPU, kernels, probe=StandIn(probe_result(2.0, None)))
-    assert precision.weight_dtype == BF16 and precision.onednn_rows is None
+    assert precision.weight_dtype == BF16 and precision.dense_rows is None
     assert select_kernels(EngineConfig(dtype="float32", cpu_weight_dtype="bfloat16"),
                           CPU).ops.name == "cpu_kernels+bf16_weights"
 
@@ -85,15 +86,15 @@ def test_explicit_dtypes_are_honoured_and_measure_nothing(kernels: CpuKernels) -
     assert exact == Precision(FP32, FP32, FP32, None, "--dtype float32") and exact.name == "float32"
     mixed = resolve_precision(EngineConfig(dtype="float32", cpu_weight_dtype="bfloat16", kv_cache_dtype="bfloat16"),
                               CPU, kernels, probe=probe)
-    assert (mixed.weight_dtype, mixed.kv_dtype, mixed.onednn_rows) == (BF16, BF16, None)
+    assert (mixed.weight_dtype, mixed.kv_dtype, mixed.dense_rows) == (BF16, BF16, None)
     assert "--cpu-weight-dtype" in mixed.reason and "--kv-cache-dtype" in mixed.reason
     # Under auto, one explicit part is kept and the other still chosen.
     kv_fp32 = resolve_precision(EngineConfig(kv_cache_dtype="float32"), CPU, kernels, probe=probe)
-    assert (kv_fp32.weight_dtype, kv_fp32.kv_dtype, kv_fp32.onednn_rows) == (BF16, FP32, 4)
+    assert (kv_fp32.weight_dtype, kv_fp32.kv_dtype, kv_fp32.dense_rows) == (BF16, FP32, 4)
     assert probe.calls and len(probe.calls) == 1  # only the auto weights were measured
     # --dtype bfloat16 is bf16 throughout; only where PyTorch's product takes over is measured.
     bf16 = resolve_precision(EngineConfig(dtype="bfloat16"), CPU, kernels, probe=probe)
-    assert (bf16.dtype, bf16.weight_dtype, bf16.kv_dtype, bf16.onednn_rows) == (BF16, BF16, BF16, 4)
+    assert (bf16.dtype, bf16.weight_dtype, bf16.kv_dtype, bf16.dense_rows) == (BF16, BF16, BF16, 4)
     assert bf16.reason.startswith("--dtype bfloat16") and len(probe.calls) == 2
 
 
@@ -111,12 +112,47 @@ def test_without_the_kernels_or_on_cuda_auto_is_one_dtype() -> None:
     assert not probe.calls
 
 
-def test_onednn_from_needs_every_larger_probed_count_to_win() -> None:
+def test_the_many_row_product_is_ours_on_amx_tiles_where_the_probe_timed_it_faster(kernels: CpuKernels) -> None:
+    """The AMX product serves where it ran and beat PyTorch's (geometric mean over 16 rows and up); the rows it takes
+    over from are then counted on its own times."""
+    faster = resolve_precision(EngineConfig(), CPU, kernels, probe=StandIn(probe_result(1.8, 16, amx_time=0.8)))
+    assert (faster.dense_product, faster.dense_rows, faster.name) == ("amx", 16, "bfloat16 amx>=16")
+    assert "AMX tiles from 16 rows" in faster.reason
+    slower = resolve_precision(EngineConfig(), CPU, kernels, probe=StandIn(probe_result(1.8, 16, amx_time=1.2)))
+    assert (slower.dense_product, slower.name) == ("onednn", "bfloat16 onednn>=16")
+    assert "PyTorch's bf16 product from 16 rows" in slower.reason
+    absent = probe_result(1.8, 16)  # no AMX here: nothing timed
+    assert absent.dense_product() == "onednn" and absent.dense_ms() is absent.onednn_ms
+    # Winning at 16 and 64 rows by more than it loses at 256 is winning.
+    mixed = LinearProbe(16, 16, 1, 1, dict.fromkeys(ROWS, 10.0), dict.fromkeys(ROWS, 1.0), 0,
+                        {**dict.fromkeys(ROWS, 0.5), 256: 1.5})
+    assert mixed.dense_product() == "amx" and mixed.dense_from() == min(ROWS)
+    # --dtype bfloat16 takes the same choice.
+    bf16 = resolve_precision(EngineConfig(dtype="bfloat16"), CPU, kernels, probe=StandIn(probe_result(1.0, 4, 0.5)))
+    assert (bf16.dense_product, bf16.dense_rows) == ("amx", 4)
+
+
+def test_the_probe_times_the_amx_product_only_where_it_runs(kernels: CpuKernels,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AMX in the CPU's flags (stood in) nothing is tiled; with it, only a shape that tiles is, and only
+    where the loaded object's kernel takes the tile state."""
+    from qwenserve.cpu_kernels import linear_probe
+    x = torch.randn(4, 64)
+    monkeypatch.setattr(linear_probe, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert linear_probe._amx_tiles(kernels, torch.randn(32, 64), x) is None
+    monkeypatch.setattr(linear_probe, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    assert linear_probe._amx_tiles(kernels, torch.randn(32, 48), x[:, :48]) is None  # 48 inputs: no tiles
+    tiles = linear_probe._amx_tiles(kernels, torch.randn(32, 64), x)
+    runs = kernels.linear_bf16_amx(x.to(BF16), amx_weight.pack(torch.randn(32, 64))) is not None
+    assert (tiles is not None) == runs
+
+
+def test_dense_from_needs_every_larger_probed_count_to_win() -> None:
     panels = dict.fromkeys(ROWS, 1.0)
-    assert LinearProbe(16, 16, 1, 1, panels, dict.fromkeys(ROWS, 0.5), 0).onednn_from() == min(ROWS)
-    assert LinearProbe(16, 16, 1, 1, panels, dict.fromkeys(ROWS, 0.95), 0).onednn_from() is None  # within margin
+    assert LinearProbe(16, 16, 1, 1, panels, dict.fromkeys(ROWS, 0.5), 0).dense_from() == min(ROWS)
+    assert LinearProbe(16, 16, 1, 1, panels, dict.fromkeys(ROWS, 0.95), 0).dense_from() is None  # within margin
     uneven = {4: 0.5, 16: 0.5, 64: 2.0, 256: 0.5}
-    assert LinearProbe(16, 16, 1, 1, panels, uneven, 0).onednn_from() == 256
+    assert LinearProbe(16, 16, 1, 1, panels, uneven, 0).dense_from() == 256
 
 
 def test_the_probe_measures_the_models_shape_capped(kernels: CpuKernels) -> None:
@@ -135,7 +171,7 @@ def test_the_packed_product_hands_many_rows_to_pytorchs_bf16(kernels: CpuKernels
     bf16 (what the probe timed), bias added after either; 3-D inputs count their rows."""
     gen = torch.Generator().manual_seed(n * k)
     weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    ops = cpu_kernel_ops(kernels, FP32, BF16, onednn_rows=4)
+    ops = cpu_kernel_ops(kernels, FP32, BF16, dense_rows=4)
     model = torch.nn.Module()
     model.down_proj = torch.nn.Parameter(weight.clone(), requires_grad=False)
     assert ops.prepare(model) == 1
@@ -152,10 +188,10 @@ def test_the_packed_product_hands_many_rows_to_pytorchs_bf16(kernels: CpuKernels
     torch.testing.assert_close(ops.linear(many, packed, bias), F.linear(many.to(BF16), weight.to(BF16)).float() + bias)
     assert ops.name == "cpu_kernels+bf16_weights+onednn>=4"
     # Stacked weights (MoE experts) index their dense copy with their panels.
-    stacked = PackedWeight.pack(torch.randn(2, 16, 8, generator=gen), BF16, dense=True)
+    stacked = PackedWeight.pack(torch.randn(2, 16, 8, generator=gen), BF16, dense="onednn")
     assert stacked[1].dense is not None and stacked[1].dense.shape == (16, 8) and stacked[1].shape == (16, 8)
     # fp32 weights never take that path: nothing is kept twice.
-    assert cpu_kernel_ops(kernels, FP32, FP32, onednn_rows=4).name == "cpu_kernels"
+    assert cpu_kernel_ops(kernels, FP32, FP32, dense_rows=4).name == "cpu_kernels"
 
 
 def test_bf16_activations_run_the_panels_widened_and_keep_the_logits_fp32(kernels: CpuKernels) -> None:
@@ -164,7 +200,7 @@ def test_bf16_activations_run_the_panels_widened_and_keep_the_logits_fp32(kernel
     n, k = 48, 40
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(n, k, generator=gen).to(BF16)
-    ops = cpu_kernel_ops(kernels, BF16, BF16, onednn_rows=4)
+    ops = cpu_kernel_ops(kernels, BF16, BF16, dense_rows=4)
     assert ops.name == "cpu_kernels+bf16_weights+bf16_activations+onednn>=4+bf16_layer"
     model = torch.nn.Module()
     model.lm_head = torch.nn.Parameter(weight.clone(), requires_grad=False)
@@ -190,14 +226,15 @@ def test_a_probe_is_measured_once_per_machine_and_shape_and_read_back_from_disk(
         kernels: CpuKernels, tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from qwenserve.cpu_kernels import linear_probe
     monkeypatch.setenv("QWENSERVE_CACHE", str(tmp_path))
-    taken = StandIn(probe_result(1.7, 64))
+    taken = StandIn(probe_result(1.7, 64, amx_time=0.7))
     monkeypatch.setattr(linear_probe, "measure_now", taken)
     monkeypatch.setattr(linear_probe, "machine_busy", lambda: False)
     first = linear_probe.measure.__wrapped__(kernels, 64, 32, 2)
     again = linear_probe.measure.__wrapped__(kernels, 64, 32, 2)  # another process on this machine
     assert taken.calls == [(64, 32, 2)]
-    assert (again.fp32_ms, again.bf16_ms, again.panels_ms, again.onednn_ms) == \
-        (first.fp32_ms, first.bf16_ms, first.panels_ms, first.onednn_ms)
+    assert (again.fp32_ms, again.bf16_ms, again.panels_ms, again.onednn_ms, again.amx_ms) == \
+        (first.fp32_ms, first.bf16_ms, first.panels_ms, first.onednn_ms, first.amx_ms)
+    assert again.amx_ms and again.dense_product() == "amx"
     assert again.seconds == 0 and "measured before" in again.summary()
     # Another thread count or shape is another measurement; a torn file is measured again and rewritten.
     linear_probe.measure.__wrapped__(kernels, 64, 32, 1)
