@@ -19,73 +19,11 @@
 
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__GNUC__) && __GNUC__ >= 11
 #include "amx_tiles.h"
-#define AMX_BF16_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
-#define STRIP 32            /* output columns per strip: two B tiles */
-#define BLOCK_ROWS 32       /* rows per pass: two A tiles */
 #define MBLOCK 256          /* rows of x a work item covers: 512 KiB of a 1,024-input x, held in L2 */
 #define STRIPS_PER_ITEM 4   /* strips a work item covers */
-#define TILE_ELEMS (AMX_ROWS * AMX_K) /* bf16 values per B tile */
-/* B's k-blocks prefetched this far ahead: TILELOADD waits on each line it misses, and a few rows' product is all
- * misses (the weights streamed from memory). 32 rows x 6144 x 1024 on the AMX Xeon: 0.89 -> 0.66 ms (oneDNN 1.25). */
-#define PREFETCH_KBLOCKS 2
 
-/* Rows [0, rows) of a 32 x 32 fp32 block to y, rounded to bf16 (nearest even) or kept fp32; `width` columns. */
-AMX_BF16_TARGET static void store_block(const float *c, void *y, int64_t ystride, int fp32, int rows, int width) {
-    const __mmask16 lo = width >= 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
-    const __mmask16 hi = width >= 32 ? 0xFFFF : width <= 16 ? 0 : (__mmask16)((1u << (width - 16)) - 1);
-    for (int r = 0; r < rows; r++) {
-        const __m512 a = _mm512_load_ps(c + r * STRIP), b = _mm512_load_ps(c + r * STRIP + 16);
-        if (fp32) {
-            float *out = (float *)y + r * ystride;
-            _mm512_mask_storeu_ps(out, lo, a);
-            _mm512_mask_storeu_ps(out + 16, hi, b);
-        } else {
-            uint16_t *out = (uint16_t *)y + r * ystride;
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-            _mm512_mask_storeu_epi16(out, ((__mmask32)hi << 16) | lo, both);
-        }
-    }
-}
-
-/* 32 rows of x in tile order (xt: k-blocks of two 16 x 32 A tiles, 1 KiB each) against one strip's k-blocks, into
- * c [32][32] fp32. */
-AMX_BF16_TARGET static void strip_block(const uint16_t *xt, const uint16_t *b, int64_t kblocks, float *c) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kb = 0; kb < kblocks; kb++) {
-        /* The k-block PREFETCH_KBLOCKS ahead (past the strip's end: the next strip's start, or nothing: a prefetch
-         * never faults). */
-        const char *ahead = (const char *)(b + (kb + PREFETCH_KBLOCKS) * 2 * TILE_ELEMS);
-        for (int line = 0; line < 2 * TILE_ELEMS * 2 / 64; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-        _tile_loadd(4, xt + kb * 2 * TILE_ELEMS, 64);
-        _tile_loadd(5, xt + kb * 2 * TILE_ELEMS + TILE_ELEMS, 64);
-        _tile_loadd(6, b + kb * 2 * TILE_ELEMS, 64);
-        _tile_loadd(7, b + kb * 2 * TILE_ELEMS + TILE_ELEMS, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, c, STRIP * 4);
-    _tile_stored(1, c + 16, STRIP * 4);
-    _tile_stored(2, c + AMX_ROWS * STRIP, STRIP * 4);
-    _tile_stored(3, c + AMX_ROWS * STRIP + 16, STRIP * 4);
-}
-
-/* x's rows in tile order, grown as needed and kept: one buffer per calling thread (the OpenMP team reads it). */
-static __thread uint16_t *scratch_rows;
-static __thread size_t scratch_bytes;
-
-static uint16_t *rows_scratch(size_t bytes) {
-    if (bytes > scratch_bytes) {
-        free(scratch_rows);
-        scratch_rows = aligned_alloc(64, bytes);
-        scratch_bytes = scratch_rows != NULL ? bytes : 0;
-    }
-    return scratch_rows;
-}
+/* x's rows in tile order: one buffer per calling thread (the OpenMP team reads it). */
+static __thread struct amx_scratch rows_scratch;
 
 /* y [m, n] (row stride n; bf16, or fp32 where `y_fp32`) = x [m, k] (bf16, row stride x_stride) times the tiles.
  * x is first copied into tile order (blocks of 32 rows, zero rows past m), so an A tile loads 1 KiB in one piece:
@@ -99,7 +37,7 @@ AMX_BF16_TARGET int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const u
     const int64_t strips = (n + STRIP - 1) / STRIP, kblocks = k / AMX_K, row_blocks = (m + BLOCK_ROWS - 1) / BLOCK_ROWS;
     const int64_t row_items = (m + MBLOCK - 1) / MBLOCK, strip_items = (strips + STRIPS_PER_ITEM - 1) / STRIPS_PER_ITEM;
     const size_t elem = y_fp32 ? 4 : 2;
-    uint16_t *xt = rows_scratch((size_t)(row_blocks * BLOCK_ROWS * k) * 2);
+    uint16_t *xt = amx_scratch_get(&rows_scratch, (size_t)(row_blocks * BLOCK_ROWS * k) * 2);
     if (xt == NULL) return -1;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -127,8 +65,8 @@ AMX_BF16_TARGET int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const u
                     const int width = n - s * STRIP < STRIP ? (int)(n - s * STRIP) : STRIP;
                     for (int64_t r0 = ri * MBLOCK; r0 < row_end; r0 += BLOCK_ROWS) {
                         const int rows = row_end - r0 < BLOCK_ROWS ? (int)(row_end - r0) : BLOCK_ROWS;
-                        strip_block(xt + r0 * k, b, kblocks, c);
-                        store_block(c, (char *)y + (size_t)(r0 * n + s * STRIP) * elem, n, (int)y_fp32, rows, width);
+                        amx_strip_block(xt + r0 * k, b, kblocks, c);
+                        amx_store_block(c, (char *)y + (size_t)(r0 * n + s * STRIP) * elem, n, (int)y_fp32, rows, width);
                     }
                 }
             }

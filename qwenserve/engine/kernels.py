@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from qwenserve.cpu_kernels import loader
+from qwenserve.cpu_kernels.builder import cpu_flags
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.engine.attention import default_block_size, select_backend
 from qwenserve.engine.config import EngineConfig
@@ -89,7 +90,10 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
                              f"drop --kv-cache-dtype {config.kv_cache_dtype} or use --attention-backend torch")
         backend = "torch"
     block_size = config.block_size or default_block_size(device, dtype)
-    attention = select_backend(backend, device, dtype, block_size, cpu if device.type == "cpu" else None)
+    # A bf16 model's prompts attended on AMX tiles where the CPU has them (the kernel declines elsewhere too).
+    amx_prefill = device.type == "cpu" and dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
+    attention = select_backend(backend, device, dtype, block_size, cpu if device.type == "cpu" else None,
+                               amx_prefill)
     ops = model_ops(config, device, precision, cpu)
     quantized = kept_quantization(config, device, cpu, model, dtype)
     pack_codes = None

@@ -5,8 +5,9 @@ sequence's blocks where they lie, when the backend is given the kernels (engine/
 they are attended as one padded batch: their blocks are gathered with a single index into
 [batch, max_context, kv_heads, head_dim] and masked by length. Prefill chunks are attended one sequence at a time, which costs nothing extra because each chunk is
 already a large matrix product. A bf16 model's prefill attention is PyTorch's bf16 attention (on the CPU's bf16 units, 3-4x
-faster than fp32's at a 2,000-token prompt, where attention was half of the prefill's time); an fp32 model's over a bf16
-cache widens the keys it reads.
+faster than fp32's at a 2,000-token prompt, where attention was half of the prefill's time), or on a CPU with AMX, for a
+chunk that starts its prompt, our kernel on AMX tiles (prefill_attention.c; engine/kernels.py chooses); an fp32
+model's over a bf16 cache widens the keys it reads.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ class TorchAttentionMeta:
 class TorchAttentionBackend:
     """Default backend: SDPA over blocks gathered from the pool."""
 
-    name = "torch"
-
-    def __init__(self, block_size: int, cpu_kernels: CpuKernels | None = None) -> None:
-        """`cpu_kernels`: send fp32 CPU decode rows to their paged-decode kernel (None: gather and SDPA)."""
+    def __init__(self, block_size: int, cpu_kernels: CpuKernels | None = None, amx_prefill: bool = False) -> None:
+        """`cpu_kernels`: send fp32 CPU decode rows to their paged-decode kernel (None: gather and SDPA);
+        `amx_prefill`: attend a bf16 model's chunks that start their prompt on AMX tiles (prefill_attention.c) where
+        the kernel runs, PyTorch's flash attention where it declines."""
         self.block_size = block_size
         self.cpu_kernels = cpu_kernels
+        self.amx_prefill = amx_prefill and cpu_kernels is not None
+        self.name = "torch+amx_prefill" if self.amx_prefill else "torch"
         # Reused buffers for gathered keys and values. A fresh multi-megabyte tensor per layer is
         # mmap'ed by the allocator and page-faulted on first touch, which costs more than the copy itself on CPU.
         self._workspace: list[torch.Tensor | None] = [None, None]
@@ -139,6 +142,11 @@ class TorchAttentionBackend:
                 q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=gqa
             ).squeeze(2)
         for start, qlen, ctx, blocks, causal in meta.prefills:
+            if blocks is None and self.amx_prefill and q.dtype == k.dtype == torch.bfloat16 \
+                    and self.cpu_kernels.prefill_attention_amx(q[start : start + qlen], k[start : start + qlen],
+                                                               v[start : start + qlen], head_dim**-0.5,
+                                                               out[start : start + qlen]) is not None:
+                continue
             qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0)
             if blocks is None:
                 ks = k[start : start + qlen].transpose(0, 1).unsqueeze(0)
