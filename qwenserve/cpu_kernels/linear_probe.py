@@ -36,7 +36,7 @@ from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.packed_weight import PANEL, PackedWeight
 
 # Row counts where our bf16 panels and PyTorch's bf16 product are compared: decode batches to prefill chunks.
-ROWS = (4, 8, 16, 64, 256)
+ROWS = (4, 8, 16, 32, 64, 256)
 # The probe's matrix is the model's MLP input projection, capped so the probe stays short and small.
 MAX_PROBE_N, MAX_PROBE_K = 6144, 2048
 # Each timing is the best of this many runs (a one-off stall is not the product's speed) ...

@@ -247,7 +247,7 @@ def test_qwen_serve_up_prints_ready_and_stops_every_child(tiny_model: Path) -> N
     env_port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "qwenserve.cli", "up", str(tiny_model), "--grpc-port", str(env_port),
-         "--port", str(free_port())],
+         "--port", str(free_port()), "--local-prefill-threshold", "0"],  # every prompt handed off
         stdout=subprocess.PIPE, text=True,
         env={**__import__("os").environ, "QWENSERVE_KV_CACHE_GB": "0.05", "QWENSERVE_THREADS": "1"},
     )

@@ -96,14 +96,16 @@ def restart_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def up(restart_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    """`qwen-serve up` of the tiny model, one prefill and one decode, a short restart backoff."""
+    """`qwen-serve up` of the tiny model, one prefill and one decode, every prompt handed from one to the other, a
+    short restart backoff."""
     tmp = tmp_path_factory.mktemp("up-restarts")
     http_port, grpc_port = free_port(), free_port()
     stderr_path = tmp / "up.stderr"
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "qwenserve.cli", "up", str(restart_model), "--port", str(http_port),
-             "--grpc-port", str(grpc_port), "--log-dir", str(tmp / "logs"), "--restart-backoff-s", str(BACKOFF_S)],
+             "--grpc-port", str(grpc_port), "--log-dir", str(tmp / "logs"), "--restart-backoff-s", str(BACKOFF_S),
+             "--local-prefill-threshold", "0"],  # every prompt through prefill: its restarts are the subject
             stdout=subprocess.PIPE, stderr=stderr, text=True,
             env={**os.environ, **WORKER_ENV, "QWENSERVE_PROGRESS": "off", "QWENSERVE_DTYPE": "auto"},
         )
