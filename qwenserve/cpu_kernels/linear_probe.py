@@ -15,6 +15,8 @@ one host choose alike. Remove the folder to measure again.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -23,7 +25,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,6 +144,31 @@ def measure(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProbe:
     good, one such probe had oneDNN's product win only from 64 rows where quiet it wins from 16, and a 32-request
     batch decoded on the slower product ever after."""
     path = cache_path(kernels, n, k, threads)
+    # One process of this machine measures at a time: stages that start together (`qwen-serve up`) measured each
+    # other's probes, and on the AMX Xeon two such chose their many-row product from 8 and from 32 rows.
+    with _one_at_a_time(path.with_name(f"{path.name}.lock")):
+        cached = _read_cached(path, n, k)
+        return cached if cached is not None else _measure_and_keep(kernels, n, k, threads, path)
+
+
+@contextlib.contextmanager
+def _one_at_a_time(lock: Path) -> Iterator[None]:
+    """An exclusive lock on `lock` (created) while the block runs; no lock where the folder cannot hold one."""
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock, "a")  # noqa: SIM115 - held across the yield
+    except OSError as e:
+        log.warning("linear probe lock %s unavailable (%s): measuring without it", lock, e)
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _read_cached(path: Path, n: int, k: int) -> LinearProbe | None:
+    """The probe kept at `path`, or None where there is none, it is torn, or it was measured busy and the machine is
+    quiet now."""
     try:
         fields = json.loads(path.read_text())
         if fields.get("quiet") is not True and not machine_busy():
@@ -151,14 +178,19 @@ def measure(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProbe:
                              {r: float(fields["onednn_ms"][str(r)]) for r in ROWS}, 0.0,
                              {r: float(fields["amx_ms"][str(r)]) for r in ROWS} if fields["amx_ms"] else {})
     except FileNotFoundError:
-        pass
+        return None
     except LookupError as e:
         log.info("linear probe cache %s %s: measuring again", path, e)
+        return None
     except (OSError, ValueError, KeyError, TypeError) as e:  # a torn or foreign file is measured again
         log.warning("linear probe cache %s unreadable (%s): measuring again", path, e)
-    else:
-        log.info("linear products: this machine's measurement from %s", path)
-        return cached
+        return None
+    log.info("linear products: this machine's measurement from %s", path)
+    return cached
+
+
+def _measure_and_keep(kernels: CpuKernels, n: int, k: int, threads: int, path: Path) -> LinearProbe:
+    """Measured now and written to `path`."""
     busy_before = machine_busy()
     measured = measure_now(kernels, n, k, threads)
     fields = {"quiet": not (busy_before or machine_busy()), "fp32_ms": measured.fp32_ms, "bf16_ms": measured.bf16_ms,
@@ -166,7 +198,7 @@ def measure(kernels: CpuKernels, n: int, k: int, threads: int) -> LinearProbe:
               "onednn_ms": {str(r): t for r, t in measured.onednn_ms.items()},
               "amx_ms": {str(r): t for r, t in measured.amx_ms.items()}, "seconds": measured.seconds,
               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    try:  # written whole or not at all: two stages starting together may both write
+    try:  # written whole or not at all
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         temporary.write_text(json.dumps(fields, indent=1))

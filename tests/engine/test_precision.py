@@ -248,6 +248,40 @@ def test_a_probe_is_measured_once_per_machine_and_shape_and_read_back_from_disk(
     assert linear_probe.measure.__wrapped__(kernels, 64, 32, 2).seconds == 0
 
 
+def test_stages_starting_together_measure_once_and_the_later_reads_the_earlier(
+        kernels: CpuKernels, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two measurements at once (two stages of one `qwen-serve up`; threads here, each with its own lock handle, as
+    processes have) take turns: the second waits for the first's figure and reads it, instead of both timing the
+    products while the other's run, and choosing apart."""
+    import threading
+    import time as clock
+
+    from qwenserve.cpu_kernels import linear_probe
+    monkeypatch.setenv("QWENSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(linear_probe, "machine_busy", lambda: False)
+    running, overlapped = [0], [False]
+    result = probe_result(1.7, 16, amx_time=0.8)
+
+    def slow_probe(*args: object) -> LinearProbe:
+        running[0] += 1
+        overlapped[0] |= running[0] > 1
+        clock.sleep(0.3)
+        running[0] -= 1
+        return result
+
+    monkeypatch.setattr(linear_probe, "measure_now", slow_probe)
+    seen: list[LinearProbe] = []
+    threads = [threading.Thread(target=lambda: seen.append(linear_probe.measure.__wrapped__(kernels, 64, 32, 2)))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not overlapped[0]
+    assert sorted(probe.seconds for probe in seen) == [0.0, result.seconds]  # one measured, one read it
+    assert {(probe.dense_product(), probe.dense_from()) for probe in seen} == {("amx", 16)}
+
+
 def test_a_probe_measured_on_a_busy_machine_is_used_while_it_stays_busy_and_measured_again_once_quiet(
         kernels: CpuKernels, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from qwenserve.cpu_kernels import linear_probe
