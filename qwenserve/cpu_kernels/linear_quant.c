@@ -3,14 +3,16 @@
  * compressed-tensors), never dequantized in memory: W[o][i] = (c[o][i] - z[o][g]) * s[o][g], g = i / group.
  *
  * Layout (quant_weight.py's QuantWeight.pack), output columns in panels of 16 as in linear.c:
- *   codes  uint8 [n/16][k/2][16] at 4 bits: byte j of pair p holds column j's codes for inputs 2p (low nibble) and
- *          2p + 1 (high nibble), a half of the bytes of a panel per input pair; uint8 [n/16][k][16] at 8 bits;
+ *   4 bits  uint32 [n/16][k8/8][16] (k8: k rounded up to 8): word j of octet o holds column j's codes for inputs
+ *           8o .. 8o + 7, input 8o + i in the nibble at bit 16 (i % 2) + 4 (i / 2): even inputs in the low half,
+ *           odd ones in the high half, so that nibble f of both halves is an input pair (what the bf16 dot products
+ *           below multiply), and every lane of a vector of words is one column (no byte shuffles);
+ *   8 bits  uint8 [n/16][k][16];
  *   scales, zeros  fp32 [n/16][groups][16].
  * A group's scale and zero point are constant over its inputs, so they leave its sum:
  *   y[r][o] = sum_g s[o][g] * (sum_{i in g} c[o][i] x[r][i] - z[o][g] * xsum[r][g]),  xsum[r][g] = sum_{i in g} x[r][i]
- * and the inner loop is one widening of 16 codes to fp32 (zero-extend, convert) and one FMA per row of x, the x
- * value broadcast from memory. The codes stay exact integers in fp32; what differs from the product of the
- * dequantized weights is the rounding order (the tests bound it).
+ * The codes stay exact integers in fp32; what differs from the product of the dequantized weights is the rounding
+ * order (the tests bound it).
  *
  * Decode (a few rows) streams the codes from memory once: a quarter (4-bit) or half (8-bit) of bf16 panels' bytes.
  * Each thread takes strips of STRIP panels over all k and runs every row tile of x over a strip while it is in
@@ -35,9 +37,8 @@ typedef uint32_t vecu __attribute__((vector_size(QPLANES * 4)));
 typedef uint8_t vecb __attribute__((vector_size(QPLANES)));
 
 /* A strip of STRIP panels is a thread's unit of work. Tiles of x's rows x panels keep their accumulators in
- * registers: with AVX-512's 32, 4 rows x 4 panels where m <= 4 (16 accumulators, 8 widened code vectors) and 8 rows
- * x 2 panels above (16 and 4: the codes' widening then spreads over twice the rows); with AVX2's 16, 4 rows x 1
- * panel (2 vectors); without AVX, 2 x 1. */
+ * registers: with AVX-512's 32, 4 rows x 4 panels where m <= 4 (16 accumulators) and 8 rows x 2 panels above; with
+ * AVX2's 16, 4 rows x 1 panel (2 vectors); without AVX, 2 x 1. */
 #if QPLANES == 16
 #define STRIP 4
 #define FEW_ROWS 4
@@ -58,8 +59,13 @@ typedef uint8_t vecb __attribute__((vector_size(QPLANES)));
 #define STRIP_VECS (STRIP * QPER_PANEL)
 #define TOT_STRIDE (STRIP * QPANEL) /* floats per row of a strip's results */
 #define PREFETCH_BYTES 1024 /* per panel stream, a few cache lines ahead */
+#define OCTET 8              /* 4-bit inputs a word */
 
-/* QPLANES codes widened to int32: one vpmovzxbd from memory with AVX2 or AVX-512 (GCC turns the portable form
+/* Where input i of an octet lies in its word, and the power of two its masked-in-place code carries. The top
+ * nibble (input 7, bits 28-31) is shifted down instead: bit 31 would make the int32 negative. */
+static inline int nibble_shift(int i) { return 16 * (i & 1) + 4 * (i >> 1); }
+
+/* QPLANES 8-bit codes widened to int32: one vpmovzxbd from memory with AVX2 or AVX-512 (GCC turns the portable form
  * below into byte-by-byte inserts there). */
 #if defined(__AVX512F__) && QPLANES == 16
 #include <immintrin.h>
@@ -98,44 +104,57 @@ static inline vecf loadf(const float *p) {
 #endif
 
 /* Rows [0, rows) of x against panels [q, q + panels), over all k, into tot[r][16 * p + j] (column 16 (q + p) + j of
- * row r; x, xsum and tot already offset to the tile's first row and panel). At 4 bits x is `xt`, transformed so that
- * a pair of inputs needs two conversions: with b = lo + 16 hi the pair's byte, lo * x0 + hi * x1 =
- * lo * (x0 - x1 / 16) + b * (x1 / 16), so xt[2p] = x[2p] - x[2p + 1] / 16 and xt[2p + 1] = x[2p + 1] / 16 (the
- * shift of the high nibble saved; a missing last input is 0). Constant rows, panels and bits (inlined into a
- * switch) keep the accumulators in registers. */
+ * row r; x, xsum and tot already offset to the tile's first row and panel). At 4 bits x is `xt`, k8 wide, input i
+ * of each octet divided by the power of two its nibble carries in place (exact), so a nibble costs one and, one
+ * conversion and one FMA per row; at 8 bits x as given and one widening of 16 codes per input. Constant rows,
+ * panels and bits (inlined into a switch) keep the accumulators in registers. */
 static inline __attribute__((always_inline)) void quant_tile(const float *x, const float *xsum, const uint8_t *codes,
                                                              const float *scales, const float *zeros, float *tot,
                                                              int64_t k, int64_t group, int64_t groups, int64_t q,
                                                              const int rows, const int panels, const int bits) {
     const int vecs = panels * QPER_PANEL;
-    const int64_t steps = bits == 4 ? (k + 1) / 2 : k; /* a panel's k steps: pairs of inputs, or inputs */
-    const int64_t stride = bits == 4 ? 2 * steps : k;  /* x's (or xt's) row length */
-    const int64_t panel_bytes = steps * QPANEL;
+    const int64_t k8 = (k + OCTET - 1) / OCTET * OCTET;
+    const int64_t stride = bits == 4 ? k8 : k; /* x's (or xt's) row length */
+    const int64_t panel_bytes = bits == 4 ? k8 / 2 * QPANEL : k * QPANEL;
     const uint8_t *cq = codes + q * panel_bytes;
     const float *sq = scales + q * groups * QPANEL, *zq = zeros + q * groups * QPANEL;
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < vecs; v++) memset(tot + r * TOT_STRIDE + v * QPLANES, 0, sizeof(vecf));
     for (int64_t g = 0; g < groups; g++) {
         const int64_t i1 = (g + 1) * group < k ? (g + 1) * group : k;
-        /* At 4 bits, steps are pairs: a group's (even) start, and its end rounded up to take an odd last input. */
-        const int64_t s0 = bits == 4 ? g * group / 2 : g * group, s1 = bits == 4 ? (i1 + 1) / 2 : i1;
         vecf acc[MAX_ROWS][STRIP_VECS];
         for (int r = 0; r < rows; r++)
             for (int v = 0; v < vecs; v++) acc[r][v] = SPLATF(0.0f);
-        for (int64_t i = s0; i < s1; i++) {
-            vecf lo[STRIP_VECS], all[STRIP_VECS];
-            for (int v = 0; v < vecs; v++) {
-                const uint8_t *p = cq + (v / QPER_PANEL) * panel_bytes + i * QPANEL + (v % QPER_PANEL) * QPLANES;
-                __builtin_prefetch(p + PREFETCH_BYTES);
-                const veci c = load_codes(p);
-                all[v] = __builtin_convertvector(c, vecf);
-                if (bits == 4) lo[v] = __builtin_convertvector(c & SPLATI(15), vecf);
+        if (bits == 4) {
+            /* Octets: a group's start is one (groups are multiples of 8 inputs, or one group), its end rounded up. */
+            for (int64_t o = g * group / OCTET; o < (i1 + OCTET - 1) / OCTET; o++) {
+                veci words[STRIP_VECS];
+                for (int v = 0; v < vecs; v++) {
+                    const uint8_t *p = cq + (v / QPER_PANEL) * panel_bytes + o * 4 * QPANEL + (v % QPER_PANEL) * 4 * QPLANES;
+                    __builtin_prefetch(p + PREFETCH_BYTES);
+                    memcpy(&words[v], p, sizeof(veci));
+                }
+                for (int i = 0; i < OCTET; i++) {
+                    vecf field[STRIP_VECS];
+                    for (int v = 0; v < vecs; v++)
+                        field[v] = __builtin_convertvector(
+                            i == OCTET - 1 ? (veci)((vecu)words[v] >> 28) : words[v] & SPLATI(15 << nibble_shift(i)),
+                            vecf);
+                    for (int r = 0; r < rows; r++) {
+                        const vecf a = SPLATF(x[r * stride + o * OCTET + i]);
+                        for (int v = 0; v < vecs; v++) acc[r][v] += field[v] * a;
+                    }
+                }
             }
-            for (int r = 0; r < rows; r++) {
-                if (bits == 4) {
-                    const vecf a = SPLATF(x[r * stride + 2 * i]), b = SPLATF(x[r * stride + 2 * i + 1]);
-                    for (int v = 0; v < vecs; v++) acc[r][v] += lo[v] * a + all[v] * b;
-                } else {
+        } else {
+            for (int64_t i = g * group; i < i1; i++) {
+                vecf all[STRIP_VECS];
+                for (int v = 0; v < vecs; v++) {
+                    const uint8_t *p = cq + (v / QPER_PANEL) * panel_bytes + i * QPANEL + (v % QPER_PANEL) * QPLANES;
+                    __builtin_prefetch(p + PREFETCH_BYTES);
+                    all[v] = __builtin_convertvector(load_codes(p), vecf);
+                }
+                for (int r = 0; r < rows; r++) {
                     const vecf a = SPLATF(x[r * stride + i]);
                     for (int v = 0; v < vecs; v++) acc[r][v] += all[v] * a;
                 }
@@ -193,131 +212,107 @@ static void any_quant_tile(const float *x, const float *xsum, const uint8_t *cod
 #undef QUANT_TILE
 #undef TILE_OF
 
-/* One row of x (a single stream's decode step) on AVX2 and narrower: the tiles above widen 8 codes per vpmovzxbd, a
- * lane-crossing shuffle that Zen 3 and most cores run on one or two ports, and with one row that shuffle, not the
- * multiply-adds or the memory, set the pace (4-bit codes read at ~5 GB/s a core). Here a vector of QPLANES 32-bit
- * lanes is loaded as it lies: each lane holds 4 bytes of one step (bytes 4j'..4j'+3: columns 4j'+b, b = 0..3), and
- * lane j belongs to step j / 4 of the QPLANES / 4 steps the vector covers. A field of a lane (a 4-bit nibble f = 2b +
- * h, or an 8-bit byte f = b) is masked in place, not shifted: converted, it is code * 2^(width * f), exact, and that
- * power of two leaves the sum exactly at the group's end; the top field is shifted down instead (its bit 31 would
- * make it negative). Each field has its own accumulator, and the broadcast x is a vector whose lanes follow their
- * steps (xv, laid out once per call). So each field costs one and, one conversion and one FMA, all on any of the
- * vector ports. Used where groups and k are whole vectors of steps. */
-#if QPLANES <= 8
-#define ROW_STEPS (QPLANES / 4) /* steps a vector of codes covers */
-#define ROW_FIELDS_MAX 8
-
-static inline __attribute__((always_inline)) void row_panel(const float *xv, const float *xsum, const uint8_t *cq,
-                                                            const float *sq, const float *zq, float *tot, int64_t k,
-                                                            int64_t group, int64_t groups, const int bits) {
-    const int fields = 32 / bits, halves = bits == 4 ? 2 : 1;
-    const int64_t chunk_inputs = (int64_t)ROW_STEPS * halves; /* inputs a vector of codes covers */
-    for (int j = 0; j < QPANEL; j++) tot[j] = 0.0f;
+/* A few rows of x that are bf16 values (a bf16 model's activations, widened) against 4-bit codes, on AVX512_BF16:
+ * a word's nibble f, in both halves, is an input pair; shifted down, masked and given the exponent of 128 (one
+ * ternary logic op), each half is the bf16 of 128 + code, exact, and one vdpbf16ps multiplies the pair by x's
+ * pair for 16 columns: per 32 weights a shift, a logic op and a dot product, against the fp32 tiles' three
+ * operations per 16 (the 4-bit product at one row ran compute-bound there). Products of two bf16 are exact in
+ * fp32, so this differs from the fp32 tiles only in the order of the sums. The 128 comes out with the zero point:
+ * s * (sum - (z + 128) * xsum). Two accumulators per tile cell where rows <= 2, so the chains of dot products
+ * overlap. */
+#if defined(__AVX512BF16__) && QPLANES == 16
+static inline __attribute__((always_inline)) void dot_tile(const uint32_t *xp, const float *xsum, const uint32_t *codes,
+                                                           const float *scales, const float *zeros, float *tot,
+                                                           int64_t k8, int64_t k, int64_t group, int64_t groups,
+                                                           int64_t q, const int rows, const int panels) {
+    enum { SPLIT_MAX = 2 };
+    const int split = rows <= 2 ? 2 : 1;
+    const int64_t panel_words = k8 / OCTET * QPANEL, pairs = k8 / 2;
+    const uint32_t *cq = codes + q * panel_words;
+    const float *sq = scales + q * groups * QPANEL, *zq = zeros + q * groups * QPANEL;
+    const __m512i nibble = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
+    __m512 out[FEW_ROWS][STRIP];
+    for (int r = 0; r < rows; r++)
+        for (int p = 0; p < panels; p++) out[r][p] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t c0 = g * group / chunk_inputs, c1 = ((g + 1) * group < k ? (g + 1) * group : k) / chunk_inputs;
-        vecf acc[ROW_FIELDS_MAX];
-        for (int f = 0; f < fields; f++) acc[f] = SPLATF(0.0f);
-        for (int64_t c = c0; c < c1; c++) {
-            const uint8_t *p = cq + c * ROW_STEPS * QPANEL;
-            __builtin_prefetch(p + PREFETCH_BYTES);
-            veci v;
-            memcpy(&v, p, sizeof v);
-            const float *xc = xv + c * halves * QPLANES;
-            for (int f = 0; f < fields; f++) {
-                const vecf xf = loadf(xc + (f % halves) * QPLANES);
-                const veci field = f == fields - 1 ? (veci)((vecu)v >> (32 - bits))
-                                                   : v & SPLATI((int32_t)(((1u << bits) - 1) << (bits * f)));
-                acc[f] += __builtin_convertvector(field, vecf) * xf;
+        const int64_t i1 = (g + 1) * group < k ? (g + 1) * group : k;
+        __m512 acc[SPLIT_MAX][FEW_ROWS][STRIP];
+        for (int h = 0; h < split; h++)
+            for (int r = 0; r < rows; r++)
+                for (int p = 0; p < panels; p++) acc[h][r][p] = _mm512_setzero_ps();
+        for (int64_t o = g * group / OCTET; o < (i1 + OCTET - 1) / OCTET; o++) {
+            __m512i words[STRIP];
+            for (int p = 0; p < panels; p++) {
+                const uint32_t *w = cq + p * panel_words + o * QPANEL;
+                __builtin_prefetch((const uint8_t *)w + PREFETCH_BYTES);
+                words[p] = _mm512_loadu_si512(w);
+            }
+            for (int f = 0; f < 4; f++) {
+                __m512bh field[STRIP];
+                for (int p = 0; p < panels; p++)
+                    field[p] = (__m512bh)_mm512_ternarylogic_epi32(f ? _mm512_srli_epi32(words[p], 4 * f) : words[p],
+                                                                  nibble, exponent, 0xEA); /* (a & b) | c */
+                for (int r = 0; r < rows; r++) {
+                    const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[r * pairs + o * 4 + f]);
+                    for (int p = 0; p < panels; p++)
+                        acc[f % split][r][p] = _mm512_dpbf16_ps(acc[f % split][r][p], field[p], xv);
+                }
             }
         }
-        /* Column 4j' + b: the fields of byte b in lane j' of every step, each scaled back by its power of two. */
-#if QPLANES == 8 && defined(__AVX2__)
-        __m128 cols[4];
-        for (int b = 0; b < 4; b++) {
-            cols[b] = _mm_setzero_ps();
-            for (int h = 0; h < halves; h++) {
-                const int f = b * halves + h;
-                const __m256 a = (__m256)acc[f];
-                const __m128 steps = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-                const float unit = f == fields - 1 ? 1.0f : 1.0f / (float)(1u << (bits * f));
-                cols[b] = _mm_fmadd_ps(steps, _mm_set1_ps(unit), cols[b]);
+        for (int p = 0; p < panels; p++) {
+            const __m512 s = _mm512_loadu_ps(sq + p * groups * QPANEL + g * QPANEL);
+            const __m512 z = _mm512_add_ps(_mm512_loadu_ps(zq + p * groups * QPANEL + g * QPANEL), _mm512_set1_ps(128.0f));
+            for (int r = 0; r < rows; r++) {
+                const __m512 sum = split == 2 ? _mm512_add_ps(acc[0][r][p], acc[1][r][p]) : acc[0][r][p];
+                out[r][p] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), sum), out[r][p]);
             }
         }
-        _MM_TRANSPOSE4_PS(cols[0], cols[1], cols[2], cols[3]); /* cols[j']: columns 4j' .. 4j' + 3 */
-        const __m128 xs = _mm_set1_ps(xsum[g]);
-        for (int j = 0; j < 4; j++) {
-            const __m128 sc = _mm_loadu_ps(sq + g * QPANEL + 4 * j), z = _mm_loadu_ps(zq + g * QPANEL + 4 * j);
-            _mm_storeu_ps(tot + 4 * j, _mm_fmadd_ps(sc, _mm_fnmadd_ps(z, xs, cols[j]), _mm_loadu_ps(tot + 4 * j)));
-        }
-#else
-        float lanes[ROW_FIELDS_MAX][QPLANES];
-        for (int f = 0; f < fields; f++) memcpy(lanes[f], &acc[f], sizeof(vecf));
-        for (int col = 0; col < QPANEL; col++) {
-            const int b = col % 4, lane = col / 4;
-            float sum = 0.0f;
-            for (int h = 0; h < halves; h++) {
-                const int f = b * halves + h;
-                const float unit = f == fields - 1 ? 1.0f : 1.0f / (float)(1u << (bits * f));
-                float part = 0.0f;
-                for (int st = 0; st < ROW_STEPS; st++) part += lanes[f][4 * st + lane];
-                sum += part * unit;
-            }
-            tot[col] += sq[g * QPANEL + col] * (sum - zq[g * QPANEL + col] * xsum[g]);
-        }
-#endif
     }
+    for (int r = 0; r < rows; r++)
+        for (int p = 0; p < panels; p++) _mm512_storeu_ps(tot + r * TOT_STRIDE + p * QPANEL, out[r][p]);
 }
 
-/* Whether one row can take row_panel: every group (and k) whole vectors of steps. */
-static int row_path_fits(int64_t m, int64_t k, int64_t bits, int64_t group) {
-    const int64_t chunk_inputs = (int64_t)ROW_STEPS * (bits == 4 ? 2 : 1);
-    return m == 1 && k % chunk_inputs == 0 && group % chunk_inputs == 0;
+#define DOT_TILE(r, p) dot_tile(xp, xsum, (const uint32_t *)codes, scales, zeros, tot, k8, k, group, groups, q, r, p)
+#define DOT_ROWS_OF(p) switch (rows) { case 4: DOT_TILE(4, p); break; case 3: DOT_TILE(3, p); break; \
+    case 2: DOT_TILE(2, p); break; default: DOT_TILE(1, p); break; }
+
+static void any_dot_tile(const uint32_t *xp, const float *xsum, const uint8_t *codes, const float *scales,
+                         const float *zeros, float *tot, int64_t k8, int64_t k, int64_t group, int64_t groups,
+                         int64_t q, int rows, int panels) {
+    if (panels >= 4) { DOT_ROWS_OF(4) } else if (panels == 3) { DOT_ROWS_OF(3) }
+    else if (panels == 2) { DOT_ROWS_OF(2) } else { DOT_ROWS_OF(1) }
 }
 
-/* xv: for each vector of steps c and half h, QPLANES floats, lane j = x[input of step c * ROW_STEPS + j / 4, half h]. */
-static void row_layout(const float *x, float *xv, int64_t k, int64_t bits) {
-    const int64_t halves = bits == 4 ? 2 : 1, chunks = k / (ROW_STEPS * halves);
-    for (int64_t c = 0; c < chunks; c++)
-        for (int64_t h = 0; h < halves; h++)
-            for (int j = 0; j < QPLANES; j++) xv[(c * halves + h) * QPLANES + j] = x[(c * ROW_STEPS + j / 4) * halves + h];
-}
+#undef DOT_TILE
+#undef DOT_ROWS_OF
 
-static void row_product(const float *x, const float *xsum, const uint8_t *codes, const float *scales,
-                        const float *zeros, float *y, int64_t k, int64_t n, int64_t bits, int64_t group,
-                        int64_t num_threads) {
-    const int64_t groups = (k + group - 1) / group, panels = (n + QPANEL - 1) / QPANEL;
-    const int64_t panel_bytes = (bits == 4 ? k / 2 : k) * QPANEL;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t q = 0; q < panels; q++) {
-        float tot[QPANEL];
-        const uint8_t *cq = codes + q * panel_bytes;
-        const float *sq = scales + q * groups * QPANEL, *zq = zeros + q * groups * QPANEL;
-        if (bits == 4)
-            row_panel(x, xsum, cq, sq, zq, tot, k, group, groups, 4);
-        else
-            row_panel(x, xsum, cq, sq, zq, tot, k, group, groups, 8);
-        const int64_t col = q * QPANEL, width = n - col < QPANEL ? n - col : QPANEL;
-        memcpy(y + col, tot, (size_t)width * sizeof(float));
-    }
+/* Whether every value of x is a bf16 (its low 16 bits zero): a bf16 model's activations are, and then the bf16 dot
+ * products multiply them exactly. */
+static int all_bf16(const float *x, int64_t count) {
+    const uint32_t *bits = (const uint32_t *)x;
+    uint32_t low = 0;
+    for (int64_t i = 0; i < count; i++) low |= bits[i] & 0xFFFFu;
+    return low == 0;
 }
 #endif
 
 /* x [m, k] fp32, y [m, n] fp32, the weight as described above with `bits` 4 or 8 and groups of `group` inputs
- * (the last one may be shorter; at 4 bits every group but the last has an even length, so no input pair
+ * (the last one may be shorter; at 4 bits every group but the last is a multiple of 8 inputs, so no octet
  * straddles two groups). Returns 0, or -1 when the scratch for the groups' sums of x could not be allocated. */
 int linear_quant(const float *x, const uint8_t *codes, const float *scales, const float *zeros, float *y, int64_t m,
                  int64_t k, int64_t n, int64_t bits, int64_t group, int64_t num_threads) {
     if (num_threads < 1) num_threads = 1;
     const int64_t groups = (k + group - 1) / group, panels = (n + QPANEL - 1) / QPANEL;
-    const int64_t strips = (panels + STRIP - 1) / STRIP, stride = bits == 4 ? 2 * ((k + 1) / 2) : k;
-    float *xsum = malloc((size_t)(m * groups > 0 ? m * groups : 1) * sizeof(float));
-#if QPLANES <= 8
-    const int one_row = row_path_fits(m, k, bits, group);
+    const int64_t strips = (panels + STRIP - 1) / STRIP, k8 = (k + OCTET - 1) / OCTET * OCTET;
+    const int64_t stride = bits == 4 ? k8 : k;
+#if defined(__AVX512BF16__) && QPLANES == 16
+    const int dot = bits == 4 && all_bf16(x, m * k);
 #else
-    const int one_row = 0;
+    const int dot = 0;
 #endif
-    /* xt: x transformed for the tiles (4 bits), or laid out for row_product (4 * k floats). */
-    const int64_t xt_floats = one_row ? 4 * k : bits == 4 ? m * stride : 0;
+    float *xsum = malloc((size_t)(m * groups > 0 ? m * groups : 1) * sizeof(float));
+    /* xt: x scaled for the 4-bit tiles, or its bf16 pairs for the dot products (k8 / 2 words a row). */
+    const int64_t xt_floats = bits != 4 ? 0 : dot ? m * k8 / 2 : m * k8;
     float *xt = xt_floats ? malloc((size_t)xt_floats * sizeof(float)) : NULL;
     if (xsum == NULL || (xt_floats && xt == NULL)) {
         free(xsum);
@@ -332,25 +327,25 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
             for (int64_t i = g * group; i < i1; i++) s += xr[i];
             xsum[r * groups + g] = s;
         }
-        if (bits == 4 && !one_row)
-            for (int64_t i = 0; i < stride; i += 2) {
-                const float x1 = i + 1 < k ? xr[i + 1] : 0.0f;
-                xt[r * stride + i] = xr[i] - x1 * 0.0625f;
-                xt[r * stride + i + 1] = x1 * 0.0625f;
+        if (bits == 4 && dot) {
+            uint32_t *pairs = (uint32_t *)xt + r * k8 / 2;
+            for (int64_t i = 0; i < k8; i += 2) {
+                uint32_t lo = 0, hi = 0;
+                if (i < k) memcpy(&lo, xr + i, 4);
+                if (i + 1 < k) memcpy(&hi, xr + i + 1, 4);
+                pairs[i / 2] = (lo >> 16) | (hi & 0xFFFF0000u);
             }
+        } else if (bits == 4) {
+            for (int64_t i = 0; i < k8; i++) {
+                const int at = (int)(i % OCTET);
+                const float unit = at == OCTET - 1 ? 1.0f : 1.0f / (float)(1u << nibble_shift(at));
+                xt[r * k8 + i] = i < k ? xr[i] * unit : 0.0f;
+            }
+        }
     }
-#if QPLANES <= 8
-    if (one_row) {
-        row_layout(x, xt, k, bits);
-        row_product(xt, xsum, codes, scales, zeros, y, k, n, bits, group, num_threads);
-        free(xsum);
-        free(xt);
-        return 0;
-    }
-#endif
     const float *xs = bits == 4 ? xt : x;
-    const int rows_per_tile = m > FEW_ROWS ? MANY_ROWS : FEW_ROWS;
-    const int tile_panels = m > FEW_ROWS ? MANY_PANELS : STRIP;
+    const int rows_per_tile = dot || m <= FEW_ROWS ? FEW_ROWS : MANY_ROWS;
+    const int tile_panels = !dot && m > FEW_ROWS ? MANY_PANELS : STRIP;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t strip = 0; strip < strips; strip++) {
         const int64_t q0 = strip * STRIP;
@@ -359,10 +354,16 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
         float tot[MAX_ROWS * TOT_STRIDE];
         for (int64_t m0 = 0; m0 < m; m0 += rows_per_tile) {
             const int rows = m - m0 >= rows_per_tile ? rows_per_tile : (int)(m - m0);
-            for (int p = 0; p < strip_panels; p += tile_panels)
-                any_quant_tile(xs + m0 * stride, xsum + m0 * groups, codes, scales, zeros, tot + p * QPANEL, k, group,
-                               groups, q0 + p, rows,
-                               strip_panels - p < tile_panels ? strip_panels - p : tile_panels, (int)bits);
+#if defined(__AVX512BF16__) && QPLANES == 16
+            if (dot) {
+                any_dot_tile((const uint32_t *)xt + m0 * k8 / 2, xsum + m0 * groups, codes, scales, zeros, tot, k8, k,
+                             group, groups, q0, rows, strip_panels);
+            } else
+#endif
+                for (int p = 0; p < strip_panels; p += tile_panels)
+                    any_quant_tile(xs + m0 * stride, xsum + m0 * groups, codes, scales, zeros, tot + p * QPANEL, k,
+                                   group, groups, q0 + p, rows,
+                                   strip_panels - p < tile_panels ? strip_panels - p : tile_panels, (int)bits);
             /* The padded columns of a last, partial panel are computed and dropped here. */
             for (int r = 0; r < rows; r++)
                 memcpy(y + (m0 + r) * n + col, tot + r * TOT_STRIDE, (size_t)width * sizeof(float));
@@ -377,11 +378,9 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
  * bf16 product rounds it, where the engine's precision allows that), the codes widened to bf16 tiles and multiplied
  * by TDPBF16PS, 16 x 16 fp32 results from 16 rows x 32 inputs a tile.
  *
- * A B tile's row is one input pair of 16 columns, two bf16 per column (the layout TDPBF16PS reads): our packed pair
- * byte (low nibble input 2p, high nibble 2p + 1) widened to a 32-bit lane is spread to bits 0-3 and 16-19 and given
- * the exponent of 128, so each half is the bf16 of 128 + code, exact: 3 vector operations per 32 weights, done once
- * per strip for all of x's rows. The 128 comes out with the zero point: s * (sum - (z + 128) * xsum), xsum over the
- * rounded x. Groups must be multiples of 32 inputs (a tile's K), which 32/64/128 are. */
+ * A B tile's row is one input pair of 16 columns, two bf16 per column (the layout TDPBF16PS reads); 4-bit codes
+ * become the bf16 of 128 + code (amx_widen), and the 128 comes out with the zero point: s * (sum - (z + 128) *
+ * xsum), xsum over the rounded x. Groups must be multiples of 32 inputs (a tile's K), which 32/64/128 are. */
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__GNUC__) && __GNUC__ >= 11
 #include "amx_tiles.h"
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
@@ -401,17 +400,21 @@ static inline float bf16_widen(uint16_t h) {
     return f;
 }
 
-/* One panel's codes (`steps` input pairs of 16 bytes) as B-tile rows of bf16 pairs, padded to `padded` pairs
- * with 128s (multiplied by the zeros x is padded with). A missing panel (codes NULL) is all padding. */
-AMX_TARGET static void amx_widen(const uint8_t *cp, uint32_t *b, int64_t steps, int64_t padded) {
+/* One panel's 4-bit codes (`octets` words of 16 columns) as B-tile rows of bf16 pairs, padded to `padded` pairs
+ * with 128s (multiplied by the zeros x is padded with). Nibble f of a word's two halves is input pair 4o + f
+ * (the layout above): shifted down, masked and given the exponent of 128, each half is the bf16 of 128 + code,
+ * exact: 2 vector operations per 32 weights, done once per strip for all of x's rows. A missing panel (codes NULL)
+ * is all padding. */
+AMX_TARGET static void amx_widen(const uint32_t *cp, uint32_t *b, int64_t octets, int64_t padded) {
     const __m512i nibbles = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
     int64_t s = 0;
     if (cp != NULL)
-        for (; s < steps; s++) {
-            const __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(cp + s * QPANEL)));
-            /* 0xA8: (t | t << 12) & nibbles, the low nibble at bits 0-3 and the high one at 16-19. */
-            const __m512i spread = _mm512_ternarylogic_epi32(t, _mm512_slli_epi32(t, 12), nibbles, 0xA8);
-            _mm512_store_si512((__m512i *)(b + s * QPANEL), _mm512_or_si512(spread, exponent));
+        for (int64_t o = 0; o < octets; o++) {
+            const __m512i w = _mm512_loadu_si512(cp + o * QPANEL);
+            for (int f = 0; f < 4; f++, s++)
+                _mm512_store_si512((__m512i *)(b + s * QPANEL),
+                                   _mm512_ternarylogic_epi32(f ? _mm512_srli_epi32(w, 4 * f) : w, nibbles, exponent,
+                                                             0xEA)); /* (a & b) | c */
         }
     for (; s < padded; s++) _mm512_store_si512((__m512i *)(b + s * QPANEL), exponent);
 }
@@ -487,8 +490,8 @@ AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const floa
     if (num_threads < 1) num_threads = 1;
     const int64_t kp = (k + AMX_K - 1) / AMX_K * AMX_K, mp = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS * AMX_BLOCK_ROWS;
     const int64_t groups = (k + group - 1) / group, panels = (n + QPANEL - 1) / QPANEL;
-    const int64_t strips = (panels + AMX_STRIP - 1) / AMX_STRIP, steps = (k + 1) / 2;
-    const int64_t panel_bytes = (bits == 4 ? steps : k) * QPANEL;
+    const int64_t strips = (panels + AMX_STRIP - 1) / AMX_STRIP, octets = (k + OCTET - 1) / OCTET;
+    const int64_t panel_bytes = (bits == 4 ? octets * 4 : k) * QPANEL;
     const float offset = bits == 4 ? 128.0f : 0.0f; /* what the widening adds to every code */
     uint16_t *xb = aligned_alloc(64, (size_t)(mp * kp) * sizeof(uint16_t));
     float *xsum = malloc((size_t)(mp * groups) * sizeof(float));
@@ -525,8 +528,8 @@ AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const floa
                 uint32_t *b1 = b + kp / 2 * QPANEL;
                 const uint8_t *c0 = codes + q * panel_bytes, *c1 = has_second ? c0 + panel_bytes : NULL;
                 if (bits == 4) {
-                    amx_widen(c0, b, steps, kp / 2);
-                    amx_widen(c1, b1, steps, kp / 2);
+                    amx_widen((const uint32_t *)c0, b, octets, kp / 2);
+                    amx_widen((const uint32_t *)c1, b1, octets, kp / 2);
                 } else {
                     amx_widen8(c0, b, k, kp / 2);
                     amx_widen8(c1, b1, k, kp / 2);

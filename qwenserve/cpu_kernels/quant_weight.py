@@ -4,8 +4,9 @@ W8A16: the activations stay fp32).
 W[o, i] = (codes[o, i] - zeros[o, g]) * scales[o, g] with g the group of input i. Checkpoints store codes, zero
 points and scales in their own packings (engine/quantization/); `QuantWeight.pack` takes them unpacked, as unsigned
 codes with one zero point and scale per output column and group, and repacks them once: output columns in panels of
-PANEL as the fp32 / bf16 panels, two 4-bit codes a byte along the input, scales and zero points in fp32 next to
-them. GPTQ's act-order checkpoints (desc_act: groups that are not runs of consecutive inputs) are packed with their
+PANEL as the fp32 / bf16 panels, eight 4-bit codes a 32-bit word along the input (input i of an octet at bit
+NIBBLE_SHIFTS[i]: even inputs in the low half, odd ones in the high half, so a nibble of both halves is an input
+pair, what a bf16 dot product multiplies), scales and zero points in fp32 next to them. GPTQ's act-order checkpoints (desc_act: groups that are not runs of consecutive inputs) are packed with their
 inputs sorted by group, and the product gathers x's columns in that order first.
 """
 
@@ -16,11 +17,13 @@ import torch
 from qwenserve.cpu_kernels.packed_weight import PANEL
 
 BITS = (4, 8)
+OCTET = 8  # 4-bit codes a word
+NIBBLE_SHIFTS = tuple(16 * (i % 2) + 4 * (i // 2) for i in range(OCTET))
 
 
 class QuantWeight:
-    """A weight [n, k] as panels of codes `codes` (uint8 [n/PANEL, k/2, PANEL] at 4 bits, [n/PANEL, k, PANEL] at 8,
-    n rounded up to a panel), `scales` and `zeros` (fp32 [n/PANEL, groups, PANEL]), `group_size` inputs a group (the
+    """A weight [n, k] as panels of codes `codes` (int32 words [n/PANEL, k/8, PANEL] at 4 bits, k rounded up to 8;
+    uint8 [n/PANEL, k, PANEL] at 8; n rounded up to a panel), `scales` and `zeros` (fp32 [n/PANEL, groups, PANEL]), `group_size` inputs a group (the
     last may be shorter) and `perm`, the order of x's columns the codes follow (None: their own)."""
 
     __slots__ = ("codes", "scales", "zeros", "bits", "group_size", "out_features", "in_features", "perm")
@@ -50,8 +53,9 @@ class QuantWeight:
         if scales.shape != (n, num_groups) or zeros.shape != (n, num_groups):
             raise ValueError(f"scales and zeros must be [{n}, {num_groups}] for {k} inputs in groups of {group_size}, "
                              f"got {tuple(scales.shape)} and {tuple(zeros.shape)}")
-        if bits == 4 and group_size % 2 and num_groups > 1:
-            raise ValueError(f"4-bit codes pair inputs two by two: a group size of {group_size} splits a pair")
+        if bits == 4 and group_size % OCTET and num_groups > 1:
+            raise ValueError(f"4-bit codes are packed {OCTET} inputs a word: a group size of {group_size} splits a "
+                             "word")
         if codes.numel() and ((codes.dtype != torch.uint8 and int(codes.min()) < 0) or int(codes.max()) >= 1 << bits):
             raise ValueError(f"codes outside [0, {1 << bits})")
         perm = None
@@ -62,9 +66,9 @@ class QuantWeight:
             codes = codes[:, perm]
         panels = -(-n // PANEL)
         pad_n = panels * PANEL - n
-        codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, k % 2 if bits == 4 else 0, 0, pad_n))
+        codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, -k % OCTET if bits == 4 else 0, 0, pad_n))
         if bits == 4:
-            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+            codes = _words(codes)
         return cls(_panels(codes, panels), _panels(_pad_rows(scales.float(), pad_n), panels),
                    _panels(_pad_rows(zeros.float(), pad_n), panels), bits, group_size, n, k, perm)
 
@@ -73,14 +77,14 @@ class QuantWeight:
         made by `pack` always does): the C code trusts them."""
         n, k = self.shape
         panels, groups = -(-n // PANEL), -(-k // self.group_size) if self.group_size > 0 else 0
-        steps = -(-k // 2) if self.bits == 4 else k
-        for name, t, shape, dtype in (("codes", self.codes, (panels, steps, PANEL), torch.uint8),
+        steps, code_dtype = (-(-k // OCTET), torch.int32) if self.bits == 4 else (k, torch.uint8)
+        for name, t, shape, dtype in (("codes", self.codes, (panels, steps, PANEL), code_dtype),
                                       ("scales", self.scales, (panels, groups, PANEL), torch.float32),
                                       ("zeros", self.zeros, (panels, groups, PANEL), torch.float32)):
             if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"QuantWeight {name} must be contiguous {dtype} {shape} on the CPU for a {self.bits}-bit "
                                  f"[{n}, {k}] weight in groups of {self.group_size}, got {t.dtype} {tuple(t.shape)}")
-        if self.bits not in BITS or (self.bits == 4 and self.group_size % 2 and groups > 1):
+        if self.bits not in BITS or (self.bits == 4 and self.group_size % OCTET and groups > 1):
             raise ValueError(f"QuantWeight: {self.bits} bits in groups of {self.group_size} is not a layout of ours")
         if self.perm is not None and (self.perm.dtype != torch.int64 or tuple(self.perm.shape) != (k,)):
             raise ValueError(f"QuantWeight perm must be int64 [{k}]")
@@ -107,13 +111,23 @@ class QuantWeight:
         panel, lane = ids // PANEL, ids % PANEL
         codes = self.codes[panel, :, lane]
         if self.bits == 4:
-            codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+            codes = torch.stack([(codes >> shift) & 15 for shift in NIBBLE_SHIFTS], dim=-1).flatten(-2)
         group_of = torch.arange(k) // self.group_size
         scales, zeros = (t[panel, :, lane][..., group_of] for t in (self.scales, self.zeros))
         weight = (codes[..., :k].float() - zeros) * scales
         if self.perm is not None:
             weight = torch.empty_like(weight).index_copy_(-1, self.perm, weight)
         return weight
+
+
+def _words(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [n, k] (k a multiple of OCTET) -> int32 words [n, k / OCTET], input i of each octet at bit
+    NIBBLE_SHIFTS[i]: bytes 0 and 1 (the low half) hold inputs 0, 2, 4, 6, bytes 2 and 3 inputs 1, 3, 5, 7."""
+    octets = codes.reshape(codes.shape[0], -1, OCTET)
+    even, odd = octets[..., 0::2], octets[..., 1::2]
+    lanes = torch.stack([even[..., 0] | even[..., 1] << 4, even[..., 2] | even[..., 3] << 4,
+                         odd[..., 0] | odd[..., 1] << 4, odd[..., 2] | odd[..., 3] << 4], dim=-1)
+    return lanes.contiguous().view(torch.int32).squeeze(-1)  # little-endian bytes: byte 0 the word's lowest
 
 
 def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:

@@ -30,10 +30,10 @@ from tests.support.engine_checkpoints import load_reference, random_prompts, ref
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler: the kernels cannot be built here")
 
-# Rows: decode's few (the 4-row tiles: 1, 3) and more than a tile (17: the 8-row tiles and a tail of 1). One row
-# takes row_product on AVX2 and narrower objects where k and the groups are whole vectors of steps (k = 200 here).
+# Rows: decode's few (the 4-row tiles: 1, 3) and more than a tile (17: the 8-row tiles and a tail of 1). Rows of
+# bf16 values take the bf16 dot products at 4 bits in the x86-64-v4-bf16 object.
 ROWS = (1, 3, 17)
-# (k, n): k odd (a 4-bit pair split at the end) and not a multiple of the group size, n not a multiple of a panel
+# (k, n): k odd (a 4-bit word part empty at the end) and not a multiple of the group size, n not a multiple of a panel
 # (16) or of a strip (4 panels): the last panel's padded columns are dropped.
 SHAPES = ((37, 129), (200, 48), (257, 33))
 GROUP_SIZES = (32, 64, 128, None)  # None: one group (compressed-tensors' channel strategy)
@@ -84,13 +84,16 @@ def test_every_variant_multiplies_the_codes_as_the_dequantized_weight(
                 groups = torch.arange(k) // (group_size or k)
                 weight = QuantWeight.pack(codes, scales, zeros, bits, group_size)
                 reference = dequantized(codes, scales, zeros, groups)
-                for rows in ROWS:
+                for rows, bf16 in itertools.product(ROWS, (False, True)):
                     x = torch.randn(rows, k, generator=gen)
+                    # bf16 values: the dot products' 4-bit codes are the bf16 of 128 + code, so the bound counts
+                    # that offset (it holds the fp32 tiles' sums too).
+                    x, widened = (x.to(torch.bfloat16).float(), codes + 128 if bits == 4 else codes) if bf16 else (x, codes)
                     y = kernels.linear_quant(x, weight)
                     error = (y.double() - x.double() @ reference.double().T).abs()
-                    worst = (error / summation_bound(x, codes, scales, zeros, groups)).max().item()
-                    assert worst <= 1.0, (f"{variant} {bits}-bit rows={rows} k={k} n={n} group={group_size}: "
-                                          f"{worst:.2f}x the summation bound")
+                    worst = (error / summation_bound(x, widened, scales, zeros, groups)).max().item()
+                    assert worst <= 1.0, (f"{variant} {bits}-bit rows={rows} k={k} n={n} group={group_size} "
+                                          f"bf16 x={bf16}: {worst:.2f}x the summation bound")
     finally:
         torch.set_num_threads(previous)
 
@@ -166,7 +169,8 @@ def test_act_order_groups_are_multiplied_in_the_checkpoints_column_order(bits: i
 
 def test_packing_keeps_every_code_scale_and_zero_point() -> None:
     """dequantize() and rows() (a tied, quantized LM head's embeddings) give back (codes - zeros) * scales exactly,
-    and the codes take half a byte (4-bit) or a byte (8-bit) per weight, the last panel padded to 16 columns."""
+    and the codes take half a byte (4-bit) or a byte (8-bit) per weight, the last panel padded to 16 columns. The
+    4-bit words hold input i of each 8 at bit 16 (i % 2) + 4 (i // 2): a hand-checked word."""
     gen = torch.Generator().manual_seed(5)
     for bits in (4, 8):
         codes, scales, zeros = random_quantized(33, 37, bits, 32, gen)
@@ -176,7 +180,10 @@ def test_packing_keeps_every_code_scale_and_zero_point() -> None:
         assert torch.equal(weight.dequantize(), reference)
         ids = torch.tensor([32, 0, 17, 17])
         assert torch.equal(weight.rows(ids), reference[ids])
-        assert weight.codes.nbytes == 48 * (19 if bits == 4 else 37)
+        assert weight.codes.nbytes == 48 * (20 if bits == 4 else 37)  # 4 bits: k rounded up to a word of 8
+    codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    word = QuantWeight.pack(codes, torch.ones(1, 1), torch.zeros(1, 1), 4, None).codes[0, 0, 0].item()
+    assert word & 0xFFFFFFFF == 0x86427531  # low half 1, 3, 5, 7 (inputs 0, 2, 4, 6), high half 2, 4, 6, 8
 
 
 def test_what_does_not_fit_the_layout_is_refused() -> None:
@@ -188,7 +195,7 @@ def test_what_does_not_fit_the_layout_is_refused() -> None:
         QuantWeight.pack(codes + 1, scales, zeros, 4, 32)
     with pytest.raises(ValueError, match="must be"):
         QuantWeight.pack(codes, scales[:, :1], zeros, 4, 32)
-    with pytest.raises(ValueError, match="splits a pair"):
+    with pytest.raises(ValueError, match="splits a word"):
         QuantWeight.pack(codes, torch.ones(16, 3), torch.zeros(16, 3), 4, 31)
     uneven = torch.cat([torch.zeros(20), torch.ones(12), torch.full((16,), 2), torch.full((16,), 3)]).long()
     with pytest.raises(ValueError, match="not runs of 16"):  # groups of 20 and 12 inputs
