@@ -85,10 +85,10 @@ static void TYPED(attend)(const void *item_job, int64_t b, int64_t h0, int64_t h
     for (int64_t start = 0, j = 0; start < ctx; start += bs, j++) {
         const KV *k = (const KV *)job->k_cache + table[j] * bs * row + h0 * dim;
         const int64_t n = ctx - start < bs ? ctx - start : bs, after = ctx - start - n < bs ? ctx - start - n : bs;
-        if (after > 0)
-            prefetch_rows((const KV *)job->k_cache + table[j + 1] * bs * row + h0 * dim, after,
-                          row * (int64_t)sizeof(KV), (h1 - h0) * dim * (int64_t)sizeof(KV));
-        for (int64_t t = 0; t < n; t++, k += row)
+        const KV *next = after > 0 ? (const KV *)job->k_cache + table[j + 1] * bs * row + h0 * dim : NULL;
+        for (int64_t t = 0; t < n; t++, k += row) {
+            /* The next block's row t, as this block's row t is used (prefetch_rows says why). */
+            if (t < after) prefetch_rows(next + t * row, 1, 0, (h1 - h0) * dim * (int64_t)sizeof(KV));
             for (int64_t h = 0; h < h1 - h0; h++) {
                 const float *qh = q + h * group * dim;
                 float *s = scores + h * group * ctx + start + t;
@@ -100,6 +100,7 @@ static void TYPED(attend)(const void *item_job, int64_t b, int64_t h0, int64_t h
                 for (; g < group; g++) TYPED(score_group)(qh + g * dim, k + h * dim, dim, s + g * ctx, ctx,
                                                           job->scale, 1);
             }
+        }
     }
     float sums[nq];
     for (int64_t i = 0; i < nq; i++) {
@@ -109,10 +110,9 @@ static void TYPED(attend)(const void *item_job, int64_t b, int64_t h0, int64_t h
     for (int64_t start = 0, j = 0; start < ctx; start += bs, j++) {
         const KV *v = (const KV *)job->v_cache + table[j] * bs * row + h0 * dim;
         const int64_t n = ctx - start < bs ? ctx - start : bs, after = ctx - start - n < bs ? ctx - start - n : bs;
-        if (after > 0)
-            prefetch_rows((const KV *)job->v_cache + table[j + 1] * bs * row + h0 * dim, after,
-                          row * (int64_t)sizeof(KV), (h1 - h0) * dim * (int64_t)sizeof(KV));
+        const KV *next = after > 0 ? (const KV *)job->v_cache + table[j + 1] * bs * row + h0 * dim : NULL;
         for (int64_t h = 0; h < h1 - h0; h++) {
+            if (next) prefetch_rows(next + h * dim, after, row * (int64_t)sizeof(KV), dim * (int64_t)sizeof(KV));
             float *oh = out + h * group * dim;
             const float *p = scores + h * group * ctx + start;
             int64_t g = 0;
