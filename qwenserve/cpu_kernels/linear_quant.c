@@ -414,11 +414,11 @@ static inline float bf16_widen(uint16_t h) {
  * (the layout above): shifted down, masked and given the exponent of 128, each half is the bf16 of 128 + code,
  * exact: 2 vector operations per 32 weights, done once per strip for all of x's rows. A missing panel (codes NULL)
  * is all padding. */
-AMX_TARGET static void amx_widen(const uint32_t *cp, uint32_t *b, int64_t octets, int64_t padded) {
+AMX_TARGET static void amx_widen(const uint32_t *cp, uint32_t *b, int64_t o0, int64_t octets, int64_t padded) {
     const __m512i nibbles = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
-    int64_t s = 0;
+    int64_t s = 4 * o0; /* words [o0, octets) make pairs [4 o0, 4 octets), padding up to `padded` */
     if (cp != NULL)
-        for (int64_t o = 0; o < octets; o++) {
+        for (int64_t o = o0; o < octets; o++) {
             const __m512i w = _mm512_loadu_si512(cp + o * QPANEL);
             for (int f = 0; f < 4; f++, s++)
                 _mm512_store_si512((__m512i *)(b + s * QPANEL),
@@ -448,14 +448,28 @@ AMX_TARGET static void amx_widen8(const uint8_t *cp, uint32_t *b, int64_t k, int
     for (; s < padded; s++) _mm512_store_si512((__m512i *)(b + s * QPANEL), _mm512_setzero_si512());
 }
 
-/* Rows [r0, r0 + 32) of xb against the strip's two panels of B tiles, every group, into tot [32][32]. */
-AMX_TARGET static void amx_block(const uint16_t *xb, const float *xsum, const uint32_t *b0, const uint32_t *b1,
+/* A strip's two panels of 4-bit words (c1 NULL: no second panel), widened a group at a time just before its tile
+ * products: with one block of rows, a group's B tiles (8 KiB) are then read from L1, not the whole strip's from L2. */
+typedef struct {
+    const uint32_t *c0, *c1;
+    int64_t octets;
+} Widen;
+
+/* Rows [r0, r0 + 32) of xb against the strip's two panels of B tiles, every group, into tot [32][32]; `widen` (NULL:
+ * b0 and b1 hold the whole strip already) widens each group's codes into them first. */
+AMX_TARGET static void amx_block(const uint16_t *xb, const float *xsum, uint32_t *b0, uint32_t *b1,
                                  const float *s0, const float *z0, const float *s1, const float *z1, float *tot,
-                                 float *cbuf, int64_t kp, int64_t groups, int64_t group, float offset) {
+                                 float *cbuf, int64_t kp, int64_t groups, int64_t group, float offset,
+                                 const Widen *widen) {
     const int64_t xstride = kp * 2, bsteps = AMX_K / 2 * QPANEL; /* bytes per row of x; dwords per B tile */
     memset(tot, 0, AMX_BLOCK_ROWS * AMX_STRIP * QPANEL * sizeof(float));
     for (int64_t g = 0; g < groups; g++) {
         const int64_t kb0 = g * group / AMX_K, kb1 = ((g + 1) * group < kp ? (g + 1) * group : kp) / AMX_K;
+        if (widen != NULL) {
+            const int64_t o1 = kb1 * AMX_K / OCTET < widen->octets ? kb1 * AMX_K / OCTET : widen->octets;
+            amx_widen(widen->c0, b0, kb0 * AMX_K / OCTET, o1, kb1 * AMX_K / 2);
+            amx_widen(widen->c1, b1, kb0 * AMX_K / OCTET, o1, kb1 * AMX_K / 2);
+        }
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -545,10 +559,14 @@ AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const floa
                 const int has_second = q + 1 < panels;
                 uint32_t *b1 = b + kp / 2 * QPANEL;
                 const uint8_t *c0 = codes + q * panel_bytes, *c1 = has_second ? c0 + panel_bytes : NULL;
-                if (bits == 4) {
-                    amx_widen((const uint32_t *)c0, b, octets, kp / 2);
-                    amx_widen((const uint32_t *)c1, b1, octets, kp / 2);
-                } else {
+                /* One block of rows at 4 bits: each group widened as it is used (Widen); more blocks share the
+                 * whole strip widened once. */
+                const Widen fused = {(const uint32_t *)c0, (const uint32_t *)c1, octets};
+                const Widen *widen = bits == 4 && m <= AMX_BLOCK_ROWS ? &fused : NULL;
+                if (bits == 4 && widen == NULL) {
+                    amx_widen((const uint32_t *)c0, b, 0, octets, kp / 2);
+                    amx_widen((const uint32_t *)c1, b1, 0, octets, kp / 2);
+                } else if (bits == 8) {
                     amx_widen8(c0, b, k, kp / 2);
                     amx_widen8(c1, b1, k, kp / 2);
                 }
@@ -557,7 +575,7 @@ AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const floa
                 const int64_t col = q * QPANEL, width = n - col < AMX_STRIP * QPANEL ? n - col : AMX_STRIP * QPANEL;
                 for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK_ROWS) {
                     amx_block(xb + r0 * kp, xsum + r0 * groups, b, b1, s0, z0, s1, z1, tot, cbuf, kp, groups, group,
-                              offset);
+                              offset, widen);
                     const int64_t rows = m - r0 < AMX_BLOCK_ROWS ? m - r0 : AMX_BLOCK_ROWS;
                     for (int64_t r = 0; r < rows; r++)
                         memcpy(y + (r0 + r) * n + col, tot + r * AMX_STRIP * QPANEL, (size_t)width * sizeof(float));
