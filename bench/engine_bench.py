@@ -160,7 +160,7 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int = 64, steps:
     gaps after the last request got its first token and before the first one finished, when every step is
     `batch` one-token rows (earlier steps also carry prompt chunks, later ones fewer rows)."""
     prompts = [[(7 * i + j) % 1000 + 1 for j in range(context)] for i in range(batch)]
-    prefill_steps = -(-batch * context // engine.config.token_budget())
+    prefill_steps = -(-batch * context // engine.scheduler.limits.max_num_batched_tokens)
     arrivals = run_engine(engine, prompts, [steps + prefill_steps + 2] * batch)["arrivals"]
     all_decoding, first_done = max(a[0] for a in arrivals), min(a[-1] for a in arrivals)
     gaps = sorted(b - a for times in arrivals for a, b in itertools.pairwise(times)
@@ -422,7 +422,7 @@ def main() -> None:
         precision_rates(folder, args.threads, quantized=quantized)
         return
     print(f"shape {shape}: {json.dumps(spec)}; torch threads {torch.get_num_threads()}; "
-          f"token budget {EngineConfig(max_num_batched_tokens=args.token_budget).token_budget()}")
+          f"token budget {args.token_budget or 'the engine default'}")
     # Bounds are measured before the engine thread exists, so no second thread pool competes for the cores.
     memcpy = measure_memcpy_gbps()
     matmul = measure_matmul_gflops(spec["hidden_size"], spec["intermediate_size"])

@@ -31,7 +31,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.linear_bf16_amx.restype = ctypes.c_int
     lib.linear_bf16_amx.argtypes = [pointer, i64, pointer, pointer] + [i64] * 5
     lib.prefill_attention_amx.restype = ctypes.c_int
-    lib.prefill_attention_amx.argtypes = [pointer, i64] * 4 + [i64] * 4 + [ctypes.c_float, i64]
+    lib.prefill_attention_amx.argtypes = [pointer, i64] * 4 + [i64, i64, pointer] + [i64] * 4 + [ctypes.c_float, i64]
     lib.kv_checksum_chunks.restype = None
     lib.kv_checksum_chunks.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] + [i64] * 2
     lib.kv_checksum_combine.restype = ctypes.c_uint64
@@ -262,30 +262,39 @@ class CpuKernels:
         return out
 
     def prefill_attention_amx(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                              out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Causal attention of a prompt's first chunk on AMX tiles (prefill_attention.c): q [t, heads, dim], k and v
-        [t, kv_heads, dim], bf16, each token's heads side by side (tokens may be strided: views into the q/k/v
-        product) -> [t, heads, dim] bf16, query i seeing keys 0..i, query head h KV head h // (heads // kv_heads).
-        Written into `out` [t, heads, dim] (contiguous bf16) when given. None where it cannot run (no AMX here or in
-        this build, dim not a multiple of 32): the caller attends another way."""
+                              out: torch.Tensor | None = None, slots: torch.Tensor | None = None
+                              ) -> torch.Tensor | None:
+        """Causal attention of a prompt's chunk on AMX tiles (prefill_attention.c): q [qlen, heads, dim], k and v
+        [rows, kv_heads, dim], bf16, each token's heads side by side (tokens may be strided: views into the q/k/v
+        product) -> [qlen, heads, dim] bf16. The keys are k's rows in order, or with `slots` (int64 [t]) key j is row
+        slots[j] (a layer's paged cache, flattened to rows); the queries are the last qlen of them: query i sees keys
+        0..t - qlen + i; query head h reads KV head h // (heads // kv_heads). Written into `out` [qlen, heads, dim]
+        (contiguous bf16) when given. None where it cannot run (no AMX here or in this build, dim not a multiple of
+        32): the caller attends another way."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dtype != torch.bfloat16 or t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2] \
                     or t.device.type != "cpu":
                 raise ValueError(f"prefill_attention_amx: {name} must be [tokens, heads, dim] bf16 with each token's "
                                  "heads contiguous")
         tokens, heads, dim = q.shape
-        if k.shape != v.shape or k.shape[0] != tokens or k.shape[2] != dim or heads % k.shape[1] != 0:
-            raise ValueError(f"prefill_attention_amx: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} "
-                             "do not match")
+        if slots is not None and (slots.dtype != torch.int64 or slots.dim() != 1 or not slots.is_contiguous()):
+            raise ValueError("prefill_attention_amx: slots must be a contiguous 1-D int64 tensor")
+        keys = k.shape[0] if slots is None else slots.shape[0]
+        if k.shape != v.shape or not 0 < tokens <= keys or k.shape[2] != dim or heads % k.shape[1] != 0:
+            raise ValueError(f"prefill_attention_amx: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                             f"and {keys} keys do not match")
         if out is None:
             out = torch.empty(tokens, heads, dim, dtype=torch.bfloat16)
         elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
             raise ValueError(f"prefill_attention_amx: out must be a contiguous bf16 {tuple(q.shape)}")
         status = self.lib.prefill_attention_amx(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-                                                v.stride(0), out.data_ptr(), heads * dim, tokens, heads, k.shape[1],
-                                                dim, scale, torch.get_num_threads())
+                                                v.stride(0), out.data_ptr(), heads * dim, tokens, keys,
+                                                None if slots is None else slots.data_ptr(), k.shape[0], heads,
+                                                k.shape[1], dim, scale, torch.get_num_threads())
         if status == -3:
             return None
+        if status == -2:
+            raise ValueError(f"prefill_attention_amx: a slot is outside k's {k.shape[0]} rows")
         if status != 0:
             raise MemoryError("prefill_attention_amx could not allocate its scratch")
         return out

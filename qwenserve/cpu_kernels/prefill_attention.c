@@ -1,6 +1,8 @@
-/* Causal attention of a prompt's first chunk (query i at position i sees keys 0..i) for bf16 q, k, v on AMX tiles,
- * fp32 scores and softmax, bf16 out: what PyTorch's bf16 flash attention computes for such a chunk
- * (scaled_dot_product_attention, is_causal), at about twice its speed on the AMX Xeon (see the README).
+/* Causal attention of a prompt's chunk for bf16 q, k, v on AMX tiles, fp32 scores and softmax, bf16 out: the chunk's
+ * qlen queries are the last of the t keys (query i at position t - qlen + i sees keys 0..t - qlen + i), so a first
+ * chunk (qlen = t) is what PyTorch's bf16 flash attention computes with is_causal, at about twice its speed on the AMX
+ * Xeon (see the README), and a later chunk attends its cached prefix too, the keys read where the paged cache holds
+ * them (`slots`: key j's row), without gathering them first.
  *
  * Two products per (query head, block of QBLOCK queries), both the linear product's step (amx_tiles.h):
  *   scores S = Q · Kᵀ, the keys laid out as a weight [keys, head_dim] in tile order (strips of 32 keys);
@@ -22,10 +24,13 @@
 /* The calling thread's K and V tiles; each OpenMP thread's scores, probabilities and query tiles. */
 static __thread struct amx_scratch kv_scratch, score_scratch, prob_scratch, query_scratch;
 
-/* Keys [t, head_dim] (row stride ks) of one KV head as a weight in tile order: strip `strip` of 32 keys (keys past
- * t zero). */
-AMX_BF16_TARGET static void lay_out_keys(const uint16_t *k, int64_t ks, int64_t t, int64_t dim, uint16_t *to,
-                                         int64_t strip) {
+/* Key j's row: slots[j] in a paged cache, j in a chunk's own keys (slots NULL). */
+static inline int64_t key_row(const int64_t *slots, int64_t j) { return slots != NULL ? slots[j] : j; }
+
+/* Keys [t, head_dim] (row stride ks, key j at row key_row(slots, j)) of one KV head as a weight in tile order:
+ * strip `strip` of 32 keys (keys past t zero). */
+AMX_BF16_TARGET static void lay_out_keys(const uint16_t *k, int64_t ks, const int64_t *slots, int64_t t, int64_t dim,
+                                         uint16_t *to, int64_t strip) {
     const int64_t kblocks = dim / AMX_K;
     for (int64_t kb = 0; kb < kblocks; kb++)
         for (int p = 0; p < 2; p++) {
@@ -34,7 +39,7 @@ AMX_BF16_TARGET static void lay_out_keys(const uint16_t *k, int64_t ks, int64_t 
                 const int64_t key = strip * STRIP + p * 16 + c;
                 uint32_t pairs[16];
                 if (key < t)
-                    memcpy(pairs, k + key * ks + kb * AMX_K, sizeof pairs);
+                    memcpy(pairs, k + key_row(slots, key) * ks + kb * AMX_K, sizeof pairs);
                 else
                     memset(pairs, 0, sizeof pairs);
                 for (int r = 0; r < 16; r++) tile[r * 16 + c] = pairs[r];
@@ -42,10 +47,10 @@ AMX_BF16_TARGET static void lay_out_keys(const uint16_t *k, int64_t ks, int64_t 
         }
 }
 
-/* Values [t, head_dim] (row stride vs) of one KV head as a weight [head_dim, keys] in tile order: strip `strip` of
- * 32 dimensions, every k-block of 32 keys (keys past t zero). */
-AMX_BF16_TARGET static void lay_out_values(const uint16_t *v, int64_t vs, int64_t t, int64_t tp, uint16_t *to,
-                                           int64_t strip) {
+/* Values [t, head_dim] (row stride vs, key j at row key_row(slots, j)) of one KV head as a weight [head_dim, keys] in
+ * tile order: strip `strip` of 32 dimensions, every k-block of 32 keys (keys past t zero). */
+AMX_BF16_TARGET static void lay_out_values(const uint16_t *v, int64_t vs, const int64_t *slots, int64_t t, int64_t tp,
+                                           uint16_t *to, int64_t strip) {
     const int64_t kblocks = tp / AMX_K;
     for (int64_t kb = 0; kb < kblocks; kb++)
         for (int p = 0; p < 2; p++) {
@@ -54,8 +59,10 @@ AMX_BF16_TARGET static void lay_out_values(const uint16_t *v, int64_t vs, int64_
             for (int r = 0; r < 16; r++) {
                 const int64_t key = kb * AMX_K + 2 * r;
                 const __m256i zero = _mm256_setzero_si256();
-                const __m256i even = key < t ? _mm256_loadu_si256((const __m256i *)(v + key * vs + dim)) : zero;
-                const __m256i odd = key + 1 < t ? _mm256_loadu_si256((const __m256i *)(v + (key + 1) * vs + dim)) : zero;
+                const __m256i even =
+                    key < t ? _mm256_loadu_si256((const __m256i *)(v + key_row(slots, key) * vs + dim)) : zero;
+                const __m256i odd =
+                    key + 1 < t ? _mm256_loadu_si256((const __m256i *)(v + key_row(slots, key + 1) * vs + dim)) : zero;
                 /* dword c: (value of key 2r, value of key 2r + 1) at dimension c */
                 const __m512i pairs = _mm512_or_si512(_mm512_cvtepu16_epi32(even),
                                                       _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd), 16));
@@ -118,31 +125,37 @@ AMX_BF16_TARGET static inline void keep_scores(const float *c, float *row, int64
     _mm512_store_ps(top, best);
 }
 
-/* out [t, heads * head_dim] (row stride os) = causal attention of q [t, heads * head_dim] over k, v
- * [t, kv_heads * head_dim] (row strides qs, ks, vs), query head h reading KV head h / (heads / kv_heads).
- * Returns 0; -1 when scratch cannot be allocated; -3 when this cannot run here (head_dim not a multiple of 32, heads
- * not a multiple of kv_heads, or no tile state): the caller attends another way. */
+/* out [qlen, heads * head_dim] (row stride os) = causal attention of q [qlen, heads * head_dim], the last qlen of t
+ * positions, over the t keys and values of k, v [kv_rows, kv_heads * head_dim] (row strides qs, ks, vs; key j at row
+ * slots[j], or row j when slots is NULL), query head h reading KV head h / (heads / kv_heads).
+ * Returns 0; -1 when scratch cannot be allocated; -2 when qlen is not in 1..t or a key's row is not in 0..kv_rows - 1;
+ * -3 when this cannot run here (head_dim not a multiple of 32, heads not a multiple of kv_heads, or no tile state):
+ * the caller attends another way. */
 AMX_BF16_TARGET int prefill_attention_amx(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t ks,
-                                          const uint16_t *v, int64_t vs, uint16_t *out, int64_t os, int64_t t,
-                                          int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                                          int64_t num_threads) {
+                                          const uint16_t *v, int64_t vs, uint16_t *out, int64_t os, int64_t qlen,
+                                          int64_t t, const int64_t *slots, int64_t kv_rows, int64_t heads,
+                                          int64_t kv_heads, int64_t dim, float scale, int64_t num_threads) {
     if (dim % AMX_K != 0 || dim == 0 || kv_heads < 1 || heads % kv_heads != 0 || !amx_permitted()) return -3;
-    if (t <= 0) return 0;
+    if (qlen == 0) return 0;
+    if (qlen < 0 || qlen > t || (slots == NULL && t > kv_rows)) return -2;
+    for (int64_t j = 0; slots != NULL && j < t; j++)
+        if (slots[j] < 0 || slots[j] >= kv_rows) return -2;
     if (num_threads < 1) num_threads = 1;
+    const int64_t first = t - qlen; /* the position of query 0 */
     const int64_t tp = (t + STRIP - 1) / STRIP * STRIP, dim_blocks = dim / AMX_K, group = heads / kv_heads;
     const int64_t head_elems = tp * dim; /* per KV head, for K and for V */
     uint16_t *kt = amx_scratch_get(&kv_scratch, (size_t)(2 * kv_heads * head_elems) * 2);
     if (kt == NULL) return -1;
     uint16_t *vt = kt + kv_heads * head_elems;
-    const int64_t qblocks = (t + QBLOCK - 1) / QBLOCK;
+    const int64_t qblocks = (qlen + QBLOCK - 1) / QBLOCK;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for collapse(2) schedule(static)
         for (int64_t g = 0; g < kv_heads; g++)
             for (int64_t strip = 0; strip < (tp > dim ? tp : dim) / STRIP; strip++) {
-                if (strip < tp / STRIP) lay_out_keys(k + g * dim, ks, t, dim, kt + g * head_elems, strip);
-                if (strip < dim / STRIP) lay_out_values(v + g * dim, vs, t, tp, vt + g * head_elems, strip);
+                if (strip < tp / STRIP) lay_out_keys(k + g * dim, ks, slots, t, dim, kt + g * head_elems, strip);
+                if (strip < dim / STRIP) lay_out_values(v + g * dim, vs, slots, t, tp, vt + g * head_elems, strip);
             }
         float *scores = amx_scratch_get(&score_scratch, (size_t)(QBLOCK * tp) * sizeof(float));
         uint16_t *probs = amx_scratch_get(&prob_scratch, (size_t)(QBLOCK * tp) * 2);
@@ -159,8 +172,9 @@ AMX_BF16_TARGET int prefill_attention_amx(const uint16_t *q, int64_t qs, const u
                 continue;
             }
             const int64_t qb = qblocks - 1 - item / heads, h = item % heads, g = h / group; /* longest blocks first */
-            const int64_t r0 = qb * QBLOCK, rows = t - r0 < QBLOCK ? t - r0 : QBLOCK;
-            const int64_t keys = (r0 + rows + STRIP - 1) / STRIP * STRIP; /* the block's keys, whole strips */
+            const int64_t r0 = qb * QBLOCK, rows = qlen - r0 < QBLOCK ? qlen - r0 : QBLOCK;
+            const int64_t p0 = first + r0; /* the block's first position */
+            const int64_t keys = (p0 + rows + STRIP - 1) / STRIP * STRIP; /* the block's keys, whole strips */
             const uint16_t *kg = kt + g * head_elems, *vg = vt + g * head_elems;
             for (int64_t i = 0; i < QBLOCK; i++) /* the queries in tile order, zero rows past t */
                 for (int64_t kb = 0; kb < dim_blocks; kb++) {
@@ -172,19 +186,19 @@ AMX_BF16_TARGET int prefill_attention_amx(const uint16_t *q, int64_t qs, const u
                 }
             for (int64_t i = 0; i < QBLOCK; i++) _mm512_store_ps(top + i * 16, _mm512_set1_ps(-__builtin_inff()));
             for (int64_t rb = 0; rb * BLOCK_ROWS < rows; rb++) {
-                const int64_t seen = (r0 + rb * BLOCK_ROWS + BLOCK_ROWS + STRIP - 1) / STRIP; /* strips with a key seen */
+                const int64_t seen = (p0 + rb * BLOCK_ROWS + BLOCK_ROWS + STRIP - 1) / STRIP; /* strips with a key seen */
                 for (int64_t s = 0; s < seen && s * STRIP < keys; s++) {
                     amx_strip_block(qt + rb * BLOCK_ROWS * dim, kg + s * dim_blocks * 2 * TILE_ELEMS, dim_blocks, c);
                     for (int i = 0; i < BLOCK_ROWS; i++) {
                         const int64_t row = rb * BLOCK_ROWS + i;
-                        keep_scores(c + i * STRIP, scores + row * tp, s * STRIP, r0 + row, top + row * 16);
+                        keep_scores(c + i * STRIP, scores + row * tp, s * STRIP, p0 + row, top + row * 16);
                     }
                 }
             }
             for (int64_t i = 0; i < QBLOCK; i++) {
                 uint16_t *prow = probs + (i / BLOCK_ROWS) * BLOCK_ROWS * keys + (i % BLOCK_ROWS) * AMX_K;
                 if (i < rows) {
-                    inverse[i] = 1.0f / softmax_row(scores + i * tp, r0 + i, _mm512_reduce_max_ps(_mm512_load_ps(top + i * 16)),
+                    inverse[i] = 1.0f / softmax_row(scores + i * tp, p0 + i, _mm512_reduce_max_ps(_mm512_load_ps(top + i * 16)),
                                                     keys, scale, prow, 2 * TILE_ELEMS);
                 } else {
                     for (int64_t kb = 0; kb < keys / AMX_K; kb++) memset(prow + kb * 2 * TILE_ELEMS, 0, AMX_K * 2);
@@ -211,9 +225,10 @@ AMX_BF16_TARGET int prefill_attention_amx(const uint16_t *q, int64_t qs, const u
 }
 #else
 int prefill_attention_amx(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t ks, const uint16_t *v, int64_t vs,
-                          uint16_t *out, int64_t os, int64_t t, int64_t heads, int64_t kv_heads, int64_t dim,
-                          float scale, int64_t num_threads) {
-    (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)out, (void)os, (void)t, (void)heads;
+                          uint16_t *out, int64_t os, int64_t qlen, int64_t t, const int64_t *slots, int64_t kv_rows,
+                          int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t num_threads) {
+    (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)out, (void)os, (void)qlen, (void)t, (void)slots;
+    (void)kv_rows, (void)heads;
     (void)kv_heads, (void)dim, (void)scale, (void)num_threads;
     return -3; /* built without AVX-512 or a compiler that knows AMX */
 }

@@ -135,8 +135,8 @@ class LLMEngine:
                             "QWENSERVE_LINEAR_ATTENTION_KERNELS=0), or failed its start-up check (logged above)")
         self.scheduler = Scheduler(
             SchedulerLimits(
-                max_num_batched_tokens=config.token_budget(),
-                max_prefill_only_tokens=config.prefill_only_budget(),
+                max_num_batched_tokens=config.token_budget(kernels.prefill_on_tiles),
+                max_prefill_only_tokens=config.prefill_only_budget(kernels.prefill_on_tiles),
                 max_num_seqs=config.max_num_seqs,
                 admission_policy=config.admission_policy,
                 max_queue_delay_s=config.max_queue_delay_s,
@@ -189,9 +189,11 @@ class LLMEngine:
         )
         self._mailbox_lock = threading.Lock()
         log.info(
-            "engine: %s on %s/%s, %s, block_size=%d, kv_blocks=%d (%.2f GiB), max_model_len=%d, %s",
+            "engine: %s on %s/%s, %s, block_size=%d, kv_blocks=%d (%.2f GiB), max_model_len=%d, token budget %d a "
+            "step (%d without decodes), %s",
             model_cfg.model_type, device, self._layout.dtype, kernels.name, block_size, num_blocks,
-            num_blocks * bytes_per_block / 2**30, self.max_model_len, config,
+            num_blocks * bytes_per_block / 2**30, self.max_model_len, self.scheduler.limits.max_num_batched_tokens,
+            self.scheduler.limits.max_prefill_only_tokens, config,
         )
         self._thread = threading.Thread(target=self._loop, name="qwenserve-engine", daemon=True)
         self._thread.start()

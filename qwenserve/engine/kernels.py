@@ -54,7 +54,8 @@ class KernelSet:
     model's layers call; `attention`: the attention backend over the paged KV cache, for `block_size`-token
     blocks; `precision`: the dtypes they compute in; `quantized`: the checkpoint's quantization where its linear
     weights stay codes for the W4A16 / W8A16 kernel (None: dequantized at load, or none), packed by `pack_codes`
-    (None: the CPU kernel's QuantWeight)."""
+    (None: the CPU kernel's QuantWeight); `prefill_on_tiles`: a CPU's prompt chunks run on AMX tiles, products and
+    attention, fast enough for CUDA's token budget (EngineConfig.token_budget)."""
 
     cpu: CpuKernels | None
     ops: Ops
@@ -63,6 +64,7 @@ class KernelSet:
     precision: Precision
     quantized: Quantization | None = None
     pack_codes: CodePacker | None = None
+    prefill_on_tiles: bool = False
 
     @property
     def name(self) -> str:
@@ -124,7 +126,9 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
         else:
             log.warning("--quantize-lm-head int8 applies on a CPU with the C kernels; the LM head stays %s",
                         str(dtype).removeprefix("torch."))
-    return KernelSet(cpu, ops, attention, block_size, precision, quantized, pack_codes)
+    prefill_on_tiles = amx_prefill and cpu is not None and precision.dense_product == "amx" \
+        and precision.dense_rows is not None
+    return KernelSet(cpu, ops, attention, block_size, precision, quantized, pack_codes, prefill_on_tiles)
 
 
 def kept_quantization(config: EngineConfig, device: torch.device, cpu: CpuKernels | None,

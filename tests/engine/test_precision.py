@@ -319,3 +319,25 @@ def test_a_prepacked_weight_multiplies_as_pytorchs_bf16_product_bit_for_bit() ->
         assert torch.equal(onednn_weight.linear(x, prepacked), F.linear(x, weight)), shape
     stacked = torch.randn(2, 16, 8, generator=gen).to(BF16)
     assert onednn_weight.prepack(stacked) is stacked
+
+
+@pytest.mark.parametrize(("flags", "amx_time", "on_tiles"), [
+    ({"avx512f", "avx512_bf16", "amx_bf16"}, 0.5, True),   # AMX tiles beat oneDNN: prompts run on them
+    ({"avx512f", "avx512_bf16", "amx_bf16"}, 2.0, False),  # oneDNN's product won the probe
+    ({"avx512f", "avx512_bf16"}, 0.5, False),              # no AMX for the prompts' attention
+])
+def test_the_token_budget_is_2048_where_prompts_run_on_amx_tiles(
+        kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch, flags: set[str], amx_time: float, on_tiles: bool) -> None:
+    """A CPU engine's steps take 512 tokens unless its prompt chunks run on AMX tiles, products and attention
+    (flags and probe stood in); --max-num-batched-tokens overrides either."""
+    from qwenserve.cpu_kernels import linear_probe
+    from qwenserve.engine import kernels as engine_kernels
+
+    monkeypatch.setattr(engine_kernels, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(linear_probe, "measure", StandIn(probe_result(1.8, 16, amx_time)))
+    config = EngineConfig(device="cpu")
+    chosen = select_kernels(config, CPU)
+    assert chosen.prefill_on_tiles is on_tiles
+    assert config.token_budget(chosen.prefill_on_tiles) == (2048 if on_tiles else 512)
+    assert config.prefill_only_budget(chosen.prefill_on_tiles) == 2048
+    assert EngineConfig(device="cpu", max_num_batched_tokens=700).token_budget(chosen.prefill_on_tiles) == 700

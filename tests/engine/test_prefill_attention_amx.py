@@ -78,9 +78,67 @@ def test_amx_prefill_attention_is_causal_attention(threads: int, variant_kernels
         pytest.skip("this CPU has no AMX-BF16: only the declining was checked")
 
 
-def test_the_backend_attends_first_chunks_on_amx_and_the_rest_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+def attend_last(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """PyTorch's attention of q [qlen, heads, dim], the last qlen positions of k and v's t, query i seeing keys
+    0..t - qlen + i."""
+    qlen, t = q.shape[0], k.shape[0]
+    causal = torch.arange(t)[None, :] <= torch.arange(t - qlen, t)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=causal,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+# (queries, keys, heads, kv_heads, head_dim): one query after a prefix, a chunk after a partial strip, a query block
+# and one over after whole strips, Qwen3-0.6B's heads after 700 cached keys.
+LATER_CHUNKS = [(1, 9, 2, 1, 32), (7, 40, 4, 2, 64), (65, 97, 2, 2, 32), (64, 128, 2, 1, 128), (130, 830, 16, 8, 128)]
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_prefill_attention_of_a_later_chunk_reads_keys_where_the_cache_holds_them(
+        threads: int, variant_kernels: dict[str, CpuKernels]) -> None:
+    """A chunk whose prompt began in earlier steps: its queries are the last of the keys, which are rows of a layer's
+    flattened cache in any order (`slots`); the same bound against fp64 as a first chunk's, and the same result as
+    the keys gathered into order. A slot outside the cache is refused."""
+    gen = torch.Generator().manual_seed(4)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, kernels in variant_kernels.items():
+            runs = AMX and name in AMX_OBJECTS
+            for qlen, t, heads, kv_heads, dim in LATER_CHUNKS:
+                q = torch.randn(qlen, heads, dim, generator=gen).to(BF16)
+                k = torch.randn(t, kv_heads, dim, generator=gen).to(BF16)
+                v = torch.randn(t, kv_heads, dim, generator=gen).to(BF16)
+                rows = t + 37
+                slots = torch.randperm(rows, generator=gen)[:t].contiguous()
+                k_cache = torch.randn(rows, kv_heads, dim, generator=gen).to(BF16)
+                v_cache = torch.randn(rows, kv_heads, dim, generator=gen).to(BF16)
+                k_cache[slots], v_cache[slots] = k, v
+                out = kernels.prefill_attention_amx(q, k_cache, v_cache, dim**-0.5, slots=slots)
+                if not runs:
+                    assert out is None, name
+                    continue
+                assert out is not None and out.shape == (qlen, heads, dim)
+                exact = attend_last(q.double(), k.double(), v.double())
+                ours = (out.double() - exact).abs().max().item()
+                theirs = (attend_last(q, k, v).double() - exact).abs().max().item()
+                assert ours <= 2 * theirs + 1e-3, f"{name} {qlen}/{t}x{heads}/{kv_heads}x{dim}: {ours} vs {theirs}"
+                assert torch.equal(kernels.prefill_attention_amx(q, k, v, dim**-0.5), out)  # keys in order, no slots
+            if runs:
+                q, k = torch.zeros(2, 2, 32, dtype=BF16), torch.zeros(8, 1, 32, dtype=BF16)
+                with pytest.raises(ValueError, match="outside"):
+                    kernels.prefill_attention_amx(q, k, k, 1.0, slots=torch.tensor([0, 1, 8]))
+    finally:
+        torch.set_num_threads(previous)
+    if not AMX:
+        pytest.skip("this CPU has no AMX-BF16: only the declining was checked")
+
+
+def test_the_backend_attends_prefill_chunks_on_amx_and_the_rest_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
     """engine/kernels.py turns it on for a bf16 model where the CPU has AMX (flags stood in); a chunk that starts
-    its prompt goes to the kernel, a later chunk (over cached keys) and fp32 models to PyTorch's attention."""
+    its prompt goes to the kernel with its own keys, a later chunk with the cache and its keys' slots; fp32 models
+    and chunks the kernel declines go to PyTorch's attention."""
     kernels = loader.load()
     if kernels is None:
         pytest.skip("no CPU kernels here")
@@ -108,10 +166,23 @@ def test_the_backend_attends_first_chunks_on_amx_and_the_rest_as_before(monkeypa
     torch.testing.assert_close(run(select_backend("torch", CPU, BF16, 16, kernels, amx_prefill=True)).float(),
                                attend(q, k, v).float(), rtol=0.01, atol=0.01)
     assert calls == [(20, 4, 32)]
-    # A later chunk (its keys partly cached) is PyTorch's attention over the gathered keys.
-    backend = select_backend("torch", CPU, BF16, 16, kernels, amx_prefill=True)
-    later = AttentionBatch(num_decodes=0, query_lens=[4], context_lens=[20], block_tables=[[0, 1]],
-                           slot_mapping=torch.arange(16, 20))
-    backend.forward(q[16:], k[16:], v[16:], torch.zeros(2, 16, 2, 32, dtype=BF16), torch.zeros(2, 16, 2, 32, dtype=BF16),
-                    backend.prepare(later, CPU))
-    assert calls == [(20, 4, 32)]
+    # A later chunk (its keys partly cached, in blocks 3 and 1 of the cache) goes to the kernel with the cache and
+    # the keys' slots; where it declines, PyTorch's attention over the gathered keys gives the same.
+    later = AttentionBatch(num_decodes=0, query_lens=[4], context_lens=[20], block_tables=[[3, 1]],
+                           slot_mapping=torch.tensor([16, 17, 18, 19]))
+    k_cache, v_cache = torch.zeros(4, 16, 2, 32, dtype=BF16), torch.zeros(4, 16, 2, 32, dtype=BF16)
+    k_cache[3], v_cache[3] = k[:16], v[:16]
+    results = []
+    for declines in (False, True):
+        if not declines:
+            monkeypatch.undo()
+        else:
+            monkeypatch.setattr(type(kernels), "prefill_attention_amx",
+                                lambda self, *args: calls.append((args[0].shape, args[5].tolist())) or None)
+        backend = select_backend("torch", CPU, BF16, 16, kernels, amx_prefill=True)
+        results.append(backend.forward(q[16:], k[16:], v[16:], k_cache.clone(), v_cache.clone(),
+                                       backend.prepare(later, CPU)).view(4, 4, 32))
+    assert calls == [(20, 4, 32), ((4, 4, 32), list(range(48, 64)) + [16, 17, 18, 19])]
+    exact = attend(q.double(), k.double(), v.double())[16:]
+    for result in results:
+        assert (result.double() - exact).abs().max() <= 2 * (attend(q, k, v).double()[16:] - exact).abs().max() + 1e-3

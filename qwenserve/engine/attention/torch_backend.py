@@ -5,9 +5,10 @@ sequence's blocks where they lie, when the backend is given the kernels (engine/
 they are attended as one padded batch: their blocks are gathered with a single index into
 [batch, max_context, kv_heads, head_dim] and masked by length. Prefill chunks are attended one sequence at a time, which costs nothing extra because each chunk is
 already a large matrix product. A bf16 model's prefill attention is PyTorch's bf16 attention (on the CPU's bf16 units, 3-4x
-faster than fp32's at a 2,000-token prompt, where attention was half of the prefill's time), or on a CPU with AMX, for a
-chunk that starts its prompt, our kernel on AMX tiles (prefill_attention.c; engine/kernels.py chooses); an fp32
-model's over a bf16 cache widens the keys it reads.
+faster than fp32's at a 2,000-token prompt, where attention was half of the prefill's time), or on a CPU with AMX our
+kernel on AMX tiles (prefill_attention.c; engine/kernels.py chooses), which reads a later chunk's cached keys where
+they lie (PyTorch's needs them gathered first: a burst of prompts chunked 512 tokens a step spent 40% of its prefill
+there); an fp32 model's over a bf16 cache widens the keys it reads.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ class TorchAttentionMeta:
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool: key is real
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64, for the CPU kernel (None: gather + SDPA)
-    # (token start, query len, context len, block ids, causal mask [query len, context len]) of each prefill chunk;
-    # a chunk that starts the sequence has neither blocks nor mask (its own keys, is_causal).
+    # (token start, query len, context len, block ids, key slots [context len]) of each prefill chunk; a chunk that
+    # starts the sequence has neither (its own keys, is_causal). The slots (key j's row in a layer's flattened cache)
+    # are built for the AMX kernel only.
     prefills: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]]
 
 
@@ -38,7 +40,7 @@ class TorchAttentionBackend:
 
     def __init__(self, block_size: int, cpu_kernels: CpuKernels | None = None, amx_prefill: bool = False) -> None:
         """`cpu_kernels`: send fp32 CPU decode rows to their paged-decode kernel (None: gather and SDPA);
-        `amx_prefill`: attend a bf16 model's chunks that start their prompt on AMX tiles (prefill_attention.c) where
+        `amx_prefill`: attend a bf16 model's prefill chunks over a bf16 cache on AMX tiles (prefill_attention.c) where
         the kernel runs, PyTorch's flash attention where it declines."""
         self.block_size = block_size
         self.cpu_kernels = cpu_kernels
@@ -78,14 +80,13 @@ class TorchAttentionBackend:
         for i in range(nd, len(batch.query_lens)):
             qlen, ctx = batch.query_lens[i], batch.context_lens[i]
             # A chunk that starts at position 0 attends only to itself: no gather needed.
-            blocks = causal = None
+            blocks = slots = None
             if ctx != qlen:
                 used = batch.block_tables[i][: (ctx + self.block_size - 1) // self.block_size]
                 blocks = torch.tensor(used, dtype=torch.long, device=device)
-                # Query i sits at absolute position ctx - qlen + i and sees keys up to it; built once for all layers.
-                qpos = torch.arange(ctx - qlen, ctx, device=device)
-                causal = torch.arange(ctx, device=device)[None, :] <= qpos[:, None]
-            prefills.append((start, qlen, ctx, blocks, causal))
+                if self.amx_prefill and device.type == "cpu":  # built once for all layers
+                    slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).view(-1)[:ctx]
+            prefills.append((start, qlen, ctx, blocks, slots))
             start += qlen
         return TorchAttentionMeta(batch.slot_mapping, nd, table, mask, kernel_lens, prefills)
 
@@ -141,12 +142,13 @@ class TorchAttentionBackend:
             out[:nd] = F.scaled_dot_product_attention(
                 q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=gqa
             ).squeeze(2)
-        for start, qlen, ctx, blocks, causal in meta.prefills:
-            if blocks is None and self.amx_prefill and q.dtype == k.dtype == torch.bfloat16 \
-                    and self.cpu_kernels.prefill_attention_amx(q[start : start + qlen], k[start : start + qlen],
-                                                               v[start : start + qlen], head_dim**-0.5,
-                                                               out[start : start + qlen]) is not None:
-                continue
+        for start, qlen, ctx, blocks, slots in meta.prefills:
+            if self.amx_prefill and q.dtype == k_cache.dtype == torch.bfloat16:
+                # A first chunk's keys are its own rows; a later one's are read where the cache holds them.
+                keys, values = (k[start : start + qlen], v[start : start + qlen]) if blocks is None else (flat_k, flat_v)
+                if self.cpu_kernels.prefill_attention_amx(q[start : start + qlen], keys, values, head_dim**-0.5,
+                                                          out[start : start + qlen], slots) is not None:
+                    continue
             qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0)
             if blocks is None:
                 ks = k[start : start + qlen].transpose(0, 1).unsqueeze(0)
@@ -156,6 +158,8 @@ class TorchAttentionBackend:
                 ks = self._gather(k_cache, blocks, 0).view(-1, kv_heads, head_dim)[:ctx].to(q.dtype)
                 vs = self._gather(v_cache, blocks, 1).view(-1, kv_heads, head_dim)[:ctx].to(q.dtype)
                 ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+                # Query i sits at absolute position ctx - qlen + i and sees keys up to it.
+                causal = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=causal, enable_gqa=gqa)
             out[start : start + qlen] = o.squeeze(0).transpose(0, 1)
         return out.view(num_tokens, num_heads * head_dim)
