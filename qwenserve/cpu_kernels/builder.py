@@ -46,10 +46,12 @@ class Variant:
 _V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"})
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 # Best first. x86-64-v4 has 32 vector registers, for which linear.c uses its wide tiles; AVX512_BF16's dot product
-# serves a bf16 model's decode attention (paged_attend_dp.h).
+# serves a bf16 model's decode attention (paged_attend_dp.h), AVX512_VNNI's 16-bit one the 4-bit product
+# (linear_quant.c): every CPU with the first has the second.
 VARIANTS: dict[str, tuple[Variant, ...]] = {
     "x86_64": (
-        Variant("x86-64-v4-bf16", ("-march=x86-64-v4", "-mavx512bf16"), _V4 | {"avx512_bf16"}),
+        Variant("x86-64-v4-bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+                _V4 | {"avx512_bf16", "avx512_vnni"}),
         Variant("x86-64-v4", ("-march=x86-64-v4",), _V4),
         Variant("x86-64-v3", ("-march=x86-64-v3",), _V3),
         Variant("x86-64", ("-march=x86-64",), frozenset()),

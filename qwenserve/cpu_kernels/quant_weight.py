@@ -6,7 +6,7 @@ points and scales in their own packings (engine/quantization/); `QuantWeight.pac
 codes with one zero point and scale per output column and group, and repacks them once: output columns in panels of
 PANEL as the fp32 / bf16 panels, eight 4-bit codes a 32-bit word along the input (input i of an octet at bit
 NIBBLE_SHIFTS[i]: even inputs in the low half, odd ones in the high half, so a nibble of both halves is an input
-pair, what a bf16 dot product multiplies), scales and zero points in fp32 next to them. GPTQ's act-order checkpoints (desc_act: groups that are not runs of consecutive inputs) are packed with their
+pair, what a 16-bit dot product multiplies), scales and zero points in fp32 next to them. GPTQ's act-order checkpoints (desc_act: groups that are not runs of consecutive inputs) are packed with their
 inputs sorted by group, and the product gathers x's columns in that order first.
 """
 

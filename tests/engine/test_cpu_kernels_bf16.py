@@ -66,14 +66,16 @@ def test_every_variant_multiplies_bf16_panels_as_fp32_of_the_rounded_weights(
 
 
 def test_a_cpu_with_avx512_bf16_loads_the_object_built_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """AVX512_BF16's dot product serves a bf16 model's decode attention (paged_attend_dp.h), so a CPU with the flag
-    loads the object built with it; without the flag, or without a full AVX-512, the levels below. (The packed
+    """AVX512_BF16's dot product serves a bf16 model's decode attention (paged_attend_dp.h) and AVX512_VNNI's the
+    4-bit product (linear_quant.c), so a CPU with both flags (every CPU with the first so far) loads the object built
+    with them; without either, or without a full AVX-512, the levels below. (The packed
     product still widens bf16 panels at every level: vdpbf16ps, which would also round x to bf16, measured slower
     at 8-32 rows and within noise at 1-4 on this project's Xeon.)"""
     v4 = next(v for v in builder.VARIANTS["x86_64"] if v.name == "x86-64-v4")
-    for flags, best in ((v4.needs | {"avx512_bf16", "amx_bf16"}, "x86-64-v4-bf16"),
-                        (v4.needs | {"avx512_bf16"}, "x86-64-v4-bf16"), (v4.needs | {"amx_bf16"}, "x86-64-v4"),
-                        (v4.needs - {"avx512bw"} | {"avx512_bf16"}, "x86-64-v3")):
+    dot = {"avx512_bf16", "avx512_vnni"}
+    for flags, best in ((v4.needs | dot | {"amx_bf16"}, "x86-64-v4-bf16"), (v4.needs | dot, "x86-64-v4-bf16"),
+                        (v4.needs | {"avx512_bf16"}, "x86-64-v4"), (v4.needs | {"amx_bf16"}, "x86-64-v4"),
+                        (v4.needs - {"avx512bw"} | dot, "x86-64-v3")):
         monkeypatch.setattr(builder, "cpu_flags", lambda flags=flags: frozenset(flags))
         monkeypatch.setattr(builder.platform, "machine", lambda: "x86_64")
         assert builder.supported_variants()[0].name == best
