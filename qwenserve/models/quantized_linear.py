@@ -18,16 +18,18 @@ from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.cpu_kernels.quant_weight import QuantWeight
 from qwenserve.models.ops import Ops
 
-# Fewer rows than this stay on the fp32 kernel even where bf16 products are allowed: AMX's fixed cost of widening
-# the codes to tiles is more than the fp32 kernel's whole product there (0.8 against 0.3 ms at one row, on par at 8,
-# for Qwen3-0.6B's 1024 x 6144 on one core of this project's Xeon).
-AMX_MIN_ROWS = 8
+# Fewer rows than this stay on linear_quant even where bf16 products are allowed: AMX's fixed cost of widening the
+# codes to tiles is more than the few-row kernel's whole product there. 8-bit codes: the fp32 kernel took 0.3 against
+# AMX's 0.8 ms at one row, on par at 8 (Qwen3-0.6B's 1024 x 6144, one core of this project's Xeon). 4-bit codes, whose
+# few rows run 16-bit integer dot products: the model's 28 layers of 4-bit linears on two cores, 31-34 against 41-51
+# ms at 8 rows, 43-47 against 43-53 at 12, 57-60 against 52-61 at 16, 96 against 51 at 32.
+AMX_MIN_ROWS = {"w4a16": 16, "w8a16": 8}
 
 
 def with_quantized_linears(ops: Ops, kernels: CpuKernels, label: str, bf16_rows: int | None = None) -> Ops:
     """`ops` whose `linear` multiplies QuantWeights in `kernels` (named `ops.name`+`label`, e.g. '+w4a16'), products
     of at least `bf16_rows` rows (None: none) with x rounded to bf16 on AMX where it runs."""
-    amx_rows = max(bf16_rows, AMX_MIN_ROWS) if bf16_rows is not None else None
+    amx_rows = max(bf16_rows, AMX_MIN_ROWS.get(label, 0)) if bf16_rows is not None else None
     name = f"{ops.name}+{label}" + (f"+amx>={amx_rows}" if amx_from(label, bf16_rows) else "")
     return dataclasses.replace(ops, name=name, linear=_quantized_or(ops.linear, kernels, amx_rows))
 
@@ -36,7 +38,7 @@ def amx_from(label: str, bf16_rows: int | None) -> int | None:
     """From how many rows a product of `label`'s codes runs on AMX tiles on this CPU (None: never)."""
     if bf16_rows is None or label not in ("w4a16", "w8a16") or "amx_bf16" not in cpu_flags():
         return None
-    return max(bf16_rows, AMX_MIN_ROWS)
+    return max(bf16_rows, AMX_MIN_ROWS[label])
 
 
 def _quantized_or(base: Callable[..., torch.Tensor], kernels: CpuKernels,

@@ -23,6 +23,7 @@ from qwenserve.engine.kernels import select_kernels
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.engine.weights import load_checkpoint
 from qwenserve.models import ModelConfig, model_class
+from qwenserve.models.quantized_linear import AMX_MIN_ROWS
 from tests.support import quantized_checkpoints as qc
 from tests.support.checkpoints import tiny_checkpoint
 from tests.support.engine_checkpoints import load_reference, random_prompts, reference_greedy
@@ -343,10 +344,11 @@ def test_dequantize_weights_and_fp8_load_dequantized(quantized) -> None:
     off = select_kernels(EngineConfig(dtype="float32", dequantize_weights=True), cpu, cfg)
     assert off.quantized is None and "w4a16" not in off.ops.name and off.precision.labels()["weights"] == "float32"
     assert select_kernels(EngineConfig(dtype="float32", cpu_kernel=False), cpu, cfg).quantized is None
-    # AMX takes bf16 activations from 8 rows; fp32 ones only where the precision rounds x for bf16 products.
+    # AMX takes bf16 activations from AMX_MIN_ROWS rows; fp32 ones only where the precision rounds x for bf16
+    # products.
     bf16 = select_kernels(EngineConfig(dtype="bfloat16"), cpu, cfg)
     assert bf16.quantized is not None
-    assert ("+amx>=8" in bf16.ops.name) == ("amx_bf16" in builder.cpu_flags()) and "amx" not in kept.ops.name
+    assert (f"+amx>={AMX_MIN_ROWS['w4a16']}" in bf16.ops.name) == ("amx_bf16" in builder.cpu_flags()) and "amx" not in kept.ops.name
     fp8 = dataclasses.replace(cfg, raw={**cfg.raw, "quantization_config": {
         "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
     assert select_kernels(EngineConfig(dtype="float32"), cpu, fp8).quantized is None
