@@ -233,14 +233,20 @@ static void any_quant_tile(const float *x, const float *xsum, const uint8_t *cod
  * rounded to 2^-15 of the largest (what the tests bound). Each block's int32 sums go to fp32 times the block's
  * power of two; the zero point leaves with the group's exact fp32 sum of x: s * (sum - z * xsum). Two accumulators
  * per tile cell where rows <= 2, so the chains of dot products overlap. */
-#if defined(__AVX512BW__) && QPLANES == 16
+#if (defined(__AVX512BW__) && QPLANES == 16) || (defined(__AVX2__) && QPLANES == 8)
+#define FIX_DOT 1
 #define FIX_OCTETS 4
+/* Rows a dot tile holds in registers: with AVX2's 16, two (a panel is two vectors there). */
+#define DOT_ROWS (QPLANES == 16 ? FEW_ROWS : 2)
 
-static inline __m512i pair_dot(__m512i acc, __m512i codes, __m512i x) {
-#if defined(__AVX512VNNI__)
-    return _mm512_dpwssd_epi32(acc, codes, x);
+/* acc + the pairwise products of codes' and x's 16-bit halves, summed per 32-bit lane. */
+static inline veci pair_dot(veci acc, veci codes, veci x) {
+#if QPLANES == 16 && defined(__AVX512VNNI__)
+    return (veci)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)codes, (__m512i)x);
+#elif QPLANES == 16
+    return acc + (veci)_mm512_madd_epi16((__m512i)codes, (__m512i)x);
 #else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(codes, x));
+    return acc + (veci)_mm256_madd_epi16((__m256i)codes, (__m256i)x);
 #endif
 }
 
@@ -250,74 +256,80 @@ static inline __attribute__((always_inline)) void dot_tile(const uint32_t *xp, c
                                                            int64_t group, int64_t groups, int64_t q, const int rows,
                                                            const int panels) {
     enum { SPLIT_MAX = 2 };
-    const int split = rows <= 2 ? 2 : 1;
+    const int split = rows <= DOT_ROWS / 2 ? 2 : 1;
+    const int vecs = panels * QPER_PANEL;
     const int64_t panel_words = k8 / OCTET * QPANEL, pairs = k8 / 2, octets = k8 / OCTET;
     const uint32_t *cq = codes + q * panel_words;
     const float *sq = scales + q * groups * QPANEL, *zq = zeros + q * groups * QPANEL;
-    const __m512i nibble = _mm512_set1_epi32(0x000F000F);
-    __m512 out[FEW_ROWS][STRIP];
+    vecf out[DOT_ROWS][STRIP_VECS];
     for (int r = 0; r < rows; r++)
-        for (int p = 0; p < panels; p++) out[r][p] = _mm512_setzero_ps();
+        for (int v = 0; v < vecs; v++) out[r][v] = SPLATF(0.0f);
     for (int64_t g = 0; g < groups; g++) {
         const int64_t i1 = (g + 1) * group < k ? (g + 1) * group : k;
         const int64_t o_end = (i1 + OCTET - 1) / OCTET;
-        __m512 sum[FEW_ROWS][STRIP];
+        vecf sum[DOT_ROWS][STRIP_VECS];
         for (int r = 0; r < rows; r++)
-            for (int p = 0; p < panels; p++) sum[r][p] = _mm512_setzero_ps();
+            for (int v = 0; v < vecs; v++) sum[r][v] = SPLATF(0.0f);
         for (int64_t b = g * group / OCTET; b < o_end; b += FIX_OCTETS) {
             const int64_t b_end = b + FIX_OCTETS < o_end ? b + FIX_OCTETS : o_end;
-            __m512i acc[SPLIT_MAX][FEW_ROWS][STRIP];
+            veci acc[SPLIT_MAX][DOT_ROWS][STRIP_VECS];
             for (int h = 0; h < split; h++)
                 for (int r = 0; r < rows; r++)
-                    for (int p = 0; p < panels; p++) acc[h][r][p] = _mm512_setzero_si512();
+                    for (int v = 0; v < vecs; v++) acc[h][r][v] = SPLATI(0);
             for (int64_t o = b; o < b_end; o++) {
-                __m512i words[STRIP];
-                for (int p = 0; p < panels; p++) {
-                    const uint32_t *w = cq + p * panel_words + o * QPANEL;
+                vecu words[STRIP_VECS];
+                for (int v = 0; v < vecs; v++) {
+                    const uint32_t *w = cq + (v / QPER_PANEL) * panel_words + o * QPANEL + (v % QPER_PANEL) * QPLANES;
                     __builtin_prefetch((const uint8_t *)w + PREFETCH_BYTES);
-                    words[p] = _mm512_loadu_si512(w);
+                    memcpy(&words[v], w, sizeof(vecu));
                 }
                 for (int f = 0; f < 4; f++) {
-                    __m512i field[STRIP];
-                    for (int p = 0; p < panels; p++)
-                        field[p] = _mm512_and_si512(f ? _mm512_srli_epi32(words[p], 4 * f) : words[p], nibble);
+                    veci field[STRIP_VECS];
+                    for (int v = 0; v < vecs; v++)
+                        field[v] = (veci)((words[v] >> (4 * f)) & (vecu)SPLATI(0x000F000F));
                     for (int r = 0; r < rows; r++) {
-                        const __m512i xv = _mm512_set1_epi32((int)xp[r * pairs + o * 4 + f]);
-                        for (int p = 0; p < panels; p++)
-                            acc[f % split][r][p] = pair_dot(acc[f % split][r][p], field[p], xv);
+                        const veci xv = SPLATI((int32_t)xp[r * pairs + o * 4 + f]);
+                        for (int v = 0; v < vecs; v++) acc[f % split][r][v] = pair_dot(acc[f % split][r][v], field[v], xv);
                     }
                 }
             }
             for (int r = 0; r < rows; r++) {
-                const __m512 u = _mm512_set1_ps(unit[r * octets + b]);
-                for (int p = 0; p < panels; p++) {
-                    const __m512i total = split == 2 ? _mm512_add_epi32(acc[0][r][p], acc[1][r][p]) : acc[0][r][p];
-                    sum[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), u, sum[r][p]);
+                const vecf u = SPLATF(unit[r * octets + b]);
+                for (int v = 0; v < vecs; v++) {
+                    const veci total = split == 2 ? acc[0][r][v] + acc[1][r][v] : acc[0][r][v];
+                    sum[r][v] += __builtin_convertvector(total, vecf) * u;
                 }
             }
         }
-        for (int p = 0; p < panels; p++) {
-            const __m512 s = _mm512_loadu_ps(sq + p * groups * QPANEL + g * QPANEL);
-            const __m512 z = _mm512_loadu_ps(zq + p * groups * QPANEL + g * QPANEL);
-            for (int r = 0; r < rows; r++)
-                out[r][p] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), sum[r][p]),
-                                            out[r][p]);
+        for (int v = 0; v < vecs; v++) {
+            const int64_t at = (v / QPER_PANEL) * groups * QPANEL + g * QPANEL + (v % QPER_PANEL) * QPLANES;
+            const vecf sc = loadf(sq + at), z = loadf(zq + at);
+            for (int r = 0; r < rows; r++) out[r][v] += sc * (sum[r][v] - z * SPLATF(xsum[r * groups + g]));
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int p = 0; p < panels; p++) _mm512_storeu_ps(tot + r * TOT_STRIDE + p * QPANEL, out[r][p]);
+        for (int v = 0; v < vecs; v++) memcpy(tot + r * TOT_STRIDE + v * QPLANES, &out[r][v], sizeof(vecf));
 }
 
 #define DOT_TILE(r, p) \
     dot_tile(xp, unit, xsum, (const uint32_t *)codes, scales, zeros, tot, k8, k, group, groups, q, r, p)
+#if DOT_ROWS == 4
 #define DOT_ROWS_OF(p) switch (rows) { case 4: DOT_TILE(4, p); break; case 3: DOT_TILE(3, p); break; \
     case 2: DOT_TILE(2, p); break; default: DOT_TILE(1, p); break; }
+#else
+#define DOT_ROWS_OF(p) switch (rows) { case 2: DOT_TILE(2, p); break; default: DOT_TILE(1, p); break; }
+#endif
 
 static void any_dot_tile(const uint32_t *xp, const float *unit, const float *xsum, const uint8_t *codes,
                          const float *scales, const float *zeros, float *tot, int64_t k8, int64_t k, int64_t group,
                          int64_t groups, int64_t q, int rows, int panels) {
+#if STRIP == 4
     if (panels >= 4) { DOT_ROWS_OF(4) } else if (panels == 3) { DOT_ROWS_OF(3) }
     else if (panels == 2) { DOT_ROWS_OF(2) } else { DOT_ROWS_OF(1) }
+#else
+    (void)panels;
+    DOT_ROWS_OF(1)
+#endif
 }
 
 #undef DOT_TILE
@@ -343,6 +355,7 @@ static void fix_row(const float *xr, int64_t k, int64_t k8, int64_t group, uint3
         for (int64_t b = g * group / OCTET; b < o_end; b += FIX_OCTETS) {
             const int64_t b_end = b + FIX_OCTETS < o_end ? b + FIX_OCTETS : o_end;
             const int64_t lo = b * OCTET, hi = b_end * OCTET < i1 ? b_end * OCTET : i1;
+#if QPLANES == 16
             /* At most 32 inputs: two vectors, masked past the block's end (zeros fill its last octet). */
             const int64_t n0 = hi - lo < 16 ? hi - lo : 16, n1 = hi - lo - n0;
             const __m512 v0 = _mm512_maskz_loadu_ps((__mmask16)((1u << n0) - 1), xr + lo);
@@ -359,6 +372,16 @@ static void fix_row(const float *xr, int64_t k, int64_t k8, int64_t group, uint3
             const __m256i h1 = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, scale)));
             _mm256_mask_storeu_epi32(pairs + lo / 2, (__mmask8)((1u << (words < 8 ? words : 8)) - 1), h0);
             if (words > 8) _mm256_mask_storeu_epi32(pairs + lo / 2 + 8, (__mmask8)((1u << (words - 8)) - 1), h1);
+#else
+            float largest = 0.0f;
+            for (int64_t i = lo; i < hi; i++) largest = fabsf(xr[i]) > largest ? fabsf(xr[i]) : largest;
+            int e = 0;
+            if (largest > 0.0f) frexpf(largest, &e);
+            const float scale = largest > 0.0f ? ldexpf(1.0f, 15 - e) : 0.0f;
+            for (int64_t o = b; o < b_end; o++) unit[o] = largest > 0.0f ? ldexpf(1.0f, e - 15) : 0.0f;
+            int16_t *halves = (int16_t *)(pairs + lo / 2);
+            for (int64_t i = lo; i < b_end * OCTET; i++) halves[i - lo] = i < hi ? (int16_t)rintf(xr[i] * scale) : 0;
+#endif
         }
     }
 }
@@ -373,7 +396,7 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
     const int64_t groups = (k + group - 1) / group, panels = (n + QPANEL - 1) / QPANEL;
     const int64_t strips = (panels + STRIP - 1) / STRIP, k8 = (k + OCTET - 1) / OCTET * OCTET;
     const int64_t stride = bits == 4 ? k8 : k;
-#if defined(__AVX512BW__) && QPLANES == 16
+#if defined(FIX_DOT)
     const int dot = bits == 4 && all_bf16(x, m * k);
 #else
     const int dot = 0;
@@ -399,7 +422,7 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
             xsum[r * groups + g] = s;
         }
         if (bits == 4 && dot) {
-#if defined(__AVX512BW__) && QPLANES == 16
+#if defined(FIX_DOT)
             fix_row(xr, k, k8, group, (uint32_t *)xt + r * k8 / 2, unit + r * k8 / OCTET);
 #endif
         } else if (bits == 4) {
@@ -411,7 +434,11 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
         }
     }
     const float *xs = bits == 4 ? xt : x;
-    const int rows_per_tile = dot || m <= FEW_ROWS ? FEW_ROWS : MANY_ROWS;
+#if defined(FIX_DOT)
+    const int rows_per_tile = dot ? DOT_ROWS : m <= FEW_ROWS ? FEW_ROWS : MANY_ROWS;
+#else
+    const int rows_per_tile = m <= FEW_ROWS ? FEW_ROWS : MANY_ROWS;
+#endif
     const int tile_panels = !dot && m > FEW_ROWS ? MANY_PANELS : STRIP;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t strip = 0; strip < strips; strip++) {
@@ -421,7 +448,7 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
         float tot[MAX_ROWS * TOT_STRIDE];
         for (int64_t m0 = 0; m0 < m; m0 += rows_per_tile) {
             const int rows = m - m0 >= rows_per_tile ? rows_per_tile : (int)(m - m0);
-#if defined(__AVX512BW__) && QPLANES == 16
+#if defined(FIX_DOT)
             if (dot) {
                 any_dot_tile((const uint32_t *)xt + m0 * k8 / 2, unit + m0 * k8 / OCTET, xsum + m0 * groups, codes,
                              scales, zeros, tot, k8, k, group, groups, q0, rows, strip_panels);
