@@ -27,7 +27,7 @@ class StackLayer(ctypes.Structure):
 class StackShape(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("rot", _I64),
                 ("intermediate", _I64), ("block_size", _I64), ("num_threads", _I64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("qk_zero_centered", _I64)]
+                ("scale", ctypes.c_float), ("qk_zero_centered", _I64), ("quant_amx_rows", _I64)]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,9 @@ class DecodeStack:
         self.sizes = (hidden, heads, kv_heads, head_dim, intermediate, rot)
         self.eps, self.qk_zero_centered = eps, qk_zero_centered
         self._tensors = layers  # what the structures point into
+        # Whether any product is bf16 panels (they multiply every row count the same way; codes go to AMX tiles from
+        # a row count the caller names).
+        self.has_panels = False
         self.layers = (StackLayer * len(layers))()
         for i, w in enumerate(layers):
             shapes = {"qkv": (hidden, qkv_out), "o": (q_size, hidden), "gate_up": (hidden, 2 * intermediate),
@@ -87,6 +90,7 @@ class DecodeStack:
             bad = [name for name, product in products.items() if product is None]
             if bad:
                 raise ValueError(f"layer {i}: {', '.join(bad)} not bf16 panels or codes of the model's shape")
+            self.has_panels |= any(product.bits == 16 for product in products.values())
             vectors = ((w.input_norm, hidden), (w.post_norm, hidden), (w.q_norm, head_dim), (w.k_norm, head_dim),
                        (w.qkv_bias, qkv_out))
             if w.input_norm is None or w.post_norm is None or (w.q_norm is None) != (w.k_norm is None) \
@@ -97,7 +101,9 @@ class DecodeStack:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def shape(self, block_size: int, num_threads: int) -> StackShape:
+    def shape(self, block_size: int, num_threads: int, quant_amx_rows: int | None = None) -> StackShape:
+        """The sizes decode_stack.c reads; codes go to AMX tiles in steps of `quant_amx_rows` rows or more (None:
+        never)."""
         hidden, heads, kv_heads, head_dim, intermediate, rot = self.sizes
         return StackShape(hidden, heads, kv_heads, head_dim, rot, intermediate, block_size, num_threads, self.eps,
-                          head_dim**-0.5, int(self.qk_zero_centered))
+                          head_dim**-0.5, int(self.qk_zero_centered), quant_amx_rows or 0)

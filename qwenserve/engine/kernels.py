@@ -114,7 +114,9 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
         ops = with_quantized_linears(ops, cpu, label, bf16_rows)
         amx_rows = amx_from(label, bf16_rows)
         if amx_rows is not None and ops.decode_layers is not TORCH_OPS.decode_layers:
-            ops = with_fused_decode(ops, cpu, min(amx_rows, fused_rows_of(precision)))
+            # Codes go to AMX inside the one call as layer by layer, so a stack of codes alone runs every decode
+            # step up to FUSED_DECODE_MAX_ROWS; bf16 panels among them keep the panels' limit.
+            ops = with_fused_decode(ops, cpu, FUSED_DECODE_MAX_ROWS, fused_rows_of(precision), amx_rows)
         precision = dataclasses.replace(precision, quantized=label, reason=f"{precision.reason}; linear weights "
                                         f"{label.upper()}: {quantized.describe()} kept as codes")
     if config.quantize_lm_head == "int8":

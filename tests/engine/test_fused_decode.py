@@ -20,6 +20,7 @@ from qwenserve.engine.config import EngineConfig
 from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.models.fused_decode import decode_stack_of
+from qwenserve.models.quantized_linear import AMX_MIN_ROWS
 from tests.support import quantized_checkpoints as qc
 from tests.support.checkpoints import tiny_checkpoint
 from tests.support.engine_checkpoints import SPECS, random_prompts, write_checkpoint
@@ -110,6 +111,23 @@ def test_fused_decode_steps_equal_the_layer_by_layer_path_bit_for_bit(
     assert [len(tokens) for tokens in fused] == [12, 10, 8, 6, 4]
     assert fused_calls and max(fused_calls) > 1 and min(fused_calls) == 1, fused_calls
     assert isinstance(decode_stack_of(fused_engine.runner.model), DecodeStack)
+
+
+def test_a_batch_of_codes_from_amx_rows_up_runs_fused_and_equals_the_layer_by_layer_path(
+        folders: Callable[[str], Path], engines: Callable[..., LLMEngine], fused_calls: list[int]) -> None:
+    # From AMX_MIN_ROWS rows, layer by layer multiplies 4-bit codes on AMX tiles; the one call does too (where the
+    # CPU has AMX: its x rounding differs from the few-row kernel's, so bit-equality shows which ran).
+    rows = AMX_MIN_ROWS["w4a16"] + 2
+    prompts = random_prompts(rows, 3, 20, seed=7)
+    params = dataclasses.replace(SAMPLED, max_tokens=5)
+    layered = engines(folders("awq"), fused_decode=False).generate_sync_outputs(prompts, params)
+    assert not fused_calls
+    fused_engine = engines(folders("awq"))
+    fused = fused_engine.generate_sync_outputs(prompts, params)
+    tokens = [[(lp.token_id, lp.logprob, lp.top) for out in outs for lp in (out.logprobs or [])] for outs in fused]
+    assert tokens == [[(lp.token_id, lp.logprob, lp.top) for out in outs for lp in (out.logprobs or [])]
+                      for outs in layered]
+    assert max(fused_calls) >= AMX_MIN_ROWS["w4a16"], fused_calls
 
 
 def test_a_single_stream_runs_every_decode_step_fused(folders: Callable[[str], Path],
