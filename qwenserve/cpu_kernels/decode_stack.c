@@ -27,20 +27,24 @@ int linear_quant(const float *x, const uint8_t *codes, const float *scales, cons
                  int64_t k, int64_t n, int64_t bits, int64_t group, int64_t num_threads);
 int linear_quant_amx(const float *x, const uint8_t *codes, const float *scales, const float *zeros, float *y,
                      int64_t m, int64_t k, int64_t n, int64_t bits, int64_t group, int64_t num_threads);
+int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *tiles, void *y, int64_t y_fp32, int64_t m,
+                    int64_t k, int64_t n, int64_t num_threads);
 int paged_decode_attention_bf16_io(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                                    const uint16_t *v_cache, int64_t num_blocks, const int64_t *block_table,
                                    int64_t table_stride, const int64_t *context_lens, uint16_t *out,
                                    int64_t out_stride, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                                    int64_t block_size, float scale, int64_t num_threads);
 
-/* One linear weight [n, k]: bf16 panels (bits 16) or 4- / 8-bit codes with fp32 scales and zero points per group
- * (quant_weight.py's layout; `perm`: the order of x's columns the codes follow, NULL for their own). */
+/* One linear weight [n, k]: bf16 panels (bits 16; `tiles`: the same weight in AMX tile order, linear_amx.c's, or
+ * NULL) or 4- / 8-bit codes with fp32 scales and zero points per group (quant_weight.py's layout; `perm`: the order
+ * of x's columns the codes follow, NULL for their own). */
 typedef struct {
     int64_t bits;
     const void *data;
     const float *scales, *zeros;
     const int64_t *perm;
     int64_t group, n, k;
+    const uint16_t *tiles;
 } StackWeight;
 
 /* One decoder layer: norm weights bf16 (q_norm / k_norm NULL: none), qkv_bias bf16 (NULL: none). */
@@ -50,11 +54,12 @@ typedef struct {
 } StackLayer;
 
 /* The model's sizes, the norms' eps, whether the q/k norms store w - 1 (the layer norms never do here), and from how
- * many rows codes are multiplied on AMX tiles (linear_quant_amx, as the layer-by-layer path does; 0: never). */
+ * many rows codes and tiled bf16 weights are multiplied on AMX tiles (linear_quant_amx, linear_bf16_amx: as the
+ * layer-by-layer path does; 0: never). */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, rot, intermediate, block_size, num_threads;
     float eps, scale;
-    int64_t qk_zero_centered, quant_amx_rows;
+    int64_t qk_zero_centered, quant_amx_rows, panel_amx_rows;
 } StackShape;
 
 
@@ -62,23 +67,29 @@ typedef struct {
 /* y [m, n] bf16 = x [m, k] bf16 (row stride x_stride) times w, rounded once from the fp32 product, then + bias
  * rounded again (PyTorch's bf16 add). xf and yf: fp32 scratch of m * k and m * n. */
 static int linear(const StackWeight *w, const uint16_t *x, int64_t x_stride, const uint16_t *bias, uint16_t *y,
-                  int64_t m, float *xf, float *yf, int64_t amx_rows, int64_t num_threads) {
-    const int64_t k = w->k, n = w->n;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) xf[r * k + i] = widen_bf16(x[r * x_stride + (w->perm ? w->perm[i] : i)]);
-    if (w->bits == 16) {
-        linear_packed_bf16(xf, (const uint16_t *)w->data, yf, m, k, n, num_threads);
-    } else {
-        /* x is bf16 already, so AMX's rounding of it changes nothing; -3: AMX cannot run here. */
-        int status = -3;
-        if (amx_rows > 0 && m >= amx_rows)
-            status = linear_quant_amx(xf, (const uint8_t *)w->data, w->scales, w->zeros, yf, m, k, n, w->bits,
+                  int64_t m, float *xf, float *yf, const StackShape *shape) {
+    const int64_t k = w->k, n = w->n, num_threads = shape->num_threads;
+    /* -3: AMX cannot run here (or is not asked for), and the next way multiplies. Tiles take bf16 x as it is; codes'
+     * AMX product rounds x to bf16, which it is already. */
+    int status = -3;
+    if (w->bits == 16 && w->tiles && shape->panel_amx_rows > 0 && m >= shape->panel_amx_rows)
+        status = linear_bf16_amx(x, x_stride, w->tiles, yf, 1, m, k, n, num_threads);
+    if (status == -3) {
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < k; i++) xf[r * k + i] = widen_bf16(x[r * x_stride + (w->perm ? w->perm[i] : i)]);
+        if (w->bits == 16) {
+            linear_packed_bf16(xf, (const uint16_t *)w->data, yf, m, k, n, num_threads);
+            status = 0;
+        } else {
+            if (shape->quant_amx_rows > 0 && m >= shape->quant_amx_rows)
+                status = linear_quant_amx(xf, (const uint8_t *)w->data, w->scales, w->zeros, yf, m, k, n, w->bits,
+                                          w->group, num_threads);
+            if (status == -3)
+                status = linear_quant(xf, (const uint8_t *)w->data, w->scales, w->zeros, yf, m, k, n, w->bits,
                                       w->group, num_threads);
-        if (status == -3)
-            status = linear_quant(xf, (const uint8_t *)w->data, w->scales, w->zeros, yf, m, k, n, w->bits, w->group,
-                                  num_threads);
-        if (status) return -1;
+        }
     }
+    if (status) return -1;
     for (int64_t r = 0; r < m; r++)
         for (int64_t j = 0; j < n; j++) {
             const uint16_t v = round_bf16(yf[r * n + j]);
@@ -108,7 +119,6 @@ int decode_stack_bf16(uint16_t *x, int64_t m, const StackLayer *layers, int64_t 
                       const int64_t *context_lens) {
     if (m <= 0 || num_layers <= 0) return 0;
     const int64_t hidden = shape->hidden, dim = shape->head_dim, threads = shape->num_threads;
-    const int64_t amx_rows = shape->quant_amx_rows;
     const int64_t q_size = shape->heads * dim, kv_size = shape->kv_heads * dim, qkv_out = q_size + 2 * kv_size;
     const int64_t inter = shape->intermediate, slots_total = num_blocks * shape->block_size;
     for (int64_t r = 0; r < m; r++) {
@@ -137,7 +147,7 @@ int decode_stack_bf16(uint16_t *x, int64_t m, const StackLayer *layers, int64_t 
         const StackLayer *L = &layers[l];
         uint16_t *k_cache = kv_cache + l * layer_stride, *v_cache = k_cache + layer_stride / 2;
         rms_norm_bf16(x, hidden, L->input_norm, normed, hidden, m, hidden, shape->eps, 0, threads);
-        if ((status = linear(&L->qkv, normed, hidden, L->qkv_bias, qkv, m, xf, yf, amx_rows, threads))) break;
+        if ((status = linear(&L->qkv, normed, hidden, L->qkv_bias, qkv, m, xf, yf, shape))) break;
         qk_norm_rope_bf16(qkv, qkv_out, qkv + q_size, qkv_out, L->q_norm, L->k_norm, cos, sin, shape->rot, m,
                           shape->heads, shape->kv_heads, dim, shape->rot, shape->eps, (int)shape->qk_zero_centered,
                           threads);
@@ -150,12 +160,12 @@ int decode_stack_bf16(uint16_t *x, int64_t m, const StackLayer *layers, int64_t 
                                                      table_stride, context_lens, attn, q_size, m, shape->heads,
                                                      shape->kv_heads, dim, shape->block_size, shape->scale, threads)))
             break;
-        if ((status = linear(&L->o, attn, q_size, NULL, out, m, xf, yf, amx_rows, threads))) break;
+        if ((status = linear(&L->o, attn, q_size, NULL, out, m, xf, yf, shape))) break;
         add_rows(x, out, m * hidden);
         rms_norm_bf16(x, hidden, L->post_norm, normed, hidden, m, hidden, shape->eps, 0, threads);
-        if ((status = linear(&L->gate_up, normed, hidden, NULL, gate_up, m, xf, yf, amx_rows, threads))) break;
+        if ((status = linear(&L->gate_up, normed, hidden, NULL, gate_up, m, xf, yf, shape))) break;
         silu_mul_bf16(gate_up, 2 * inter, act, inter, m, inter, threads);
-        if ((status = linear(&L->down, act, inter, NULL, out, m, xf, yf, amx_rows, threads))) break;
+        if ((status = linear(&L->down, act, inter, NULL, out, m, xf, yf, shape))) break;
         add_rows(x, out, m * hidden);
     }
     free(normed);

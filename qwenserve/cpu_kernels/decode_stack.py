@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qwenserve.cpu_kernels.amx_weight import AmxWeight
 from qwenserve.cpu_kernels.packed_weight import PackedWeight
 from qwenserve.cpu_kernels.quant_weight import QuantWeight
 
@@ -16,7 +17,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 class StackWeight(ctypes.Structure):
     _fields_ = [("bits", _I64), ("data", _P), ("scales", _P), ("zeros", _P), ("perm", _P), ("group", _I64),
-                ("n", _I64), ("k", _I64)]
+                ("n", _I64), ("k", _I64), ("tiles", _P)]
 
 
 class StackLayer(ctypes.Structure):
@@ -27,7 +28,8 @@ class StackLayer(ctypes.Structure):
 class StackShape(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("rot", _I64),
                 ("intermediate", _I64), ("block_size", _I64), ("num_threads", _I64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("qk_zero_centered", _I64), ("quant_amx_rows", _I64)]
+                ("scale", ctypes.c_float), ("qk_zero_centered", _I64), ("quant_amx_rows", _I64),
+                ("panel_amx_rows", _I64)]
 
 
 @dataclass(frozen=True)
@@ -52,14 +54,15 @@ def stack_weight(weight: object, k: int, n: int) -> StackWeight | None:
     if isinstance(weight, PackedWeight):
         if weight.dtype != torch.bfloat16 or weight.panels.dim() != 3 or weight.shape != (n, k):
             return None
-        return StackWeight(16, weight.panels.data_ptr(), None, None, None, 0, n, k)
+        tiles = weight.dense.tiles.data_ptr() if isinstance(weight.dense, AmxWeight) else None
+        return StackWeight(16, weight.panels.data_ptr(), None, None, None, 0, n, k, tiles)
     if isinstance(weight, QuantWeight):
         if weight.shape != (n, k):
             return None
         weight.check()
         perm = weight.perm.data_ptr() if weight.perm is not None else None
         return StackWeight(weight.bits, weight.codes.data_ptr(), weight.scales.data_ptr(), weight.zeros.data_ptr(),
-                           perm, weight.group_size, n, k)
+                           perm, weight.group_size, n, k, None)
     return None
 
 
@@ -79,9 +82,9 @@ class DecodeStack:
         self.sizes = (hidden, heads, kv_heads, head_dim, intermediate, rot)
         self.eps, self.qk_zero_centered = eps, qk_zero_centered
         self._tensors = layers  # what the structures point into
-        # Whether any product is bf16 panels (they multiply every row count the same way; codes go to AMX tiles from
-        # a row count the caller names).
-        self.has_panels = False
+        # Whether any product is bf16 panels, and whether every one of them has its AMX tiles too (then, as codes, it
+        # goes to them from a row count the caller names).
+        self.has_panels, self.panels_tiled = False, True
         self.layers = (StackLayer * len(layers))()
         for i, w in enumerate(layers):
             shapes = {"qkv": (hidden, qkv_out), "o": (q_size, hidden), "gate_up": (hidden, 2 * intermediate),
@@ -91,6 +94,7 @@ class DecodeStack:
             if bad:
                 raise ValueError(f"layer {i}: {', '.join(bad)} not bf16 panels or codes of the model's shape")
             self.has_panels |= any(product.bits == 16 for product in products.values())
+            self.panels_tiled &= all(product.tiles for product in products.values() if product.bits == 16)
             vectors = ((w.input_norm, hidden), (w.post_norm, hidden), (w.q_norm, head_dim), (w.k_norm, head_dim),
                        (w.qkv_bias, qkv_out))
             if w.input_norm is None or w.post_norm is None or (w.q_norm is None) != (w.k_norm is None) \
@@ -101,9 +105,10 @@ class DecodeStack:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def shape(self, block_size: int, num_threads: int, quant_amx_rows: int | None = None) -> StackShape:
-        """The sizes decode_stack.c reads; codes go to AMX tiles in steps of `quant_amx_rows` rows or more (None:
-        never)."""
+    def shape(self, block_size: int, num_threads: int, quant_amx_rows: int | None = None,
+              panel_amx_rows: int | None = None) -> StackShape:
+        """The sizes decode_stack.c reads; codes go to AMX tiles in steps of `quant_amx_rows` rows or more, bf16
+        weights with tiles in steps of `panel_amx_rows` (None: never)."""
         hidden, heads, kv_heads, head_dim, intermediate, rot = self.sizes
         return StackShape(hidden, heads, kv_heads, head_dim, rot, intermediate, block_size, num_threads, self.eps,
-                          head_dim**-0.5, int(self.qk_zero_centered), quant_amx_rows or 0)
+                          head_dim**-0.5, int(self.qk_zero_centered), quant_amx_rows or 0, panel_amx_rows or 0)

@@ -416,12 +416,14 @@ class CpuKernels:
 
     def decode_stack_bf16(self, stack: DecodeStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           slots: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                          context_lens: torch.Tensor, quant_amx_rows: int | None = None) -> None:
+                          context_lens: torch.Tensor, quant_amx_rows: int | None = None,
+                          panel_amx_rows: int | None = None) -> None:
         """Every layer of `stack` over the decode rows x [m, hidden] bf16, in place (decode_stack.c): cos / sin [m, rot]
         bf16 at the rows' positions, slots [m] int64 where each row's K/V is stored, kv_cache [layers, 2, num_blocks,
         block_size, kv_heads, head_dim] bf16 (written at the slots), block_table [m, max_blocks] and context_lens [m]
         int64 as paged_decode_attention reads them; codes are multiplied on AMX tiles (linear_quant_amx) in steps of
-        `quant_amx_rows` rows or more where it runs (None: never). IndexError, before anything is written, when a slot
+        `quant_amx_rows` rows or more where it runs, bf16 weights with tiles (linear_bf16_amx) in steps of
+        `panel_amx_rows` (None: never). IndexError, before anything is written, when a slot
         or block lies outside the cache. The GIL is released while it runs."""
         hidden, heads, kv_heads, head_dim, _, rot = stack.sizes
         m = x.shape[0] if x.dim() == 2 else -1
@@ -440,7 +442,7 @@ class CpuKernels:
                 raise ValueError("decode_stack_bf16 wants contiguous int64 slots [m], context_lens [m] and "
                                  "block_table [m, max_blocks]")
         num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
-        shape = stack.shape(block_size, torch.get_num_threads(), quant_amx_rows)
+        shape = stack.shape(block_size, torch.get_num_threads(), quant_amx_rows, panel_amx_rows)
         status = self.lib.decode_stack_bf16(x.data_ptr(), m, ctypes.addressof(stack.layers), len(stack),
                                             ctypes.addressof(shape), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                                             kv_cache.data_ptr(), kv_cache[0].numel(), num_blocks,

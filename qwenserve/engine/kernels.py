@@ -37,7 +37,7 @@ from qwenserve.engine.quantization import Quantization, quantization_of
 from qwenserve.engine.quantization.kept import CodePacker
 from qwenserve.models import ModelConfig, gemlite_linear, linear_attention_gpu
 from qwenserve.models.forward_context import AttentionBackend
-from qwenserve.models.fused_decode import with_fused_decode
+from qwenserve.models.fused_decode import FusedRows, with_fused_decode
 from qwenserve.models.ops import TORCH_OPS, Ops, cpu_kernel_ops
 from qwenserve.models.quantized_head import with_quantized_head
 from qwenserve.models.quantized_linear import amx_from, with_quantized_linears
@@ -114,9 +114,7 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
         ops = with_quantized_linears(ops, cpu, label, bf16_rows)
         amx_rows = amx_from(label, bf16_rows)
         if amx_rows is not None and ops.decode_layers is not TORCH_OPS.decode_layers:
-            # Codes go to AMX inside the one call as layer by layer, so a stack of codes alone runs every decode
-            # step up to FUSED_DECODE_MAX_ROWS; bf16 panels among them keep the panels' limit.
-            ops = with_fused_decode(ops, cpu, FUSED_DECODE_MAX_ROWS, fused_rows_of(precision), amx_rows)
+            ops = with_fused_decode(ops, cpu, fused_rows(precision, amx_rows))
         precision = dataclasses.replace(precision, quantized=label, reason=f"{precision.reason}; linear weights "
                                         f"{label.upper()}: {quantized.describe()} kept as codes")
     if config.quantize_lm_head == "int8":
@@ -165,7 +163,7 @@ def model_ops(config: EngineConfig, device: torch.device, precision: Precision, 
                              precision.dense_product)
         if precision.dtype == torch.bfloat16 and precision.kv_dtype == torch.bfloat16 \
                 and precision.weight_dtype == torch.bfloat16 and config.fused_decode:
-            ops = with_fused_decode(ops, cpu, fused_rows_of(precision))
+            ops = with_fused_decode(ops, cpu, fused_rows(precision))
         return ops
     if device.type == "cuda" and config.linear_attention_kernels:
         return cuda_ops(device, precision.dtype)
@@ -173,9 +171,18 @@ def model_ops(config: EngineConfig, device: torch.device, precision: Precision, 
 
 
 def fused_rows_of(precision: Precision) -> int:
-    """Decode steps of fewer rows than this run every layer in one C call: up to where PyTorch's bf16 product takes
-    over from the panels (from there the layer-by-layer path runs it)."""
+    """Decode steps of fewer rows than this run every layer in one C call where the many-row product is one the call
+    cannot make (PyTorch's): up to where it takes over from the panels (from there the layer-by-layer path runs it)."""
     return precision.dense_rows or FUSED_DECODE_MAX_ROWS
+
+
+def fused_rows(precision: Precision, quant_amx_rows: int | None = None) -> FusedRows:
+    """Which decode steps run in one C call: every one up to FUSED_DECODE_MAX_ROWS rows where the many-row products
+    are ours on AMX tiles (the call makes them from the same row counts; codes from `quant_amx_rows`); where the
+    bf16 one is PyTorch's, bf16 panels only below its row count."""
+    tiled = precision.dense_product == "amx" and precision.dense_rows is not None
+    return FusedRows(FUSED_DECODE_MAX_ROWS if tiled or quant_amx_rows is not None else fused_rows_of(precision),
+                     fused_rows_of(precision), quant_amx_rows, precision.dense_rows if tiled else None)
 
 
 def cuda_ops(device: torch.device, dtype: torch.dtype) -> Ops:

@@ -6,10 +6,10 @@ tensors and an OpenMP region, ~18 ms of a single stream's 45-70 ms step for Qwen
 project's Xeon; the products themselves are the same kernels either way, and the result is equal bit for bit.
 It applies where every layer is a plain Qwen2 / Qwen3 block (grouped-query attention with optional bias and q/k
 norm, a SwiGLU MLP) whose products are bf16 panels or 4- / 8-bit codes, the KV cache is bf16, every row of the step
-is a decode token the CPU kernel attends, and the rows are fewer than `max_rows`, or than `panel_rows` where a
-product is bf16 panels (from there, PyTorch's bf16 product or AMX tiles multiply faster than the panels and the
-layer-by-layer path runs them). Codes go to AMX tiles inside the call from `quant_amx_rows` rows, as layer by layer.
-Elsewhere it declines (None) and the layers run one by one."""
+is a decode token the CPU kernel attends, and the rows are within FusedRows' limits: from the row count where the
+start-up probe found a many-row product faster than the panels, the call multiplies on AMX tiles as layer by layer
+does (codes, and bf16 weights laid out for our AMX product); where that product is PyTorch's (oneDNN), which C cannot
+call, steps of that many rows go layer by layer. Elsewhere it declines (None) and the layers run one by one."""
 
 from __future__ import annotations
 
@@ -71,16 +71,19 @@ def _build(model: nn.Module) -> DecodeStack | None:
 @dataclasses.dataclass(frozen=True)
 class FusedRows:
     """Which decode steps run in one call: fewer rows than `max_rows`, and than `panel_rows` where a product is bf16
-    panels; codes on AMX tiles from `quant_amx_rows` rows (None: never)."""
+    panels without AMX tiles; codes on AMX tiles from `quant_amx_rows` rows, tiled bf16 weights from `panel_amx_rows`
+    (None: never)."""
 
     max_rows: int
     panel_rows: int
     quant_amx_rows: int | None = None
+    panel_amx_rows: int | None = None
 
     def label(self) -> str:
-        """'+fused_decode<N' (N: the panels' limit), with ',codes<M' where codes run to a different limit."""
-        codes = f",codes<{self.max_rows}" if self.max_rows != self.panel_rows else ""
-        return f"+fused_decode<{self.panel_rows}{codes}"
+        """'+fused_decode<N', with ',codes<M' where only codes run past the panels' limit N."""
+        if self.panel_amx_rows is not None or self.max_rows == self.panel_rows:
+            return f"+fused_decode<{self.max_rows}"
+        return f"+fused_decode<{self.panel_rows},codes<{self.max_rows}"
 
 
 def fused_decode_layers(kernels: CpuKernels, limits: FusedRows, model: nn.Module, x: torch.Tensor,
@@ -95,21 +98,18 @@ def fused_decode_layers(kernels: CpuKernels, limits: FusedRows, model: nn.Module
     if decode is None:
         return None
     stack = decode_stack_of(model)
-    if stack is None or (stack.has_panels and rows >= limits.panel_rows):
+    if stack is None or (stack.has_panels and rows >= limits.panel_rows
+                         and (limits.panel_amx_rows is None or not stack.panels_tiled)):
         return None
     x = x.contiguous()
     kernels.decode_stack_bf16(stack, x, cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous(),
                               decode.slot_mapping, ctx.kv_cache, decode.block_table, decode.context_lens,
-                              limits.quant_amx_rows)
+                              limits.quant_amx_rows, limits.panel_amx_rows)
     return x
 
 
-def with_fused_decode(ops: Ops, kernels: CpuKernels, max_rows: int, panel_rows: int | None = None,
-                      quant_amx_rows: int | None = None) -> Ops:
-    """`ops` whose decode steps of fewer than `max_rows` rows (and `panel_rows`, default `max_rows`, where a product
-    is bf16 panels) run every layer in one call, codes on AMX tiles from `quant_amx_rows` rows; named
-    '+fused_decode<N' (see FusedRows.label)."""
-    limits = FusedRows(max_rows, panel_rows if panel_rows is not None else max_rows, quant_amx_rows)
+def with_fused_decode(ops: Ops, kernels: CpuKernels, limits: FusedRows) -> Ops:
+    """`ops` whose decode steps within `limits` run every layer in one call (named as FusedRows.label says)."""
     label = limits.label()
     name = re.sub(r"\+fused_decode<[\d,a-z<]+", label, ops.name) if "+fused_decode<" in ops.name else ops.name + label
     return dataclasses.replace(ops, name=name, decode_layers=functools.partial(fused_decode_layers, kernels, limits))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qwenserve.cpu_kernels import linear_probe
 from qwenserve.cpu_kernels.decode_stack import DecodeStack
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.engine.config import EngineConfig
@@ -21,6 +22,7 @@ from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.models.fused_decode import decode_stack_of
 from qwenserve.models.quantized_linear import AMX_MIN_ROWS
+from tests.engine.test_precision import probe_result
 from tests.support import quantized_checkpoints as qc
 from tests.support.checkpoints import tiny_checkpoint
 from tests.support.engine_checkpoints import SPECS, random_prompts, write_checkpoint
@@ -114,9 +116,12 @@ def test_fused_decode_steps_equal_the_layer_by_layer_path_bit_for_bit(
 
 
 def test_a_batch_of_codes_from_amx_rows_up_runs_fused_and_equals_the_layer_by_layer_path(
-        folders: Callable[[str], Path], engines: Callable[..., LLMEngine], fused_calls: list[int]) -> None:
+        folders: Callable[[str], Path], engines: Callable[..., LLMEngine], fused_calls: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # From AMX_MIN_ROWS rows, layer by layer multiplies 4-bit codes on AMX tiles; the one call does too (where the
-    # CPU has AMX: its x rounding differs from the few-row kernel's, so bit-equality shows which ran).
+    # CPU has AMX: its x rounding differs from the few-row kernel's, so bit-equality shows which ran). One probe
+    # result for both engines, so their LM heads multiply alike.
+    monkeypatch.setattr(linear_probe, "measure", lambda *args: probe_result(2.0, 4, amx_time=0.5))
     rows = AMX_MIN_ROWS["w4a16"] + 2
     prompts = random_prompts(rows, 3, 20, seed=7)
     params = dataclasses.replace(SAMPLED, max_tokens=5)
@@ -128,6 +133,26 @@ def test_a_batch_of_codes_from_amx_rows_up_runs_fused_and_equals_the_layer_by_la
     assert tokens == [[(lp.token_id, lp.logprob, lp.top) for out in outs for lp in (out.logprobs or [])]
                       for outs in layered]
     assert max(fused_calls) >= AMX_MIN_ROWS["w4a16"], fused_calls
+
+
+def test_bf16_steps_from_the_probes_rows_run_fused_on_our_amx_tiles(
+        folders: Callable[[str], Path], engines: Callable[..., LLMEngine], fused_calls: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a CPU where the probe found our AMX product the fastest from 4 rows: layer by layer multiplies those
+    # steps on its tiles, and the one call now runs them too, equal bit for bit. (Which product ran inside is not
+    # visible at this size: the panels' and the tiles' fp32 sums differ only in their order, below bf16's rounding.)
+    monkeypatch.setattr(linear_probe, "measure", lambda *args: probe_result(2.0, 4, amx_time=0.5))
+    prompts = random_prompts(6, 3, 20, seed=3)
+    params = dataclasses.replace(SAMPLED, max_tokens=5)
+    layered = engines(folders("qwen3_gqa4"), fused_decode=False).generate_sync_outputs(prompts, params)
+    assert not fused_calls
+    fused_engine = engines(folders("qwen3_gqa4"))
+    assert fused_engine.precision.dense_product == "amx" and fused_engine.precision.dense_rows == 4
+    assert "+fused_decode<256" in fused_engine.kernels.ops.name
+    fused = fused_engine.generate_sync_outputs(prompts, params)
+    assert [[(lp.token_id, lp.logprob, lp.top) for out in outs for lp in (out.logprobs or [])] for outs in fused] == \
+        [[(lp.token_id, lp.logprob, lp.top) for out in outs for lp in (out.logprobs or [])] for outs in layered]
+    assert max(fused_calls) >= 4, fused_calls
 
 
 def test_a_single_stream_runs_every_decode_step_fused(folders: Callable[[str], Path],
