@@ -1,10 +1,11 @@
 """Choose the next token of every sampling row at once.
 
 Order of operations (as in vLLM): penalties (repetition over prompt + output, presence and frequency over
-output), min_tokens (EOS and stop ids masked), temperature, then top-k / top-p / min-p filtering, then a
-Gumbel-style draw: argmax(probs / E) with E ~ Exp(1). Greedy rows take argmax of the penalised logits.
+output), min_tokens (EOS and stop ids masked), temperature, then top-k / top-p / min-p filtering, then one
+uniform number a row picks the token by inverse CDF (categorical.py). Greedy rows take argmax of the penalised
+logits. Filters work on each row's highest logits (topk) rather than a sort of the vocabulary where that is exact.
 
-Reproducibility: a seeded row draws E from a generator seeded by hash(seed, output position), so its
+Reproducibility: a seeded row draws its uniform from a generator seeded by hash(seed, output position), so its
 token at position i depends only on (seed, i) and the logits - not on what else is in the batch, and a
 request resumed from its already-generated tokens continues exactly as it would have.
 Logprobs are reported from the raw model distribution (log_softmax of the logits before any transform).
@@ -18,9 +19,13 @@ from typing import Any
 
 import torch
 
+from qwenserve.engine import categorical
 from qwenserve.engine.grammar import GrammarBackend
 from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.sampling_params import SamplingParams
+
+# How many of a row's highest logits a top-p filter without top_k looks at before it sorts the whole row.
+CANDIDATES = 1024
 
 
 @dataclass(slots=True)
@@ -57,27 +62,100 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         params = [r.params for r in rows]
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        if all(p.greedy and not _has_penalty(p) for p in params) and not any(_in_min_tokens(r) for r in rows) \
-                and not constrained:
-            return logits.argmax(dim=-1).tolist()
-        logits = logits.clone()
-        self._apply_penalties(logits, rows)
-        for i, r in enumerate(rows):
-            if _in_min_tokens(r) and r.banned_token_ids:
-                logits[i, list(r.banned_token_ids)] = float("-inf")
-        if constrained:
-            assert self.grammar is not None, "a constrained row needs the engine's grammar backend"
-            self.grammar.mask_rows(logits, constrained, [rows[i].grammar for i in constrained])
-        tokens = logits.argmax(dim=-1)
+        banned = [i for i, r in enumerate(rows) if _in_min_tokens(r) and r.banned_token_ids]
+        if any(_has_penalty(p) for p in params) or banned or constrained:
+            logits = logits.clone()  # edited in place below; the caller's logits also feed the logprobs
+            self._apply_penalties(logits, rows)
+            for i in banned:
+                logits[i, list(rows[i].banned_token_ids)] = float("-inf")
+            if constrained:
+                assert self.grammar is not None, "a constrained row needs the engine's grammar backend"
+                self.grammar.mask_rows(logits, constrained, [rows[i].grammar for i in constrained])
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            sub = logits[sampled]
-            temps = torch.tensor([params[i].temperature for i in sampled], dtype=sub.dtype)
-            sub = self._filter(sub / temps[:, None], [params[i] for i in sampled])
-            probs = torch.softmax(sub, dim=-1)
-            noise = self._exponential_noise([rows[i] for i in sampled], probs.shape[1])
-            tokens[sampled] = (probs / noise).argmax(dim=-1)
-        return tokens.tolist()
+        if not sampled:
+            return logits.argmax(dim=-1).tolist()
+        tokens = [0] * len(rows)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if greedy:
+            for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
+                tokens[i] = token
+        sub = logits[sampled] if greedy else logits
+        drawn = self._draw(sub, [rows[i] for i in sampled])
+        for i, token in zip(sampled, drawn, strict=True):
+            tokens[i] = token
+        return tokens
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """One token per row of `logits` (not modified) at its temperature, after its top-k / top-p / min-p
+        filters. Temperature scales only what each path reads (a 152k row copied costs more than its draw)."""
+        uniforms = self._uniforms(rows)
+        vocab = logits.shape[1]
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)[:, None]
+        chosen = torch.empty(len(rows), dtype=torch.long)
+        top_k = [r.params.top_k if r.params.top_k < vocab else 0 for r in rows]  # k >= vocab keeps every token
+        whole = [i for i, r in enumerate(rows) if top_k[i] == 0 and r.params.top_p >= 1.0]
+        narrow = sorted(set(range(len(rows))) - set(whole))
+        if whole:
+            sub = logits if len(whole) == len(rows) else logits[whole]
+            # exp((logit - max) / T): the draw needs no normalised probabilities, and min_p compares with the
+            # best token's weight, which is 1.
+            weights = sub.sub(sub.max(dim=-1, keepdim=True).values).div_(temps[whole]).exp_()
+            min_p = torch.tensor([rows[i].params.min_p for i in whole], dtype=weights.dtype)[:, None]
+            if bool((min_p > 0).any()):
+                weights.masked_fill_(weights < min_p, 0.0)
+            chosen[whole] = categorical.draw(weights, uniforms[whole])
+        if narrow:
+            sub = logits if len(narrow) == len(rows) else logits[narrow]
+            picked, incomplete = self._draw_among_candidates(sub, temps[narrow], [top_k[i] for i in narrow],
+                                                             [rows[i].params for i in narrow], uniforms[narrow])
+            if incomplete:  # their top-p nucleus reaches past the candidates: filter the whole vocabulary
+                again = [narrow[j] for j in incomplete]
+                filtered = self._filter(sub[incomplete] / temps[again], [rows[i].params for i in again])
+                picked[incomplete] = categorical.draw(torch.softmax(filtered, dim=-1), uniforms[again])
+            chosen[narrow] = picked
+        return chosen.tolist()
+
+    @staticmethod
+    def _draw_among_candidates(
+        logits: torch.Tensor, temps: torch.Tensor, top_k: list[int], params: list[SamplingParams],
+        uniforms: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Draw among each row's highest CANDIDATES logits (its top_k where it has one) rather than sorting the
+        vocabulary (18 ms a 152k row here against 0.7 for its top 20). A row without top_k whose top_p nucleus
+        is not complete inside the candidates is listed as incomplete (its token here is not to be used)."""
+        width = min(max(k if k > 0 else CANDIDATES for k in top_k), logits.shape[1])
+        values, ids = logits.topk(width, dim=-1)  # a positive temperature keeps the order
+        values = values / temps
+        ranks = torch.arange(width)[None, :]
+        remove = ranks >= torch.tensor([k if k > 0 else width for k in top_k])[:, None]
+        masked = values.masked_fill(remove, float("-inf"))
+        # A row's probabilities are over its top_k, or, without one, over the whole vocabulary.
+        whole = torch.tensor([k == 0 for k in top_k])
+        norm = torch.logsumexp(masked, dim=-1)
+        if bool(whole.any()):
+            norm[whole] = torch.logsumexp(logits[whole] / temps[whole], dim=-1)
+        probs = torch.exp(masked - norm[:, None])
+        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it is kept).
+        mass_before = probs.cumsum(dim=-1) - probs
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)[:, None]
+        remove |= mass_before >= top_p
+        remove |= probs < torch.tensor([p.min_p for p in params], dtype=probs.dtype)[:, None] * probs[:, :1]
+        remove[:, 0] = False
+        incomplete = (whole & (probs.sum(dim=-1) < top_p[:, 0])).nonzero().flatten().tolist()
+        picked = categorical.draw(probs.masked_fill(remove, 0.0), uniforms)
+        return ids.gather(1, picked[:, None]).squeeze(1), incomplete
+
+    def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """One uniform number a row: a seeded row's from its (seed, output position) alone."""
+        uniforms = torch.empty(len(rows), dtype=torch.float64)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                self._row_generator.manual_seed(position_seed(r.params.seed, len(r.output_token_ids)))
+                uniforms[i] = torch.rand(1, dtype=torch.float64, generator=self._row_generator)[0]
+        return uniforms
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         idx = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
@@ -117,16 +195,6 @@ class Sampler:
         remove[:, 0] = False
         mask = torch.zeros_like(remove).scatter_(1, order, remove)
         return logits.masked_fill(mask, float("-inf"))
-
-    def _exponential_noise(self, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
-        noise = torch.empty(len(rows), vocab)
-        for i, r in enumerate(rows):
-            if r.params.seed is None:
-                noise[i].exponential_(generator=self.generator)
-            else:
-                self._row_generator.manual_seed(position_seed(r.params.seed, len(r.output_token_ids)))
-                noise[i].exponential_(generator=self._row_generator)
-        return noise
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[TokenLogprob | None]:

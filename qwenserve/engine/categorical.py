@@ -1,0 +1,40 @@
+"""Draw one index per row from unnormalised non-negative weights, with one uniform number per row.
+
+Inverse CDF: the index whose cumulative weight first exceeds u x the row's total. One uniform a row replaces the
+exponential race (one random number per vocabulary entry: ~35 ns each on a CPU, 5 ms a row of 152k), and the
+distribution is the same. The sum runs in two levels so that it stays exact where it counts: fp32 sums of
+blocks of BLOCK entries, their running total in fp64, then an fp64 running total inside the one block chosen (a
+single fp32 running total over 152k entries drifts by up to ~1% of the row's mass at its far end).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 128
+
+
+def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of `weights` [rows, n] (>= 0, each row with some weight > 0), the index chosen by `uniforms` [rows]
+    (fp64 in [0, 1)): index i with probability weights[i] / sum(weights); a zero weight is never chosen."""
+    rows, n = weights.shape
+    padded = F.pad(weights, (0, -n % BLOCK)) if n % BLOCK else weights
+    blocks = padded.view(rows, -1, BLOCK)
+    block_ends = blocks.sum(dim=-1).to(torch.float64).cumsum(dim=-1)  # [rows, blocks]
+    target = uniforms.to(torch.float64) * block_ends[:, -1]
+    block = torch.searchsorted(block_ends, target[:, None], right=True).squeeze(1)
+    block.clamp_(max=block_ends.shape[1] - 1)
+    before = torch.where(block > 0, block_ends.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    inside = blocks[torch.arange(rows), block].to(torch.float64).cumsum(dim=-1)  # [rows, BLOCK]
+    offset = torch.searchsorted(inside, (target - before)[:, None], right=True).squeeze(1).clamp_(max=BLOCK - 1)
+    chosen = block * BLOCK + offset
+    # The two levels' sums of one block differ in their last bits: a target past the block's own total lands on
+    # its last entry, which may weigh nothing. Take the nearest entry that has weight instead (rare).
+    chosen.clamp_(max=n - 1)
+    empty = (weights.gather(1, chosen[:, None]).squeeze(1) <= 0).nonzero().flatten().tolist()
+    for row in empty:
+        nonzero = weights[row].nonzero().flatten()
+        below = nonzero[nonzero <= chosen[row]]
+        chosen[row] = below[-1] if len(below) else nonzero[0]
+    return chosen
