@@ -73,11 +73,11 @@ class Sampler:
                 self.grammar.mask_rows(logits, constrained, [rows[i].grammar for i in constrained])
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
-            return logits.argmax(dim=-1).tolist()
+            return categorical.argmax(logits).tolist()
         tokens = [0] * len(rows)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:
-            for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
+            for i, token in zip(greedy, categorical.argmax(logits[greedy]).tolist(), strict=True):
                 tokens[i] = token
         sub = logits[sampled] if greedy else logits
         drawn = self._draw(sub, [rows[i] for i in sampled])

@@ -84,3 +84,14 @@ def test_mixed_batch_rows_each_keep_their_own_filters_and_greedy_rows_their_argm
     for _ in range(30):
         tokens, _ = sampler(logits, [SamplingRow(p, [], []) for p in params])
         assert tokens[:4] == [6, 0, 0, 0] and tokens[4] in (0, 1) and 0 <= tokens[5] < 7
+
+
+def test_argmax_equals_torch_argmax_first_of_ties_and_past_the_last_whole_block() -> None:
+    gen = torch.Generator().manual_seed(2)
+    for n in (151_936, 1_000 + 37, 100):
+        values = torch.randn(9, n, generator=gen).round(decimals=1)  # many ties of the largest value
+        values[1, -1] = 99.0  # the largest past the last whole block
+        values[2, -3:] = values[2].max()  # tied past it: the earlier one wins
+        values[3, :] = 0.0
+        values[4, 5] = values[4, n - 1] = 50.0
+        assert torch.equal(categorical.argmax(values), values.argmax(dim=-1)), n
