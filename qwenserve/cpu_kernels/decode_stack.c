@@ -23,9 +23,9 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, uint16_t *out, int64
                    int64_t n, int64_t num_threads);
 void linear_packed_bf16(const float *x, const uint16_t *wp, float *y, int64_t m, int64_t k, int64_t n,
                         int64_t num_threads);
-int linear_quant(const float *x, const uint8_t *codes, const float *scales, const float *zeros, float *y, int64_t m,
+int linear_quant(const float *x, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, float *y, int64_t m,
                  int64_t k, int64_t n, int64_t bits, int64_t group, int64_t num_threads);
-int linear_quant_amx(const float *x, const uint8_t *codes, const float *scales, const float *zeros, float *y,
+int linear_quant_amx(const float *x, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, float *y,
                      int64_t m, int64_t k, int64_t n, int64_t bits, int64_t group, int64_t num_threads);
 int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *tiles, void *y, int64_t y_fp32, int64_t m,
                     int64_t k, int64_t n, int64_t num_threads);
@@ -36,12 +36,12 @@ int paged_decode_attention_bf16_io(const uint16_t *q, int64_t q_stride, const ui
                                    int64_t block_size, float scale, int64_t num_threads);
 
 /* One linear weight [n, k]: bf16 panels (bits 16; `tiles`: the same weight in AMX tile order, linear_amx.c's, or
- * NULL) or 4- / 8-bit codes with fp32 scales and zero points per group (quant_weight.py's layout; `perm`: the order
+ * NULL) or 4- / 8-bit codes with fp16 scales and zero points per group (quant_weight.py's layout; `perm`: the order
  * of x's columns the codes follow, NULL for their own). */
 typedef struct {
     int64_t bits;
     const void *data;
-    const float *scales, *zeros;
+    const uint16_t *scales, *zeros;
     const int64_t *perm;
     int64_t group, n, k;
     const uint16_t *tiles;

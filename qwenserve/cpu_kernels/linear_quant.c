@@ -8,7 +8,8 @@
  *           odd ones in the high half, so that nibble f of both halves is an input pair (what the bf16 dot products
  *           below multiply), and every lane of a vector of words is one column (no byte shuffles);
  *   8 bits  uint8 [n/16][k][16];
- *   scales, zeros  fp32 [n/16][groups][16].
+ *   scales, zeros  fp16 [n/16][groups][16] (a checkpoint's 16-bit scales and integer zero points exactly: 12.5% of a
+ *                  4-bit weight's bytes, against 25% in fp32), widened to fp32 once per group and column.
  * A group's scale and zero point are constant over its inputs, so they leave its sum:
  *   y[r][o] = sum_g s[o][g] * (sum_{i in g} c[o][i] x[r][i] - z[o][g] * xsum[r][g]),  xsum[r][g] = sum_{i in g} x[r][i]
  * The codes stay exact integers in fp32; what differs from the product of the dequantized weights is the rounding
@@ -92,6 +93,26 @@ static inline vecf loadf(const float *p) {
     return v;
 }
 
+/* QPLANES fp16 values widened to fp32, exactly: the magnitude's bits moved to fp32's places are the value times
+ * 2^-112 (normal and subnormal alike), so one multiply by 2^112 restores it; then the sign. Inf and NaN are never
+ * stored (quant_weight.py refuses them). */
+typedef uint16_t vech __attribute__((vector_size(QPLANES * 2)));
+static inline vecf loadh(const uint16_t *p) {
+    vech h;
+    memcpy(&h, p, sizeof h);
+    const vecu u = __builtin_convertvector(h, vecu);
+    vecf magnitude;
+    const vecu bits = (u & 0x7FFF) << 13;
+    memcpy(&magnitude, &bits, sizeof magnitude);
+    magnitude *= 0x1p112f;
+    vecu out;
+    memcpy(&out, &magnitude, sizeof out);
+    out |= (u & 0x8000) << 16;
+    vecf v;
+    memcpy(&v, &out, sizeof v);
+    return v;
+}
+
 #define S4(s) s, s, s, s
 #if QPLANES == 16
 #define SPLATF(s) ((vecf){S4(s), S4(s), S4(s), S4(s)})
@@ -110,7 +131,7 @@ static inline vecf loadf(const float *p) {
  * conversion and one FMA per row; at 8 bits x as given and one widening of 16 codes per input. Constant rows,
  * panels and bits (inlined into a switch) keep the accumulators in registers. */
 static inline __attribute__((always_inline)) void quant_tile(const float *x, const float *xsum, const uint8_t *codes,
-                                                             const float *scales, const float *zeros, float *tot,
+                                                             const uint16_t *scales, const uint16_t *zeros, float *tot,
                                                              int64_t k, int64_t group, int64_t groups, int64_t q,
                                                              const int rows, const int panels, const int bits) {
     const int vecs = panels * QPER_PANEL;
@@ -118,7 +139,7 @@ static inline __attribute__((always_inline)) void quant_tile(const float *x, con
     const int64_t stride = bits == 4 ? k8 : k; /* x's (or xt's) row length */
     const int64_t panel_bytes = bits == 4 ? k8 / 2 * QPANEL : k * QPANEL;
     const uint8_t *cq = codes + q * panel_bytes;
-    const float *sq = scales + q * groups * QPANEL, *zq = zeros + q * groups * QPANEL;
+    const uint16_t *sq = scales + q * groups * QPANEL, *zq = zeros + q * groups * QPANEL;
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < vecs; v++) memset(tot + r * TOT_STRIDE + v * QPLANES, 0, sizeof(vecf));
     /* At 4 bits a word's eight codes go to one accumulator in turn: with one or two rows, too few chains of FMAs to
@@ -172,7 +193,7 @@ static inline __attribute__((always_inline)) void quant_tile(const float *x, con
         }
         for (int v = 0; v < vecs; v++) {
             const int64_t at = (v / QPER_PANEL) * groups * QPANEL + g * QPANEL + (v % QPER_PANEL) * QPLANES;
-            const vecf s = loadf(sq + at), z = loadf(zq + at);
+            const vecf s = loadh(sq + at), z = loadh(zq + at);
             for (int r = 0; r < rows; r++) {
                 float *t = tot + r * TOT_STRIDE + v * QPLANES;
                 const vecf sum = loadf(t) + s * (acc[0][r][v] - z * SPLATF(xsum[r * groups + g]));
@@ -191,8 +212,8 @@ static inline __attribute__((always_inline)) void quant_tile(const float *x, con
 #define TILE_OF(n, p, b) switch (rows) { ROWS_OF(n)(p, b) }
 
 /* A tile of `rows` x `panels`: at most FEW_ROWS x STRIP, or MANY_ROWS x MANY_PANELS. */
-static void any_quant_tile(const float *x, const float *xsum, const uint8_t *codes, const float *scales,
-                           const float *zeros, float *tot, int64_t k, int64_t group, int64_t groups, int64_t q,
+static void any_quant_tile(const float *x, const float *xsum, const uint8_t *codes, const uint16_t *scales,
+                           const uint16_t *zeros, float *tot, int64_t k, int64_t group, int64_t groups, int64_t q,
                            int rows, int panels, int bits) {
 #if STRIP == 4
     if (rows > FEW_ROWS) {
@@ -251,8 +272,8 @@ static inline veci pair_dot(veci acc, veci codes, veci x) {
 }
 
 static inline __attribute__((always_inline)) void dot_tile(const uint32_t *xp, const float *unit, const float *xsum,
-                                                           const uint32_t *codes, const float *scales,
-                                                           const float *zeros, float *tot, int64_t k8, int64_t k,
+                                                           const uint32_t *codes, const uint16_t *scales,
+                                                           const uint16_t *zeros, float *tot, int64_t k8, int64_t k,
                                                            int64_t group, int64_t groups, int64_t q, const int rows,
                                                            const int panels) {
     enum { SPLIT_MAX = 2 };
@@ -260,7 +281,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint32_t *xp, c
     const int vecs = panels * QPER_PANEL;
     const int64_t panel_words = k8 / OCTET * QPANEL, pairs = k8 / 2, octets = k8 / OCTET;
     const uint32_t *cq = codes + q * panel_words;
-    const float *sq = scales + q * groups * QPANEL, *zq = zeros + q * groups * QPANEL;
+    const uint16_t *sq = scales + q * groups * QPANEL, *zq = zeros + q * groups * QPANEL;
     vecf out[DOT_ROWS][STRIP_VECS];
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < vecs; v++) out[r][v] = SPLATF(0.0f);
@@ -303,7 +324,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint32_t *xp, c
         }
         for (int v = 0; v < vecs; v++) {
             const int64_t at = (v / QPER_PANEL) * groups * QPANEL + g * QPANEL + (v % QPER_PANEL) * QPLANES;
-            const vecf sc = loadf(sq + at), z = loadf(zq + at);
+            const vecf sc = loadh(sq + at), z = loadh(zq + at);
             for (int r = 0; r < rows; r++) out[r][v] += sc * (sum[r][v] - z * SPLATF(xsum[r * groups + g]));
         }
     }
@@ -321,7 +342,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint32_t *xp, c
 #endif
 
 static void any_dot_tile(const uint32_t *xp, const float *unit, const float *xsum, const uint8_t *codes,
-                         const float *scales, const float *zeros, float *tot, int64_t k8, int64_t k, int64_t group,
+                         const uint16_t *scales, const uint16_t *zeros, float *tot, int64_t k8, int64_t k, int64_t group,
                          int64_t groups, int64_t q, int rows, int panels) {
 #if STRIP == 4
     if (panels >= 4) { DOT_ROWS_OF(4) } else if (panels == 3) { DOT_ROWS_OF(3) }
@@ -390,7 +411,7 @@ static void fix_row(const float *xr, int64_t k, int64_t k8, int64_t group, uint3
 /* x [m, k] fp32, y [m, n] fp32, the weight as described above with `bits` 4 or 8 and groups of `group` inputs
  * (the last one may be shorter; at 4 bits every group but the last is a multiple of 8 inputs, so no octet
  * straddles two groups). Returns 0, or -1 when the scratch for the groups' sums of x could not be allocated. */
-int linear_quant(const float *x, const uint8_t *codes, const float *scales, const float *zeros, float *y, int64_t m,
+int linear_quant(const float *x, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, float *y, int64_t m,
                  int64_t k, int64_t n, int64_t bits, int64_t group, int64_t num_threads) {
     if (num_threads < 1) num_threads = 1;
     const int64_t groups = (k + group - 1) / group, panels = (n + QPANEL - 1) / QPANEL;
@@ -543,7 +564,7 @@ typedef struct {
 /* Rows [r0, r0 + 32) of xb against the strip's two panels of B tiles, every group, into tot [32][32]; `widen` (NULL:
  * b0 and b1 hold the whole strip already) widens each group's codes into them first. */
 AMX_TARGET static void amx_block(const uint16_t *xb, const float *xsum, uint32_t *b0, uint32_t *b1,
-                                 const float *s0, const float *z0, const float *s1, const float *z1, float *tot,
+                                 const uint16_t *s0, const uint16_t *z0, const uint16_t *s1, const uint16_t *z1, float *tot,
                                  float *cbuf, int64_t kp, int64_t groups, int64_t group, float offset,
                                  const Widen *widen) {
     const int64_t xstride = kp * 2, bsteps = AMX_K / 2 * QPANEL; /* bytes per row of x; dwords per B tile */
@@ -575,8 +596,9 @@ AMX_TARGET static void amx_block(const uint16_t *xb, const float *xsum, uint32_t
         _tile_stored(2, cbuf + AMX_ROWS * AMX_STRIP * QPANEL, cstride);
         _tile_stored(3, cbuf + AMX_ROWS * AMX_STRIP * QPANEL + QPANEL, cstride);
         for (int p = 0; p < AMX_STRIP; p++) {
-            const __m512 s = _mm512_loadu_ps((p ? s1 : s0) + g * QPANEL);
-            const __m512 z = _mm512_add_ps(_mm512_loadu_ps((p ? z1 : z0) + g * QPANEL), _mm512_set1_ps(offset));
+            const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((p ? s1 : s0) + g * QPANEL)));
+            const __m512 z = _mm512_add_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((p ? z1 : z0) + g * QPANEL))),
+                                           _mm512_set1_ps(offset));
             for (int r = 0; r < AMX_BLOCK_ROWS; r++) {
                 float *t = tot + r * AMX_STRIP * QPANEL + p * QPANEL;
                 const __m512 acc = _mm512_loadu_ps(cbuf + r * AMX_STRIP * QPANEL + p * QPANEL);
@@ -591,7 +613,7 @@ AMX_TARGET static void amx_block(const uint16_t *xb, const float *xsum, uint32_t
  * linear_quant's.
  * Returns 0; -1 when scratch cannot be allocated; -3 when this cannot run here (groups not a multiple of 32
  * inputs, or the kernel refuses the tile state), and the caller runs linear_quant instead. */
-AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const float *scales, const float *zeros,
+AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
                                 float *y, int64_t m, int64_t k, int64_t n, int64_t bits, int64_t group,
                                 int64_t num_threads) {
     if ((bits != 4 && bits != 8) || group % AMX_K != 0 || !amx_permitted()) return -3;
@@ -655,8 +677,8 @@ AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const floa
                     amx_widen8(c0, b, k, kp / 2);
                     amx_widen8(c1, b1, k, kp / 2);
                 }
-                const float *s0 = scales + q * groups * QPANEL, *z0 = zeros + q * groups * QPANEL;
-                const float *s1 = has_second ? s0 + groups * QPANEL : s0, *z1 = has_second ? z0 + groups * QPANEL : z0;
+                const uint16_t *s0 = scales + q * groups * QPANEL, *z0 = zeros + q * groups * QPANEL;
+                const uint16_t *s1 = has_second ? s0 + groups * QPANEL : s0, *z1 = has_second ? z0 + groups * QPANEL : z0;
                 const int64_t col = q * QPANEL, width = n - col < AMX_STRIP * QPANEL ? n - col : AMX_STRIP * QPANEL;
                 for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK_ROWS) {
                     amx_block(xb + r0 * kp, xsum + r0 * groups, b, b1, s0, z0, s1, z1, tot, cbuf, kp, groups, group,
@@ -677,7 +699,7 @@ AMX_TARGET int linear_quant_amx(const float *x, const uint8_t *codes, const floa
     return status;
 }
 #else
-int linear_quant_amx(const float *x, const uint8_t *codes, const float *scales, const float *zeros, float *y,
+int linear_quant_amx(const float *x, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, float *y,
                      int64_t m, int64_t k, int64_t n, int64_t bits, int64_t group, int64_t num_threads) {
     (void)x, (void)codes, (void)scales, (void)zeros, (void)y, (void)m, (void)k, (void)n, (void)bits, (void)group;
     (void)num_threads;

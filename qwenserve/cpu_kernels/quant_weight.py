@@ -6,7 +6,9 @@ points and scales in their own packings (engine/quantization/); `QuantWeight.pac
 codes with one zero point and scale per output column and group, and repacks them once: output columns in panels of
 PANEL as the fp32 / bf16 panels, eight 4-bit codes a 32-bit word along the input (input i of an octet at bit
 NIBBLE_SHIFTS[i]: even inputs in the low half, odd ones in the high half, so a nibble of both halves is an input
-pair, what a 16-bit dot product multiplies), scales and zero points in fp32 next to them. GPTQ's act-order checkpoints (desc_act: groups that are not runs of consecutive inputs) are packed with their
+pair, what a 16-bit dot product multiplies), scales and zero points in fp16 next to them (exactly what a checkpoint
+stores: its 16-bit scales and integer zero points; a value fp16 cannot hold exactly is refused, and the loader then
+dequantizes that weight). GPTQ's act-order checkpoints (desc_act: groups that are not runs of consecutive inputs) are packed with their
 inputs sorted by group, and the product gathers x's columns in that order first.
 """
 
@@ -23,7 +25,7 @@ NIBBLE_SHIFTS = tuple(16 * (i % 2) + 4 * (i // 2) for i in range(OCTET))
 
 class QuantWeight:
     """A weight [n, k] as panels of codes `codes` (int32 words [n/PANEL, k/8, PANEL] at 4 bits, k rounded up to 8;
-    uint8 [n/PANEL, k, PANEL] at 8; n rounded up to a panel), `scales` and `zeros` (fp32 [n/PANEL, groups, PANEL]), `group_size` inputs a group (the
+    uint8 [n/PANEL, k, PANEL] at 8; n rounded up to a panel), `scales` and `zeros` (fp16 [n/PANEL, groups, PANEL]), `group_size` inputs a group (the
     last may be shorter) and `perm`, the order of x's columns the codes follow (None: their own)."""
 
     __slots__ = ("codes", "scales", "zeros", "bits", "group_size", "out_features", "in_features", "perm")
@@ -58,6 +60,7 @@ class QuantWeight:
                              "word")
         if codes.numel() and ((codes.dtype != torch.uint8 and int(codes.min()) < 0) or int(codes.max()) >= 1 << bits):
             raise ValueError(f"codes outside [0, {1 << bits})")
+        scales, zeros = _half_exactly(scales, "scales"), _half_exactly(zeros, "zero points")
         perm = None
         if groups is not None and not torch.equal(groups.long(), torch.arange(k) // group_size):
             perm = torch.argsort(groups.long(), stable=True)
@@ -69,8 +72,8 @@ class QuantWeight:
         codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, -k % OCTET if bits == 4 else 0, 0, pad_n))
         if bits == 4:
             codes = _words(codes)
-        return cls(_panels(codes, panels), _panels(_pad_rows(scales.float(), pad_n), panels),
-                   _panels(_pad_rows(zeros.float(), pad_n), panels), bits, group_size, n, k, perm)
+        return cls(_panels(codes, panels), _panels(_pad_rows(scales, pad_n), panels),
+                   _panels(_pad_rows(zeros, pad_n), panels), bits, group_size, n, k, perm)
 
     def check(self) -> None:
         """ValueError unless the tensors have the sizes and dtypes linear_quant.c reads for this shape (a QuantWeight
@@ -79,8 +82,8 @@ class QuantWeight:
         panels, groups = -(-n // PANEL), -(-k // self.group_size) if self.group_size > 0 else 0
         steps, code_dtype = (-(-k // OCTET), torch.int32) if self.bits == 4 else (k, torch.uint8)
         for name, t, shape, dtype in (("codes", self.codes, (panels, steps, PANEL), code_dtype),
-                                      ("scales", self.scales, (panels, groups, PANEL), torch.float32),
-                                      ("zeros", self.zeros, (panels, groups, PANEL), torch.float32)):
+                                      ("scales", self.scales, (panels, groups, PANEL), torch.float16),
+                                      ("zeros", self.zeros, (panels, groups, PANEL), torch.float16)):
             if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"QuantWeight {name} must be contiguous {dtype} {shape} on the CPU for a {self.bits}-bit "
                                  f"[{n}, {k}] weight in groups of {self.group_size}, got {t.dtype} {tuple(t.shape)}")
@@ -113,7 +116,7 @@ class QuantWeight:
         if self.bits == 4:
             codes = torch.stack([(codes >> shift) & 15 for shift in NIBBLE_SHIFTS], dim=-1).flatten(-2)
         group_of = torch.arange(k) // self.group_size
-        scales, zeros = (t[panel, :, lane][..., group_of] for t in (self.scales, self.zeros))
+        scales, zeros = (t[panel, :, lane][..., group_of].float() for t in (self.scales, self.zeros))
         weight = (codes[..., :k].float() - zeros) * scales
         if self.perm is not None:
             weight = torch.empty_like(weight).index_copy_(-1, self.perm, weight)
@@ -137,3 +140,11 @@ def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
 def _panels(t: torch.Tensor, panels: int) -> torch.Tensor:
     """[panels * PANEL, c] -> [panels, c, PANEL]: each panel's PANEL rows side by side."""
     return t.reshape(panels, PANEL, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _half_exactly(t: torch.Tensor, what: str) -> torch.Tensor:
+    """`t` in fp16, where every value survives the trip (ValueError where one does not: the caller dequantizes)."""
+    half = t.to(torch.float16)
+    if not bool(torch.isfinite(half).all()) or not torch.equal(half.to(t.dtype), t):
+        raise ValueError(f"{what} that fp16 does not hold exactly (the codes' kernels read them in fp16)")
+    return half

@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def quantize_rows(weight: torch.Tensor, bits: int = BITS, group: int = GROUP) -> QuantWeight:
-    """`weight` [n, k] as unsigned codes with an fp32 scale and zero point per row and group (the last group may be
-    shorter): each group's minimum and maximum span the codes, the zero point rounded to a code."""
+    """`weight` [n, k] as unsigned codes with a scale and zero point per row and group (the last group may be
+    shorter): each group's minimum and maximum span the codes, the zero point rounded to a code, the scale an fp16."""
     n, k = weight.shape
     groups = -(-k // group)
     top = (1 << bits) - 1
@@ -46,7 +46,8 @@ def quantize_rows(weight: torch.Tensor, bits: int = BITS, group: int = GROUP) ->
         # Padding is 0, inside every group's span anyway once 0 is kept representable (below).
         low = by_group.amin(-1).clamp(max=0.0)
         high = by_group.amax(-1).clamp(min=0.0)
-        scale = torch.where(high > low, (high - low) / top, torch.ones_like(high))
+        # The scale rounded up to an fp16 (what the kernels read): the span still fits in `top` steps.
+        scale = torch.where(high > low, _fp16_at_least((high - low) / top), torch.ones_like(high))
         zero = (-low / scale).round().clamp(0, top)
         q = (by_group / scale[..., None] + zero[..., None]).round_().clamp_(0, top)
         codes[r0:r0 + rows.shape[0]] = q.view(rows.shape[0], -1)[:, :k].to(torch.uint8)
@@ -108,3 +109,11 @@ def _head_embedding(embedding: Callable[..., torch.Tensor], dtype: torch.dtype) 
         return table.rows(ids.reshape(-1)).to(dtype).view(*ids.shape, -1)
 
     return head_embedding
+
+
+def _fp16_at_least(t: torch.Tensor) -> torch.Tensor:
+    """Each value of `t` (> 0) as the smallest fp16 not below it, in fp32."""
+    half = t.to(torch.float16)
+    below = half.float() < t
+    half[below] = torch.nextafter(half[below], torch.tensor(float("inf"), dtype=torch.float16))
+    return half.float()

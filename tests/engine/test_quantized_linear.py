@@ -47,6 +47,8 @@ def random_quantized(n: int, k: int, bits: int, group_size: int | None,
     groups = -(-k // (group_size or k))
     codes = torch.randint(0, 1 << bits, (n, k), generator=gen)
     scales = (torch.rand(n, groups, generator=gen) - 0.3) * 0.1
+    scales.view(-1)[::7] *= 2**-12  # some below fp16's normal range: the kernels widen subnormals too
+    scales = scales.half().float()  # a checkpoint's 16-bit scales
     zeros = torch.randint(0, (1 << bits) + 1, (n, groups), generator=gen).float()
     return codes, scales, zeros
 
@@ -231,6 +233,10 @@ def test_what_does_not_fit_the_layout_is_refused() -> None:
     uneven = torch.cat([torch.zeros(20), torch.ones(12), torch.full((16,), 2), torch.full((16,), 3)]).long()
     with pytest.raises(ValueError, match="not runs of 16"):  # groups of 20 and 12 inputs
         QuantWeight.pack(codes, torch.ones(16, 4), torch.zeros(16, 4), 4, 16, groups=uneven)
+    with pytest.raises(ValueError, match="fp16 does not hold exactly"):  # the kernels read fp16
+        QuantWeight.pack(codes, scales + 1e-4, zeros, 4, 32)
+    with pytest.raises(ValueError, match="fp16 does not hold exactly"):
+        QuantWeight.pack(codes, scales, zeros + 0.5 + 2048, 4, 32)
     weight = QuantWeight.pack(codes, scales, zeros, 4, 32)
     weight.scales = weight.scales[:, :1].contiguous()
     with pytest.raises(ValueError, match="scales must be"):
