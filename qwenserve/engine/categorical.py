@@ -3,9 +3,10 @@ the row's largest value.
 
 Inverse CDF: the index whose cumulative weight first exceeds u x the row's total. One uniform a row replaces the
 exponential race (one random number per vocabulary entry: ~35 ns each on a CPU, 5 ms a row of 152k), and the
-distribution is the same. The sum runs in two levels so that it stays exact where it counts: fp32 sums of
-blocks of BLOCK entries, their running total in fp64, then an fp64 running total inside the one block chosen (a
-single fp32 running total over 152k entries drifts by up to ~1% of the row's mass at its far end).
+distribution is the same. The sum runs in two levels: fp32 sums of blocks of BLOCK entries, their running total in
+fp64, then an fp64 running total inside the one block chosen; the boundaries are then off by the block sums'
+rounding (~1e-8 of the row's mass), where a running total stored in fp32 rounds them to 6e-8 near its end, which
+decides the draws of every entry less probable than that.
 """
 
 from __future__ import annotations

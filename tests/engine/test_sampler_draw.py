@@ -18,8 +18,9 @@ def cdf_bounds(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_inverse_cdf_lands_where_the_exact_cumulative_weights_say_across_a_whole_vocabulary() -> None:
-    # A single fp32 running sum over 151,936 entries misses by ~1e-3 of the mass at its far end; the draw must
-    # land on the index whose exact cumulative interval holds u, to within 1e-9.
+    # The draw must land on the index whose exact cumulative interval holds u, to within 1e-7 (the fp32 block sums'
+    # rounding moves the boundaries by ~1e-8 here): across blocks, past a padded last block, over weightless
+    # entries and blocks, at u = 0 and u just below 1.
     gen = torch.Generator().manual_seed(5)
     for n, rows in ((151_936, 3000), (1_000 + 37, 20_000)):  # a whole number of blocks, and a padded row
         weights = torch.rand(n, generator=gen) ** 4
@@ -30,7 +31,7 @@ def test_inverse_cdf_lands_where_the_exact_cumulative_weights_say_across_a_whole
         chosen = categorical.draw(weights.expand(rows, n), uniforms)
         assert bool((weights[chosen] > 0).all())
         start, end = cdf_bounds(weights)
-        assert bool(((start[chosen] - 1e-9 <= uniforms) & (uniforms <= end[chosen] + 1e-9)).all())
+        assert bool(((start[chosen] - 1e-7 <= uniforms) & (uniforms <= end[chosen] + 1e-7)).all())
 
 
 def reference_probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
