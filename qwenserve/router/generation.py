@@ -17,6 +17,7 @@ stream that fails while it drains too: "error" means our fault.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -75,7 +76,8 @@ class Router:
         self.config = config
         self.metrics = metrics if metrics is not None else router_metrics(CollectorRegistry())
         self.fleet = WorkerFleet(config, self.metrics, resolver)
-        self.vocab_size = 0  # from the tokenizer service, at start(); until then every request is refused
+        self.vocab_size = 0  # from the tokenizer service, at start(); until then requests wait for it (bounded)
+        self._vocabulary_known = asyncio.Event()
         self._detokenizer_factory = detokenizer_factory
         self.token_bytes = token_bytes  # a token's exact bytes (the model's vocabulary), for logprobs
 
@@ -85,6 +87,7 @@ class Router:
         stub = tokenizer_pb2_grpc.TokenizerStub(self.fleet.channel(self.config.tokenizer_address))
         info = await stub.GetInfo(tokenizer_pb2.GetInfoRequest(), wait_for_ready=True, timeout=60)
         self.vocab_size = info.vocab_size
+        self._vocabulary_known.set()
         await self.fleet.start()
 
     def drain(self, grace_s: float) -> None:
@@ -108,8 +111,7 @@ class Router:
         """Tokenize and validate; raises InvalidRequest / ContextLengthExceeded / ServiceUnavailable.
         `content_filter`: the tenant's, applied to the answer's text."""
         arrived = time.monotonic()
-        if not self.vocab_size:  # start() has not heard from the tokenizer yet: nothing can be checked
-            raise ServiceUnavailable("the router is starting: waiting for the tokenizer service")
+        await self._until_started(deadline)
         request_id = req.request_id or new_request_id()
         if not valid_request_id(request_id):
             raise InvalidRequest(f"request_id must be {REQUEST_ID_RULE}", "request_id")
@@ -170,9 +172,22 @@ class Router:
 
     async def tokenize(self, req: router_pb2.GenerateRequest) -> list[int]:
         """The prompt's token ids as a generation would see them (chat template, tools and forced start)."""
-        if not self.vocab_size:
-            raise ServiceUnavailable("the router is starting: waiting for the tokenizer service")
+        await self._until_started(None)
         return await self._prompt_ids(req, time.monotonic() + self.config.tokenizer_timeout_s, tool_choice_of(req, self.config.tool_call_parser))
+
+    async def _until_started(self, deadline: float | None) -> None:
+        """Returns once start() has heard from the tokenizer: a request that arrives in the router's first
+        seconds (its ports open before the tokenizer answers) waits for it, within the tokenizer call's bound and
+        its own deadline, instead of failing at once; ServiceUnavailable when it does not come."""
+        if self.vocab_size:
+            return
+        wait_s = self.config.tokenizer_timeout_s
+        if deadline is not None:
+            wait_s = min(wait_s, deadline - time.monotonic())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._vocabulary_known.wait(), max(0.0, wait_s))
+        if not self.vocab_size:  # nothing can be checked without the vocabulary
+            raise ServiceUnavailable("the router is starting: waiting for the tokenizer service")
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """The text of token ids, special tokens included."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
 
 from qwenserve.router.config import RouterConfig
-from qwenserve.router.errors import ContextLengthExceeded
+from qwenserve.router.errors import ContextLengthExceeded, ServiceUnavailable
 from qwenserve.router.generation import Router
 from qwenserve.v1 import (
     common_pb2,
@@ -137,4 +138,26 @@ async def test_a_prompt_one_token_over_the_limit_is_refused_before_any_worker_ca
         # Without max_tokens the output budget is what remains of the context, never a refusal.
         assert (await router.prepare(token_request(60, None))).sampling.max_tokens == 4
     finally:
+        await router.close()
+
+
+async def test_a_request_that_arrives_while_the_router_starts_waits_for_the_tokenizer(serve) -> None:
+    # The router's ports open before its tokenizer answers: a first request is checked once the vocabulary is known,
+    # not refused; one whose deadline comes first is told the router is starting.
+    port = free_port()
+    router = Router(RouterConfig(f"127.0.0.1:{port}", [], [await serve(decode(512))], max_model_len=64),
+                    detokenizer_factory=None)  # type: ignore[arg-type]
+    starting = asyncio.create_task(router.start())
+    try:
+        with pytest.raises(ServiceUnavailable, match="the router is starting"):
+            await router.prepare(token_request(8, 1), deadline=time.monotonic() + 0.3)
+        early = asyncio.create_task(router.prepare(token_request(8, 1)))
+        await asyncio.sleep(0.5)
+        assert not early.done()
+        await serve([(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, Tokenizer())], port=port)
+        prepared = await asyncio.wait_for(early, timeout=30)
+        assert prepared.prompt_ids == [5] * 8 and router.vocab_size == 1000
+        await asyncio.wait_for(starting, timeout=30)
+    finally:
+        starting.cancel()
         await router.close()
