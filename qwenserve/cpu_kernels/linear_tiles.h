@@ -7,6 +7,10 @@
  * the k of fp32. */
 
 #define PANEL_BYTES ((int64_t)(PANEL * sizeof(WEIGHT))) /* one k step of a panel */
+/* A few rows' product reads its panels from memory. A line of each panel 4 KiB ahead: the 0.6B shape's bf16
+ * products of a decode step (28 layers and the LM head, 1.2 GB) 1.15x faster at one row, 1.20x at four, alternating
+ * with the unprefetched kernel in one process on the AMX Xeon (1, 2 and 8 KiB ahead: within 4% of 4). */
+#define PANEL_PREFETCH_BYTES 4096
 
 /* Rows [m0, m0 + rows) of x against panels [q, q + panels) of wp, over all k; constant rows and panels
  * (always inlined into a switch) let the accumulators live in registers. */
@@ -20,6 +24,11 @@ static inline __attribute__((always_inline)) void TILED(panel_tile)(const float 
     const float *xr = x + m0 * k;
     const WEIGHT *wq = wp + q * k * PANEL;
     for (int64_t i = 0; i < k; i++) {
+        /* Each panel is its own stream: a line of each, PANEL_PREFETCH_BYTES ahead (the hardware's streamers stop
+         * at every 4 KiB page). */
+        if ((i * PANEL_BYTES) % 64 == 0)
+            for (int p = 0; p < panels; p++)
+                __builtin_prefetch(wq + p * k * PANEL + i * PANEL + PANEL_PREFETCH_BYTES / (int64_t)sizeof(WEIGHT));
         vecp b[TILE_VECS];
         for (int v = 0; v < vecs; v++) {
             b[v] = LOAD_PANEL(wq + (v / PER_PANEL) * k * PANEL + i * PANEL + (v % PER_PANEL) * PLANES);
@@ -130,3 +139,4 @@ void TILED(linear_packed)(const float *x, const WEIGHT *wp, float *y, int64_t m,
 }
 
 #undef PANEL_BYTES
+#undef PANEL_PREFETCH_BYTES
