@@ -5,7 +5,9 @@ Run by hand (not a test):
 
 Baseline, timed in the same run on the same logits: the exponential race every PyTorch sampler writes first
 (softmax, a sort of the vocabulary for top-k / top-p, then argmax(probs / E) with E ~ Exp(1) drawn for every
-entry), and torch.argmax for greedy rows. Ours: `Sampler` (engine/sampler.py), the engine's own. Settings: greedy;
+entry), and torch.argmax for greedy rows. Ours: `Sampler` (engine/sampler.py) as the engine builds it, with the C
+kernels where they load (the whole-vocabulary draw in one call, categorical_draw.c), and without them (PyTorch's
+forms only). Settings: greedy;
 temperature 1 (the OpenAI API's default); Qwen3's generation_config (temperature 0.6, top_k 20, top_p 0.95), which
 `--generation-config auto` applies to every request that leaves them out. Prints ms a call and the ratio.
 """
@@ -18,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from qwenserve.cpu_kernels import loader
 from qwenserve.engine.sampler import Sampler, SamplingRow
 from qwenserve.engine.sampling_params import SamplingParams
 
@@ -61,16 +64,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
-    sampler = Sampler(seed=0)
-    print(f"sampler_bench: {VOCAB}-entry rows, {args.threads} threads; ms a call, best of repeated calls")
-    print("| rows | setting | textbook | ours | ratio |\n|---|---|---|---|---|")
+    kernels = loader.load()
+    sampler, torch_only = Sampler(seed=0, cpu_kernels=kernels), Sampler(seed=0)
+    print(f"sampler_bench: {VOCAB}-entry rows, {args.threads} threads, C kernels {kernels.variant if kernels else 'none'}"
+          "; ms a call, best of repeated calls")
+    print("| rows | setting | textbook | ours, PyTorch only | ours | ratio to textbook |\n|---|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         logits = torch.randn(rows, VOCAB, generator=generator) * 3  # a peaked row, as a trained model's
         for name, p in SETTINGS.items():
             sampling_rows = [SamplingRow(p, [], []) for _ in range(rows)]
             base = best_ms(lambda x=logits, p=p: textbook(x, p, generator))
+            plain = best_ms(lambda x=logits, r=sampling_rows: torch_only(x, r))
             ours = best_ms(lambda x=logits, r=sampling_rows: sampler(x, r))
-            print(f"| {rows} | {name} | {base:.2f} | {ours:.2f} | {base / ours:.1f}x |", flush=True)
+            print(f"| {rows} | {name} | {base:.2f} | {plain:.2f} | {ours:.2f} | {base / ours:.1f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_gather_checksum.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, pointer, i64, i64]
     lib.apply_token_bitmask.restype = None
     lib.apply_token_bitmask.argtypes = [pointer, i64, pointer, i64, pointer, i64, i64]
+    lib.draw_tempered.restype = ctypes.c_int
+    lib.draw_tempered.argtypes = [pointer, i64, i64, i64] + [pointer] * 4 + [i64]
     lib.kv_scatter_rows.restype = None
     lib.kv_scatter_rows.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64, i64, i64]
     lib.gated_delta_step.restype = ctypes.c_int
@@ -312,6 +314,30 @@ class CpuKernels:
             raise ValueError("apply_token_bitmask: a row index is outside the logits")
         self.lib.apply_token_bitmask(logits.data_ptr(), logits.stride(0), mask.data_ptr(), mask.shape[1], rows.data_ptr(),
                                      rows.numel(), logits.shape[1])
+
+    def draw_tempered(self, logits: torch.Tensor, temperatures: torch.Tensor, min_p: torch.Tensor,
+                      uniforms: torch.Tensor) -> torch.Tensor:
+        """Per row of `logits` [rows, n] (fp32 CPU, contiguous rows), the index drawn with probability proportional
+        to exp((x - max) / temperature), weights below min_p (of the best token's 1) removed, by inverse CDF with the
+        row's uniform number (categorical_draw.c; engine/categorical.py's draw on those weights): int64 [rows], -1
+        where a row has no finite logit. `temperatures` (> 0) and `min_p` fp32 [rows], `uniforms` fp64 [rows] in
+        [0, 1)."""
+        if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
+            raise ValueError("draw_tempered wants 2-D fp32 CPU logits with contiguous rows")
+        rows = logits.shape[0]
+        temperatures = temperatures.to(torch.float32).contiguous()
+        min_p = min_p.to(torch.float32).contiguous()
+        uniforms = uniforms.to(torch.float64).contiguous()
+        if temperatures.shape != (rows,) or min_p.shape != (rows,) or uniforms.shape != (rows,):
+            raise ValueError(f"draw_tempered wants temperatures, min_p and uniforms of [{rows}]")
+        if rows and not bool((temperatures > 0).all()):
+            raise ValueError("draw_tempered: a temperature must be positive")
+        chosen = torch.empty(rows, dtype=torch.int64)
+        if self.lib.draw_tempered(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], temperatures.data_ptr(),
+                                  min_p.data_ptr(), uniforms.data_ptr(), chosen.data_ptr(),
+                                  torch.get_num_threads()) != 0:
+            raise MemoryError("draw_tempered could not allocate its scratch")
+        return chosen
 
     def scatter_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
         """dst[p, rows[t]] = src[p, t] for dst [P, S, ...] contiguous and src [P, T, ...] of the same dtype whose

@@ -164,7 +164,7 @@ class LLMEngine:
             weights=precision.labels()["weights"],
         )
         self.intake = RequestIntake(model_cfg.vocab_size, self.max_model_len, self.grammar, self._layout)
-        self.step = EngineStep(self.scheduler, self.runner, Sampler(config.seed, self.grammar), self._layout,
+        self.step = EngineStep(self.scheduler, self.runner, Sampler(config.seed, self.grammar, self.kernels.cpu), self._layout,
                                self.eos_token_ids, self.max_model_len, self._finish)
         self._refusal_listener: Callable[[str], None] | None = None
         self._commands: queue.Queue[object] = queue.Queue()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from qwenserve.engine import categorical
 from qwenserve.engine.grammar import GrammarBackend
 from qwenserve.engine.outputs import TokenLogprob
 from qwenserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from qwenserve.cpu_kernels.library import CpuKernels
 
 # How many of a row's highest logits a top-p filter without top_k looks at before it sorts the whole row.
 CANDIDATES = 1024
@@ -48,11 +51,13 @@ def position_seed(seed: int, position: int) -> int:
 class Sampler:
     """Vectorised sampling over a batch of logits rows."""
 
-    def __init__(self, seed: int = 0, grammar: GrammarBackend | None = None) -> None:
+    def __init__(self, seed: int = 0, grammar: GrammarBackend | None = None,
+                 cpu_kernels: CpuKernels | None = None) -> None:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
         self._row_generator = torch.Generator()
         self.grammar = grammar
+        self._cpu_kernels = cpu_kernels  # the whole-vocabulary draw in one C call where they loaded
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample one token per row of `logits` [num_rows, vocab] (fp32, CPU); logprobs where asked for."""
@@ -97,13 +102,8 @@ class Sampler:
         narrow = sorted(set(range(len(rows))) - set(whole))
         if whole:
             sub = logits if len(whole) == len(rows) else logits[whole]
-            # exp((logit - max) / T): the draw needs no normalised probabilities, and min_p compares with the
-            # best token's weight, which is 1.
-            weights = sub.sub(sub.max(dim=-1, keepdim=True).values).div_(temps[whole]).exp_()
-            min_p = torch.tensor([rows[i].params.min_p for i in whole], dtype=weights.dtype)[:, None]
-            if bool((min_p > 0).any()):
-                weights.masked_fill_(weights < min_p, 0.0)
-            chosen[whole] = categorical.draw(weights, uniforms[whole])
+            chosen[whole] = self._draw_whole(sub, temps[whole], torch.tensor([rows[i].params.min_p for i in whole],
+                                                                              dtype=logits.dtype), uniforms[whole])
         if narrow:
             sub = logits if len(narrow) == len(rows) else logits[narrow]
             picked, incomplete = self._draw_among_candidates(sub, temps[narrow], [top_k[i] for i in narrow],
@@ -114,6 +114,20 @@ class Sampler:
                 picked[incomplete] = categorical.draw(torch.softmax(filtered, dim=-1), uniforms[again])
             chosen[narrow] = picked
         return chosen.tolist()
+
+    def _draw_whole(self, logits: torch.Tensor, temps: torch.Tensor, min_p: torch.Tensor,
+                    uniforms: torch.Tensor) -> torch.Tensor:
+        """Rows drawn over the whole vocabulary: weights exp((logit - max) / T) (the draw needs no normalised
+        probabilities, and min_p compares with the best token's weight, which is 1), in one C call where the kernels
+        loaded (rows with no finite logit take PyTorch's form, as everywhere else)."""
+        if self._cpu_kernels is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            chosen = self._cpu_kernels.draw_tempered(logits, temps[:, 0], min_p, uniforms)
+            if bool((chosen >= 0).all()):
+                return chosen
+        weights = logits.sub(logits.max(dim=-1, keepdim=True).values).div_(temps).exp_()
+        if bool((min_p > 0).any()):
+            weights.masked_fill_(weights < min_p[:, None], 0.0)
+        return categorical.draw(weights, uniforms)
 
     @staticmethod
     def _draw_among_candidates(
