@@ -138,7 +138,7 @@ class Sampler:
         vocabulary (18 ms a 152k row here against 0.7 for its top 20). A row without top_k whose top_p nucleus
         is not complete inside the candidates is listed as incomplete (its token here is not to be used)."""
         width = min(max(k if k > 0 else CANDIDATES for k in top_k), logits.shape[1])
-        values, ids = logits.topk(width, dim=-1)  # a positive temperature keeps the order
+        values, ids = categorical.topk(logits, width)  # a positive temperature keeps the order
         values = values / temps
         ranks = torch.arange(width)[None, :]
         remove = ranks >= torch.tensor([k if k > 0 else width for k in top_k])[:, None]

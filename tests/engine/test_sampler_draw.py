@@ -96,3 +96,19 @@ def test_argmax_equals_torch_argmax_first_of_ties_and_past_the_last_whole_block(
         values[3, :] = 0.0
         values[4, 5] = values[4, n - 1] = 50.0
         assert torch.equal(categorical.argmax(values), values.argmax(dim=-1)), n
+
+
+def test_topk_takes_the_largest_values_as_torch_topk_across_blocks_ties_and_a_partial_block() -> None:
+    gen = torch.Generator().manual_seed(4)
+    for n in (151_936, 5_000 + 37, 300):  # whole blocks; a partial last block; too few blocks (torch.topk)
+        values = torch.randn(6, n, generator=gen) * 3
+        values[1] = values[1].round()  # many ties, the k-th value among them
+        values[2, -2:] = 50.0  # the largest past the last whole block
+        values[3, : n // 2] = float("-inf")
+        values[4, 7 * categorical.BLOCK : 8 * categorical.BLOCK] = 40.0  # one block holds all of the top
+        for k in (1, 20, 50):
+            top, ids = categorical.topk(values, k)
+            expected = values.topk(k, dim=-1).values
+            assert torch.equal(top, expected), (n, k)
+            assert torch.equal(values.gather(1, ids), expected), (n, k)  # indices of those values
+            assert all(len(set(row)) == k for row in ids.tolist()), (n, k)  # k distinct entries
