@@ -39,6 +39,9 @@ __attribute__((target("amx-tile"))) static inline void amx_configure(void) {
         config.rows[t] = AMX_ROWS;
         config.colsb[t] = 64;
     }
+    /* GCC does not see ldtilecfg read the struct: inlined into some callers it dropped the stores above (the rows
+     * and widths) and the instruction faulted. The barrier makes them happen first. */
+    __asm__ volatile("" : : "r"(&config) : "memory");
     _tile_loadconfig(&config);
 }
 
