@@ -69,7 +69,7 @@ def topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     whole = n - n % BLOCK
     if k <= 0 or k * BLOCK * 4 > whole:
         return values.topk(k, dim=-1)
-    blocks = values[:, :whole].view(rows, -1, BLOCK)
+    blocks = values[:, :whole].reshape(rows, -1, BLOCK)
     chosen = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [rows, k]
     candidates = blocks.gather(1, chosen[:, :, None].expand(rows, k, BLOCK)).reshape(rows, k * BLOCK)
     ids = (chosen[:, :, None] * BLOCK + torch.arange(BLOCK)).reshape(rows, k * BLOCK)
