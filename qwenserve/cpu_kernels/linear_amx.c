@@ -9,9 +9,9 @@
  * A strip's k-blocks are contiguous, so a few rows' product streams each strip once from memory in order (the
  * hardware prefetcher follows it, helped by software prefetches).
  *
- * Work: blocks of MBLOCK rows x STRIPS_PER_ITEM strips, spread over the threads. Within one, each strip meets every
- * 32 rows of the block while it is in L2, with 2 x 2 C tiles (32 rows x 32 columns) accumulated over all of k:
- * 4 tile loads per 4 tile products. */
+ * Work: blocks of rows (X_BLOCK_BYTES of x, held in L2) x STRIPS_PER_ITEM strips, spread over the threads. Within
+ * one, each strip meets every 32 rows of the block while it is in L2, with 2 x 2 C tiles (32 rows x 32 columns)
+ * accumulated over all of k: 4 tile loads per 4 tile products. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,7 +19,10 @@
 
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__GNUC__) && __GNUC__ >= 11
 #include "amx_tiles.h"
-#define MBLOCK 256          /* rows of x a work item covers: 512 KiB of a 1,024-input x, held in L2 */
+/* The bytes of x a work item covers: its rows stay in L2 (2 MiB on the AMX Xeon) while each strip streams past them
+ * once, so the more rows, the fewer times the weight is read. 0.6B's linears at 2,048 rows, in one process against
+ * 512 KiB: 0.84-0.94x the time over three runs (1.5, 2 and 4 MiB slower than 1); the same at 32 to 512 rows. */
+#define X_BLOCK_BYTES (1 << 20)
 #define STRIPS_PER_ITEM 4   /* strips a work item covers */
 
 /* x's rows in tile order: one buffer per calling thread (the OpenMP team reads it). */
@@ -35,7 +38,9 @@ AMX_BF16_TARGET int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const u
     if (k % AMX_K != 0 || k == 0 || !amx_permitted()) return -3;
     if (num_threads < 1) num_threads = 1;
     const int64_t strips = (n + STRIP - 1) / STRIP, kblocks = k / AMX_K, row_blocks = (m + BLOCK_ROWS - 1) / BLOCK_ROWS;
-    const int64_t row_items = (m + MBLOCK - 1) / MBLOCK, strip_items = (strips + STRIPS_PER_ITEM - 1) / STRIPS_PER_ITEM;
+    /* rows a work item covers: a multiple of 32, at least 32 */
+    const int64_t fit = X_BLOCK_BYTES / (2 * k) / BLOCK_ROWS * BLOCK_ROWS, mblock = fit > 0 ? fit : BLOCK_ROWS;
+    const int64_t row_items = (m + mblock - 1) / mblock, strip_items = (strips + STRIPS_PER_ITEM - 1) / STRIPS_PER_ITEM;
     const size_t elem = y_fp32 ? 4 : 2;
     uint16_t *xt = amx_scratch_get(&rows_scratch, (size_t)(row_blocks * BLOCK_ROWS * k) * 2);
     if (xt == NULL) return -1;
@@ -58,12 +63,12 @@ AMX_BF16_TARGET int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const u
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t ri = 0; ri < row_items; ri++)
             for (int64_t si = 0; si < strip_items; si++) {
-                const int64_t row_end = (ri + 1) * MBLOCK < m ? (ri + 1) * MBLOCK : m;
+                const int64_t row_end = (ri + 1) * mblock < m ? (ri + 1) * mblock : m;
                 const int64_t strip_end = (si + 1) * STRIPS_PER_ITEM < strips ? (si + 1) * STRIPS_PER_ITEM : strips;
                 for (int64_t s = si * STRIPS_PER_ITEM; s < strip_end; s++) {
                     const uint16_t *b = tiles + s * kblocks * 2 * TILE_ELEMS;
                     const int width = n - s * STRIP < STRIP ? (int)(n - s * STRIP) : STRIP;
-                    for (int64_t r0 = ri * MBLOCK; r0 < row_end; r0 += BLOCK_ROWS) {
+                    for (int64_t r0 = ri * mblock; r0 < row_end; r0 += BLOCK_ROWS) {
                         const int rows = row_end - r0 < BLOCK_ROWS ? (int)(row_end - r0) : BLOCK_ROWS;
                         amx_strip_block(xt + r0 * k, b, kblocks, c);
                         amx_store_block(c, (char *)y + (size_t)(r0 * n + s * STRIP) * elem, n, (int)y_fp32, rows, width);
