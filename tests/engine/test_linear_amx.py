@@ -22,8 +22,9 @@ BF16 = torch.bfloat16
 AMX = "amx_bf16" in builder.cpu_flags()
 AMX_OBJECTS = ("x86-64-v4", "x86-64-v4-bf16")  # the objects built with AMX tiles
 # (n, k): n not a multiple of 32 (a half strip of zero columns), one k-block, several, the 0.6B's down projection;
-# inputs so wide that a work item covers 64 rows of x, and only 32 (linear_amx.c's X_BLOCK_BYTES of them).
-SHAPES = [(16, 32), (48, 64), (80, 96), (1040, 1024), (48, 8192), (16, 33792)]
+# inputs so wide that a work item covers 64 rows of x, and only 32 (linear_amx.c's X_BLOCK_BYTES of them); whole
+# strips only, whose bf16 rows are streamed around the caches.
+SHAPES = [(16, 32), (48, 64), (80, 96), (1040, 1024), (48, 8192), (16, 33792), (96, 64), (1024, 2048)]
 ROWS = (1, 15, 16, 17, 31, 33, 70, 300)
 
 
