@@ -28,7 +28,7 @@ from qwenserve.v1 import (
     prefill_pb2_grpc,
     router_pb2,
 )
-from tests.support.clusters import router_stub
+from tests.support.clusters import WORKER_ENV, router_stub
 from tests.support.metrics import metric
 from tests.support.ports import free_port
 
@@ -60,7 +60,10 @@ async def _generate(address: str, ids: list[int], **kw: object) -> tuple[list[in
 
 
 def _reference(model: Path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    engine = LLMEngine.from_pretrained(model, EngineConfig(kv_cache_memory_gb=0.05, num_threads=1))
+    # The workers' precision (WORKER_ENV): under `auto` a start-up probe picks bf16 or fp32 for the tiny model by a
+    # few microseconds either way, and the tokens of the two differ.
+    engine = LLMEngine.from_pretrained(model, EngineConfig(kv_cache_memory_gb=0.05, num_threads=1,
+                                                           dtype=WORKER_ENV["QWENSERVE_DTYPE"]))
     try:
         return engine.generate_sync(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     finally:

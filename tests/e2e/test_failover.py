@@ -14,7 +14,7 @@ from qwenserve.engine.engine import LLMEngine
 from qwenserve.engine.sampling_params import SamplingParams
 from qwenserve.launcher import LocalCluster
 from qwenserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.support.clusters import make_cluster
+from tests.support.clusters import WORKER_ENV, make_cluster
 
 STREAM_TOKENS = 300
 
@@ -33,7 +33,10 @@ def _prompts() -> list[list[int]]:
 
 
 def _reference(model: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    engine = LLMEngine.from_pretrained(model, EngineConfig(kv_cache_memory_gb=0.1, num_threads=1))
+    # The workers' precision (WORKER_ENV): under `auto` a start-up probe picks bf16 or fp32 for the tiny model by a
+    # few microseconds either way, and the tokens of the two differ.
+    engine = LLMEngine.from_pretrained(model, EngineConfig(kv_cache_memory_gb=0.1, num_threads=1,
+                                                           dtype=WORKER_ENV["QWENSERVE_DTYPE"]))
     try:
         return engine.generate_sync(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     finally:
