@@ -31,9 +31,10 @@ from tests.support.engine_checkpoints import load_reference, random_prompts, ref
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler: the kernels cannot be built here")
 
-# Rows: decode's few (the 4-row tiles: 1, 3) and more than a tile (17: the 8-row tiles and a tail of 1). Rows of
-# bf16 values take the 16-bit integer dot products at 4 bits in the AVX2 and AVX-512 objects.
-ROWS = (1, 3, 17)
+# Rows: decode's few (the 4-row tiles: 1, 3; 1 and 2 the byte dot products of the AVX512_VNNI object) and more than
+# a tile (17: the 8-row tiles and a tail of 1). Rows of bf16 values take the 16-bit integer dot products at 4 bits in
+# the AVX2 and AVX-512 objects.
+ROWS = (1, 2, 3, 17)
 # (k, n): k odd (a 4-bit word part empty at the end) and not a multiple of the group size, n not a multiple of a panel
 # (16) or of a strip (4 panels): the last panel's padded columns are dropped.
 SHAPES = ((37, 129), (200, 48), (257, 33))
@@ -129,6 +130,22 @@ def test_every_variant_multiplies_the_codes_as_the_dequantized_weight(
                                           f"bf16 x={bf16} outliers={outliers}: {worst:.2f}x the bound")
     finally:
         torch.set_num_threads(previous)
+
+
+@needs_compiler
+def test_the_byte_dot_products_equal_the_16_bit_pair_products_bit_for_bit(variant_kernels: dict[str, CpuKernels]) -> None:
+    """One or two bf16 rows at 4 bits: AVX512_VNNI's object splits x's 16-bit integers into bytes (vpdpbusd), the
+    AVX-512 object multiplies them as pairs; both sum the same integers, so their results are the same bits."""
+    if not {"x86-64-v4-bf16", "x86-64-v4"} <= variant_kernels.keys():
+        pytest.skip("this CPU cannot run both AVX-512 objects")
+    gen = torch.Generator().manual_seed(29)
+    for k, n in (*SHAPES, (1024, 192), (3072, 64)):
+        for group_size in (32, 128, None):
+            weight = QuantWeight.pack(*random_quantized(n, k, 4, group_size, gen), 4, group_size)
+            for rows in (1, 2):
+                x = with_outliers(torch.randn(rows, k, generator=gen), gen).to(torch.bfloat16).float()
+                got, want = (variant_kernels[v].linear_quant(x, weight) for v in ("x86-64-v4-bf16", "x86-64-v4"))
+                assert torch.equal(got, want), f"rows={rows} k={k} n={n} group={group_size}"
 
 
 @needs_compiler
