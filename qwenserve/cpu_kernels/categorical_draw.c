@@ -129,3 +129,48 @@ int draw_tempered(const float *logits, int64_t stride, int64_t rows, int64_t n, 
     }
     return failed ? -1 : 0;
 }
+
+/* The index of the first largest entry of a row, as torch.argmax (a NaN counts as the largest: the first NaN), in one
+ * pass: each lane keeps its largest value and where it first saw it, then the lanes holding the row's largest give
+ * the smallest index. A greedy row's token: PyTorch's two-level form took ~0.24 ms on a 152k row fresh from the LM
+ * head in a batch-1 decode step on the AMX Xeon (~1% of a W4A16 step). */
+static int64_t argmax_row(const float *x, int64_t n) {
+    vexp best = {0.0f};
+    best -= INFINITY;
+    vexpi at, idx, nan = {0};
+    for (int i = 0; i < EXP_LANES; i++) at[i] = idx[i] = i;
+    int64_t j = 0;
+    for (; j + EXP_LANES <= n; j += EXP_LANES) {
+        vexp v;
+        memcpy(&v, x + j, sizeof v);
+        nan |= (vexpi)(v != v);
+        const vexpi above = (vexpi)(v > best);
+        best = (vexp)(((vexpi)v & above) | ((vexpi)best & ~above));
+        at = (idx & above) | (at & ~above);
+        idx += EXP_LANES;
+    }
+    int found = 0;
+    for (int i = 0; i < EXP_LANES; i++) found |= nan[i];
+    for (int64_t t = j; t < n; t++) found |= x[t] != x[t];
+    if (found) {
+        for (int64_t t = 0; t < n; t++)
+            if (x[t] != x[t]) return t;
+    }
+    float top = -INFINITY;
+    int64_t chosen = 0;
+    if (j > 0) {
+        for (int i = 0; i < EXP_LANES; i++) top = best[i] > top ? best[i] : top;
+        chosen = j;
+        for (int i = 0; i < EXP_LANES; i++)
+            if (best[i] == top && at[i] < chosen) chosen = at[i];
+    }
+    for (; j < n; j++)
+        if (x[j] > top || (j == 0 && n > 0)) top = x[j], chosen = j;
+    return chosen;
+}
+
+/* chosen[r] = argmax_row of each of `rows` rows of logits (fp32, row r at logits + r * stride, n > 0 entries). */
+void argmax_rows(const float *logits, int64_t stride, int64_t rows, int64_t n, int64_t *chosen, int64_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) chosen[r] = argmax_row(logits + r * stride, n);
+}

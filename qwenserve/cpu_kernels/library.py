@@ -42,6 +42,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.apply_token_bitmask.argtypes = [pointer, i64, pointer, i64, pointer, i64, i64]
     lib.draw_tempered.restype = ctypes.c_int
     lib.draw_tempered.argtypes = [pointer, i64, i64, i64] + [pointer] * 4 + [i64]
+    lib.argmax_rows.restype = None
+    lib.argmax_rows.argtypes = [pointer, i64, i64, i64, pointer, i64]
     lib.kv_scatter_rows.restype = None
     lib.kv_scatter_rows.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64, i64, i64]
     lib.gated_delta_step.restype = ctypes.c_int
@@ -337,6 +339,17 @@ class CpuKernels:
                                   min_p.data_ptr(), uniforms.data_ptr(), chosen.data_ptr(),
                                   torch.get_num_threads()) != 0:
             raise MemoryError("draw_tempered could not allocate its scratch")
+        return chosen
+
+    def argmax(self, values: torch.Tensor) -> torch.Tensor:
+        """Per row of `values` [rows, n] (fp32 CPU, rows contiguous, n > 0), the index of its first largest entry, as
+        torch.argmax (a NaN counts as the largest): a greedy row's token, in one pass (categorical_draw.c)."""
+        if (values.dim() != 2 or values.dtype != torch.float32 or values.device.type != "cpu"
+                or values.stride(1) != 1 or values.shape[1] == 0):
+            raise ValueError("argmax wants 2-D fp32 CPU values with contiguous, non-empty rows")
+        chosen = torch.empty(values.shape[0], dtype=torch.int64)
+        self.lib.argmax_rows(values.data_ptr(), values.stride(0), values.shape[0], values.shape[1], chosen.data_ptr(),
+                             torch.get_num_threads())
         return chosen
 
     def scatter_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:

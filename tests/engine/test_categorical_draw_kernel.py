@@ -86,3 +86,39 @@ def test_the_sampler_with_the_kernel_follows_the_reference_distribution() -> Non
         assert bool((expected[tokens] > 0).all()), f"{params}: drew a token the filters remove"
         bound = 5 * (expected * (1 - expected) / rows).sqrt() + 1e-3
         assert bool(((seen - expected).abs() <= bound).all()), f"{params}: frequencies off the reference"
+
+
+@pytest.mark.parametrize("variant", [v.name for v in builder.machine_variants()])
+def test_every_variant_picks_the_first_largest_entry_as_torch_argmax(
+        variant: str, variant_kernels: dict[str, CpuKernels]) -> None:
+    if variant not in variant_kernels:
+        pytest.skip(f"this CPU cannot run {variant}")
+    kernels = variant_kernels[variant]
+    gen = torch.Generator().manual_seed(12)
+    for n in (151_936, 1_037, 17, 16, 5, 1):  # whole vectors, a partial one, less than one
+        rows = torch.randn(12, n + 3, generator=gen)[:, :n]  # strided rows
+        rows[1] = rows[1].round()  # ties everywhere: the first of the largest
+        rows[2] = float("-inf")
+        rows[3, -1] = 100.0  # in the tail
+        rows[4, 0] = 100.0
+        rows[5, n // 2] = float("nan")  # NaN counts as the largest, as in torch.argmax
+        rows[6, n - 1] = float("nan")
+        rows[6, 0] = float("inf")
+        rows[7] = 0.0
+        rows[8, n // 3] = rows[8, (2 * n) // 3] = 50.0
+        got = kernels.argmax(rows)
+        assert torch.equal(got, rows.argmax(dim=-1)), f"{variant} n={n}: {got.tolist()}"
+    with pytest.raises(ValueError):
+        kernels.argmax(torch.zeros(3, 0))
+
+
+def test_the_sampler_takes_greedy_rows_argmax_in_the_kernel() -> None:
+    kernels = loader.load()
+    if kernels is None:
+        pytest.skip("the C kernels do not load here")
+    logits = torch.randn(6, 1_000, generator=torch.Generator().manual_seed(5))
+    rows = [SamplingRow(SamplingParams(temperature=0.0 if i % 2 else 0.8), [], []) for i in range(6)]
+    with mock.patch.object(kernels, "argmax", wraps=kernels.argmax) as picked:
+        tokens = Sampler(seed=1, cpu_kernels=kernels)(logits, rows)[0]
+    assert picked.call_count == 1
+    assert [tokens[i] for i in (1, 3, 5)] == logits[1::2].argmax(dim=-1).tolist()
