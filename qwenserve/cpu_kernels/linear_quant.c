@@ -125,6 +125,18 @@ static inline vecf loadh(const uint16_t *p) {
 #define SPLATI(s) ((veci){S4(s)})
 #endif
 
+/* x[0] + ... + x[count - 1] in fp32, QPLANES partial sums (one running sum waited on each add: 5 us of a 3,072-input
+ * row's preparation, more than the rest of it). */
+static float sum_of(const float *x, int64_t count) {
+    vecf acc = SPLATF(0.0f);
+    int64_t i = 0;
+    for (; i + QPLANES <= count; i += QPLANES) acc += loadf(x + i);
+    float s = 0.0f;
+    for (int l = 0; l < QPLANES; l++) s += acc[l];
+    for (; i < count; i++) s += x[i];
+    return s;
+}
+
 /* Rows [0, rows) of x against panels [q, q + panels), over all k, into tot[r][16 * p + j] (column 16 (q + p) + j of
  * row r; x, xsum and tot already offset to the tile's first row and panel). At 4 bits x is `xt`, k8 wide, input i
  * of each octet divided by the power of two its nibble carries in place (exact), so a nibble costs one and, one
@@ -410,10 +422,42 @@ static void any_dot_tile(const uint32_t *xp, const float *unit, const float *xsu
 /* Whether every value of x is a bf16 (its low 16 bits zero): a bf16 model's activations are, and then the 16-bit
  * integer blocks above hold them exactly but for a block's smallest values. */
 static int all_bf16(const float *x, int64_t count) {
-    const uint32_t *bits = (const uint32_t *)x;
+    vecu lanes = (vecu)SPLATI(0);
+    int64_t i = 0;
+    for (; i + QPLANES <= count; i += QPLANES) {
+        vecu v;
+        memcpy(&v, x + i, sizeof v);
+        lanes |= v;
+    }
     uint32_t low = 0;
-    for (int64_t i = 0; i < count; i++) low |= bits[i] & 0xFFFFu;
-    return low == 0;
+    for (int l = 0; l < QPLANES; l++) low |= lanes[l];
+    for (; i < count; i++) {
+        uint32_t v;
+        memcpy(&v, x + i, sizeof v);
+        low |= v;
+    }
+    return (low & 0xFFFFu) == 0;
+}
+
+/* The power of two p in [-126, 127] (its exponent bits: ldexpf is a libm call, and this runs per 32 inputs). */
+static inline float pow2f(int p) {
+    const uint32_t bits = (uint32_t)(p + 127) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* A block whose largest |x| lies below 2^(MIN_BLOCK_EXPONENT - 1) is scaled as if it were that large: its scale
+ * 2^(15 - e) stays a finite float (frexpf's e of a smaller value overflowed it) and its values are held to 2^-126. */
+#define MIN_BLOCK_EXPONENT (-111)
+
+/* e with `largest` (> 0) in [2^(e-1), 2^e), as frexpf, from its exponent bits; at least MIN_BLOCK_EXPONENT (a
+ * subnormal reads as -126). */
+static inline int block_exponent(float largest) {
+    uint32_t bits;
+    memcpy(&bits, &largest, sizeof bits);
+    const int e = (int)((bits >> 23) & 0xFF) - 126;
+    return e < MIN_BLOCK_EXPONENT ? MIN_BLOCK_EXPONENT : e;
 }
 
 /* Row r's inputs as 16-bit integer pairs `pairs` (k8 / 2 words, input 2i low, 2i + 1 high) in blocks of FIX_OCTETS
@@ -433,12 +477,11 @@ static void fix_row(const float *xr, int64_t k, int64_t k8, int64_t group, uint3
             const __m512 v0 = _mm512_maskz_loadu_ps((__mmask16)((1u << n0) - 1), xr + lo);
             const __m512 v1 = _mm512_maskz_loadu_ps((__mmask16)((1u << n1) - 1), xr + lo + 16);
             const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            int e = 0;
-            if (largest > 0.0f) frexpf(largest, &e); /* largest in [2^(e-1), 2^e) */
+            const int e = largest > 0.0f ? block_exponent(largest) : 0; /* largest in [2^(e-1), 2^e) */
             /* x * 2^(15 - e) lies in (-2^15, 2^15); a bf16 |x| tops out at (255/128) 2^(e-1), 32640 here. Rounded
              * to nearest even (the default MXCSR). */
-            const __m512 scale = _mm512_set1_ps(largest > 0.0f ? ldexpf(1.0f, 15 - e) : 0.0f);
-            for (int64_t o = b; o < b_end; o++) unit[o] = largest > 0.0f ? ldexpf(1.0f, e - 15) : 0.0f;
+            const __m512 scale = _mm512_set1_ps(largest > 0.0f ? pow2f(15 - e) : 0.0f);
+            for (int64_t o = b; o < b_end; o++) unit[o] = largest > 0.0f ? pow2f(e - 15) : 0.0f;
             const int64_t words = (b_end - b) * OCTET / 2; /* 4 per octet */
             const __m256i h0 = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, scale)));
             const __m256i h1 = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, scale)));
@@ -447,10 +490,9 @@ static void fix_row(const float *xr, int64_t k, int64_t k8, int64_t group, uint3
 #else
             float largest = 0.0f;
             for (int64_t i = lo; i < hi; i++) largest = fabsf(xr[i]) > largest ? fabsf(xr[i]) : largest;
-            int e = 0;
-            if (largest > 0.0f) frexpf(largest, &e);
-            const float scale = largest > 0.0f ? ldexpf(1.0f, 15 - e) : 0.0f;
-            for (int64_t o = b; o < b_end; o++) unit[o] = largest > 0.0f ? ldexpf(1.0f, e - 15) : 0.0f;
+            const int e = largest > 0.0f ? block_exponent(largest) : 0;
+            const float scale = largest > 0.0f ? pow2f(15 - e) : 0.0f;
+            for (int64_t o = b; o < b_end; o++) unit[o] = largest > 0.0f ? pow2f(e - 15) : 0.0f;
             int16_t *halves = (int16_t *)(pairs + lo / 2);
             for (int64_t i = lo; i < b_end * OCTET; i++) halves[i - lo] = i < hi ? (int16_t)rintf(xr[i] * scale) : 0;
 #endif
@@ -495,9 +537,7 @@ int linear_quant(const float *x, const uint8_t *codes, const uint16_t *scales, c
         const float *xr = x + r * k;
         for (int64_t g = 0; g < groups; g++) {
             const int64_t i1 = (g + 1) * group < k ? (g + 1) * group : k;
-            float s = 0.0f;
-            for (int64_t i = g * group; i < i1; i++) s += xr[i];
-            xsum[r * groups + g] = s;
+            xsum[r * groups + g] = sum_of(xr + g * group, i1 - g * group);
         }
         if (bits == 4 && dot) {
 #if defined(FIX_DOT)

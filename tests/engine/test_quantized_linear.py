@@ -149,6 +149,22 @@ def test_the_byte_dot_products_equal_the_16_bit_pair_products_bit_for_bit(varian
 
 
 @needs_compiler
+def test_tiny_bf16_rows_stay_finite_and_near_the_reference(variant_kernels: dict[str, CpuKernels]) -> None:
+    """A 16-bit block whose largest |x| is below 2^-112 is scaled as one of 2^-112 (its scale 2^(15 - e) would
+    overflow fp32): held to 2^-126, never inf or NaN."""
+    gen = torch.Generator().manual_seed(31)
+    codes, scales, zeros = random_quantized(48, 200, 4, 64, gen)
+    weight = QuantWeight.pack(codes, scales, zeros, 4, 64)
+    reference = dequantized(codes, scales, zeros, torch.arange(200) // 64)
+    x = (torch.randn(2, 200, generator=gen) * torch.tensor([2.0**-120, 2.0**-140])[:, None]).to(torch.bfloat16).float()
+    for name, kernels in variant_kernels.items():
+        y = kernels.linear_quant(x, weight)
+        error = (y.double() - x.double() @ reference.double().T).abs()
+        bound = 2.0**-127 * (codes.double().abs() * scales[:, torch.arange(200) // 64].double().abs()).sum(dim=1) + 1e-45
+        assert bool(torch.isfinite(y).all()) and bool((error <= bound).all()), name
+
+
+@needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_multiplies_bf16_rounded_rows_by_the_dequantized_weight(
         threads: int, variant_kernels: dict[str, CpuKernels]) -> None:
