@@ -61,6 +61,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_decode_attention_bf16_io.argtypes = ([pointer, i64] + [pointer] * 2 + [i64, pointer, i64, pointer, pointer]
                                                    + [i64] * 6 + [ctypes.c_float, i64])
     lib.paged_decode_dp_supports.restype, lib.paged_decode_dp_supports.argtypes = ctypes.c_int, [i64]
+    lib.release_thread_pool.restype, lib.release_thread_pool.argtypes = ctypes.c_int64, []
     lib.decode_stack_bf16.restype = ctypes.c_int
     lib.decode_stack_bf16.argtypes = [pointer, i64, pointer, i64] + [pointer] * 5 + [i64] * 2 + [pointer, i64, pointer]
     return lib
@@ -351,6 +352,12 @@ class CpuKernels:
         self.lib.argmax_rows(values.data_ptr(), values.stride(0), values.shape[0], values.shape[1], chosen.data_ptr(),
                              torch.get_num_threads())
         return chosen
+
+    def release_thread_pool(self) -> bool:
+        """Hand back the calling thread's OpenMP worker threads (thread_pool.c): once a thread is done with parallel
+        work, so that the threads that go on (an engine's compute loop) are not throttled as oversubscribed. False
+        where this build cannot."""
+        return bool(self.lib.release_thread_pool())
 
     def scatter_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
         """dst[p, rows[t]] = src[p, t] for dst [P, S, ...] contiguous and src [P, T, ...] of the same dtype whose

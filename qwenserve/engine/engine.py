@@ -197,6 +197,11 @@ class LLMEngine:
         )
         self._thread = threading.Thread(target=self._loop, name="qwenserve-engine", daemon=True)
         self._thread.start()
+        if kernels.cpu is not None:
+            # This thread's OpenMP workers (loading and packing ran here) would otherwise stay beside the loop's own:
+            # libgomp then counts more threads than cores and puts every worker to sleep at each region's end
+            # (thread_pool.c).
+            kernels.cpu.release_thread_pool()
 
     def _fit_max_model_len(self, max_positions: int, kv: KVCapacity) -> int:
         """This engine's max_model_len: one request of that length fits in its KV cache (resolve_max_model_len
@@ -442,7 +447,12 @@ class LLMEngine:
         try:
             with torch.inference_mode():
                 while True:
-                    if not self._drain_commands(block=not self.scheduler.has_work()):
+                    idle = not self.scheduler.has_work()
+                    if idle and self.kernels.cpu is not None:
+                        # An idle engine holds no OpenMP workers, so that another engine's in this process (a
+                        # benchmark's, a test's) are not throttled by them; the next step starts its own again.
+                        self.kernels.cpu.release_thread_pool()
+                    if not self._drain_commands(block=idle):
                         break
                     if self.scheduler.has_work():
                         self._step_started = time.monotonic()
