@@ -94,8 +94,10 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
     block_size = config.block_size or default_block_size(device, dtype)
     # A bf16 model's prompts attended on AMX tiles where the CPU has them (the kernel declines elsewhere too).
     amx_prefill = device.type == "cpu" and dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
+    # Without AMX, PyTorch's bf16 attention runs slower than its fp32 one (torch_backend.py): prompts in fp32 there.
+    widen_prefill = device.type == "cpu" and dtype == torch.bfloat16 and not amx_prefill
     attention = select_backend(backend, device, dtype, block_size, cpu if device.type == "cpu" else None,
-                               amx_prefill)
+                               amx_prefill, widen_prefill)
     ops = model_ops(config, device, precision, cpu)
     quantized = kept_quantization(config, device, cpu, model, dtype)
     pack_codes = None

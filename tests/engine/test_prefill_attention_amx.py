@@ -147,7 +147,7 @@ def test_the_backend_attends_prefill_chunks_on_amx_and_the_rest_as_before(monkey
     assert select_kernels(EngineConfig(dtype="bfloat16"), CPU).attention.name == "torch+amx_prefill"
     assert select_kernels(EngineConfig(dtype="float32"), CPU).attention.name == "torch"
     monkeypatch.setattr(engine_kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
-    assert select_kernels(EngineConfig(dtype="bfloat16"), CPU).attention.name == "torch"
+    assert select_kernels(EngineConfig(dtype="bfloat16"), CPU).attention.name == "torch+fp32_prefill"
     gen = torch.Generator().manual_seed(5)
     q, k, v = qkv_views(20, 4, 2, 32, gen)
     first = AttentionBatch(num_decodes=0, query_lens=[20], context_lens=[20], block_tables=[[0, 1]],
@@ -186,3 +186,33 @@ def test_the_backend_attends_prefill_chunks_on_amx_and_the_rest_as_before(monkey
     exact = attend(q.double(), k.double(), v.double())[16:]
     for result in results:
         assert (result.double() - exact).abs().max() <= 2 * (attend(q, k, v).double()[16:] - exact).abs().max() + 1e-3
+
+
+def test_without_amx_a_bf16_models_prompts_are_attended_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine/kernels.py widens a bf16 model's prefill attention where the CPU has no AMX (flags stood in): a first
+    chunk and a later one (keys partly cached) give fp32 attention of the same bf16 q, k, v rounded once, as near the
+    exact as PyTorch's bf16 attention; fp32 models and AMX CPUs are left as they were."""
+    from qwenserve.engine import kernels as engine_kernels
+    for flags in ({"avx2"}, {"avx512f", "avx512_bf16"}):
+        monkeypatch.setattr(engine_kernels, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert select_kernels(EngineConfig(dtype="bfloat16"), CPU).attention.name == "torch+fp32_prefill"
+        assert select_kernels(EngineConfig(dtype="float32"), CPU).attention.name == "torch"
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = qkv_views(37, 4, 2, 64, gen)
+    backend = select_backend("torch", CPU, BF16, 16, None, widen_prefill=True)
+    wide = attend(q.float(), k.float(), v.float()).to(BF16)
+    exact = attend(q.double(), k.double(), v.double())
+    first = AttentionBatch(num_decodes=0, query_lens=[37], context_lens=[37], block_tables=[[0, 1, 2]],
+                           slot_mapping=torch.arange(37))
+    k_cache, v_cache = torch.zeros(3, 16, 2, 64, dtype=BF16), torch.zeros(3, 16, 2, 64, dtype=BF16)
+    ours = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(first, CPU)).view(37, 4, 64)
+    torch.testing.assert_close(ours.float(), wide.float(), rtol=2**-7, atol=2**-8)  # within a bf16 rounding
+    assert (ours.double() - exact).abs().max() <= (attend(q, k, v).double() - exact).abs().max()
+    # A later chunk: its first 32 keys cached (blocks 2 and 0), the last 5 its own.
+    later = AttentionBatch(num_decodes=0, query_lens=[5], context_lens=[37], block_tables=[[2, 0, 1]],
+                           slot_mapping=torch.arange(16, 21))
+    k_cache, v_cache = torch.zeros(3, 16, 2, 64, dtype=BF16), torch.zeros(3, 16, 2, 64, dtype=BF16)
+    k_cache[2], v_cache[2], k_cache[0], v_cache[0] = k[:16], v[:16], k[16:32], v[16:32]
+    ours = backend.forward(q[32:], k[32:], v[32:], k_cache, v_cache, backend.prepare(later, CPU)).view(5, 4, 64)
+    torch.testing.assert_close(ours.float(), wide[32:].float(), rtol=2**-7, atol=2**-8)
+    assert (ours.double() - exact[32:]).abs().max() <= (attend(q, k, v).double()[32:] - exact[32:]).abs().max()

@@ -35,13 +35,14 @@ def default_block_size(device: torch.device, dtype: torch.dtype) -> int:
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int,
-                   cpu_kernels: CpuKernels | None = None, amx_prefill: bool = False) -> AttentionBackend:
+                   cpu_kernels: CpuKernels | None = None, amx_prefill: bool = False,
+                   widen_prefill: bool = False) -> AttentionBackend:
     """"auto" picks flash-attn on CUDA with fp16/bf16 and a compatible block size, the torch backend
     otherwise; "torch" and "flash_attn" force one (the latter fails loudly when it cannot run). The torch backend
     runs CPU decode rows in `cpu_kernels` when given, and with `amx_prefill` a bf16 model's first prefill chunks on
-    AMX tiles (engine/kernels.py decides)."""
+    AMX tiles, or with `widen_prefill` in fp32 (engine/kernels.py decides)."""
     if name == "torch":
-        return TorchAttentionBackend(block_size, cpu_kernels, amx_prefill)
+        return TorchAttentionBackend(block_size, cpu_kernels, amx_prefill, widen_prefill)
     if name == "flash_attn":
         if not flash_attn_available():
             raise RuntimeError("attention backend 'flash_attn' requested but flash_attn or CUDA is unavailable")
@@ -50,4 +51,4 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, block_si
         raise ValueError(f"unknown attention backend {name!r}; use auto, torch or flash_attn")
     if _flash_usable(device, dtype) and block_size % FLASH_BLOCK_MULTIPLE == 0:
         return FlashAttentionBackend(block_size)
-    return TorchAttentionBackend(block_size, cpu_kernels, amx_prefill)
+    return TorchAttentionBackend(block_size, cpu_kernels, amx_prefill, widen_prefill)

@@ -8,7 +8,9 @@ already a large matrix product. A bf16 model's prefill attention is PyTorch's bf
 faster than fp32's at a 2,000-token prompt, where attention was half of the prefill's time), or on a CPU with AMX our
 kernel on AMX tiles (prefill_attention.c; engine/kernels.py chooses), which reads a later chunk's cached keys where
 they lie (PyTorch's needs them gathered first: a 2,048-token prompt in 512-token chunks spent 14% of its samples in
-PyTorch's attention and 8% in the gathers); an fp32 model's over a bf16 cache widens the keys it reads.
+PyTorch's attention and 8% in the gathers); an fp32 model's over a bf16 cache widens the keys it reads. On a CPU without
+AMX PyTorch's bf16 attention is the slower one (2,000 tokens, 16 heads, an AVX512_BF16 Xeon: 146-159 ms a layer in bf16,
+96-105 ms in fp32), so there a bf16 model's prefill chunks are attended in fp32 and rounded back.
 """
 
 from __future__ import annotations
@@ -38,14 +40,18 @@ class TorchAttentionMeta:
 class TorchAttentionBackend:
     """Default backend: SDPA over blocks gathered from the pool."""
 
-    def __init__(self, block_size: int, cpu_kernels: CpuKernels | None = None, amx_prefill: bool = False) -> None:
+    def __init__(self, block_size: int, cpu_kernels: CpuKernels | None = None, amx_prefill: bool = False,
+                 widen_prefill: bool = False) -> None:
         """`cpu_kernels`: send fp32 CPU decode rows to their paged-decode kernel (None: gather and SDPA);
         `amx_prefill`: attend a bf16 model's prefill chunks over a bf16 cache on AMX tiles (prefill_attention.c) where
-        the kernel runs, PyTorch's flash attention where it declines."""
+        the kernel runs, PyTorch's flash attention where it declines; `widen_prefill`: a bf16 model's prefill chunks
+        attended by PyTorch in fp32 (a CPU without AMX, where its bf16 attention is the slower)."""
         self.block_size = block_size
         self.cpu_kernels = cpu_kernels
         self.amx_prefill = amx_prefill and cpu_kernels is not None
-        self.name = "torch+amx_prefill" if self.amx_prefill else "torch"
+        self.widen_prefill = widen_prefill and not self.amx_prefill
+        self.name = ("torch+amx_prefill" if self.amx_prefill else "torch+fp32_prefill" if self.widen_prefill
+                     else "torch")
         # Reused buffers for gathered keys and values. A fresh multi-megabyte tensor per layer is
         # mmap'ed by the allocator and page-faulted on first touch, which costs more than the copy itself on CPU.
         self._workspace: list[torch.Tensor | None] = [None, None]
@@ -149,14 +155,15 @@ class TorchAttentionBackend:
                 if self.cpu_kernels.prefill_attention_amx(q[start : start + qlen], keys, values, head_dim**-0.5,
                                                           out[start : start + qlen], slots) is not None:
                     continue
-            qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0)
+            wide = torch.float32 if self.widen_prefill else q.dtype
+            qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0).to(wide)
             if blocks is None:
-                ks = k[start : start + qlen].transpose(0, 1).unsqueeze(0)
-                vs = v[start : start + qlen].transpose(0, 1).unsqueeze(0)
+                ks = k[start : start + qlen].transpose(0, 1).unsqueeze(0).to(wide)
+                vs = v[start : start + qlen].transpose(0, 1).unsqueeze(0).to(wide)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
             else:
-                ks = self._gather(k_cache, blocks, 0).view(-1, kv_heads, head_dim)[:ctx].to(q.dtype)
-                vs = self._gather(v_cache, blocks, 1).view(-1, kv_heads, head_dim)[:ctx].to(q.dtype)
+                ks = self._gather(k_cache, blocks, 0).view(-1, kv_heads, head_dim)[:ctx].to(wide)
+                vs = self._gather(v_cache, blocks, 1).view(-1, kv_heads, head_dim)[:ctx].to(wide)
                 ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
                 # Query i sits at absolute position ctx - qlen + i and sees keys up to it.
                 causal = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
