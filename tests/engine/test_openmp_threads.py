@@ -4,14 +4,17 @@ throttles them (every parallel region's end then sleeps on a futex)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from unittest import mock
 
 import pytest
-import torch
 
 from qwenserve.cpu_kernels.library import CpuKernels
 from qwenserve.engine.engine import LLMEngine
@@ -20,39 +23,48 @@ from qwenserve.engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a pool of one thread has no workers to release")
 
 
-def os_threads() -> int:
+# Run in a fresh interpreter, where no other thread comes or goes while the threads are counted: for each object
+# named, the workers a parallel region starts, whether releasing frees them, and whether a later region starts them
+# again.
+COUNT_WORKERS = """
+import json, os, sys, time
+from pathlib import Path
+import torch
+from qwenserve.cpu_kernels import loader
+from qwenserve.cpu_kernels.library import CpuKernels
+
+def threads():
     return len(os.listdir("/proc/self/task"))
 
-
-def settles_at(count: int, timeout: float = 5.0) -> bool:
-    """Whether the process's thread count comes down to `count` (released workers exit on their own time)."""
-    deadline = time.monotonic() + timeout
-    while os_threads() != count and time.monotonic() < deadline:
+def settles_at(count):
+    deadline = time.monotonic() + 5
+    while threads() != count and time.monotonic() < deadline:
         time.sleep(0.01)
-    return os_threads() == count
+    return threads() == count
+
+torch.set_num_threads(2)
+for path in sys.argv[1:]:
+    kernels = CpuKernels(loader._open(Path(path), "test"), path)
+    before = threads()
+    torch.ones(2**22).sum()
+    seen = {"during": threads() - before, "released": kernels.release_thread_pool(), "after": settles_at(before)}
+    torch.ones(2**22).sum()
+    seen["again"] = threads() - before
+    seen["released again"] = kernels.release_thread_pool()
+    seen["after again"] = settles_at(before)
+    print(json.dumps(seen))
+"""
 
 
 def test_every_variant_releases_the_calling_threads_workers(variant_kernels: dict[str, CpuKernels]) -> None:
-    for name, kernels in variant_kernels.items():
-        seen: dict[str, object] = {}
-
-        def work(kernels: CpuKernels = kernels, seen: dict[str, object] = seen) -> None:
-            # A fresh thread: its pool is its own, whatever the test process's other threads hold.
-            before = os_threads()
-            torch.ones(2**22).sum()  # a parallel region: this thread's pool gets its workers
-            seen["during"] = os_threads() - before
-            seen["released"] = kernels.release_thread_pool()
-            seen["after"] = settles_at(before)
-            torch.ones(2**22).sum()  # the thread can still run parallel work: a new pool
-            seen["again"] = os_threads() - before
-            seen["released again"] = kernels.release_thread_pool()
-
-        thread = threading.Thread(target=work)
-        thread.start()
-        thread.join(timeout=30)
-        assert seen["during"] == torch.get_num_threads() - 1, (name, seen)
-        assert seen["released"] and seen["after"], (name, seen)
-        assert seen["again"] == seen["during"] and seen["released again"], (name, seen)
+    paths = [kernels.lib._name for kernels in variant_kernels.values()]
+    run = subprocess.run([sys.executable, "-c", COUNT_WORKERS, *paths], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr
+    results = [json.loads(line) for line in run.stdout.splitlines()]
+    for name, seen in zip(variant_kernels, results, strict=True):
+        assert seen == {"during": 1, "released": True, "after": True, "again": 1, "released again": True,
+                        "after again": True}, (name, seen)
 
 
 def test_an_engine_releases_its_builders_pool_and_its_loops_when_idle(
