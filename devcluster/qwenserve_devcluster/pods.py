@@ -73,6 +73,7 @@ class PodRunner:
         self.log = log
         self.pods: dict[str, Pod] = {}
         self._reported: dict[str, dict[str, Any]] = {}  # last status written per Deployment
+        self._stopping: set[asyncio.Task[None]] = set()
 
     # -- the control loop ----------------------------------------------------------------------------
 
@@ -179,7 +180,17 @@ class PodRunner:
         pod.terminating, pod.ready = True, False
         if pod.task is not None:
             pod.task.cancel()
-        asyncio.create_task(self._terminate(pod, pre_stop=True), name=f"stop {pod.name}")
+        # Held until done (the loop keeps only a weak reference to a task); a failure is logged and the pod forgotten
+        # all the same (_terminate). An old decode pod once stayed "stopping" for minutes in a full `make test` with
+        # nothing logged: whatever ends such a task now says so.
+        task = asyncio.create_task(self._terminate(pod, pre_stop=True), name=f"stop {pod.name}")
+        self._stopping.add(task)
+        task.add_done_callback(self._stopped)
+
+    def _stopped(self, task: asyncio.Task[None]) -> None:
+        self._stopping.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log(f"{task.get_name()}: {type(task.exception()).__name__}: {task.exception()}")
 
     async def stop_all(self) -> None:
         """Stop every pod at once (no preStop wait) and remove their namespaces."""
@@ -198,12 +209,14 @@ class PodRunner:
                 await self._write_status(pod)
             sleep = pod.container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
             await asyncio.sleep(min(float(sleep), grace))
-        await _kill(pod.process, max(0.0, deadline - time.monotonic()))
-        await asyncio.to_thread(self.network.remove_pod, pod.name)
-        shutil.rmtree(pod.dir / "volumes", ignore_errors=True)
-        self.pods.pop(pod.name, None)
-        with contextlib.suppress(Exception):
-            await self.api.delete(PODS, self.namespace, pod.name)
+        try:
+            await _kill(pod.process, max(0.0, deadline - time.monotonic()))
+            await asyncio.to_thread(self.network.remove_pod, pod.name)
+        finally:
+            shutil.rmtree(pod.dir / "volumes", ignore_errors=True)
+            self.pods.pop(pod.name, None)
+            with contextlib.suppress(Exception):
+                await self.api.delete(PODS, self.namespace, pod.name)
 
     async def _keep_running(self, pod: Pod) -> None:
         """Start the container; restart it when it exits or fails liveness (restartPolicy Always)."""
