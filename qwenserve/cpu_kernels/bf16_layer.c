@@ -140,31 +140,13 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, uint16_t *out, int64
                                                     out + r * out_stride, n);
 }
 
-/* The products a bf16 model's few decode rows run in fp32 kernels, with its bf16 rows in and out: widened into
- * scratch, the fp32 kernel, the result rounded back. Two PyTorch conversions per product at a decode step cost more
- * than the conversions themselves. */
-void linear_packed_bf16(const float *x, const uint16_t *wp, float *y, int64_t m, int64_t k, int64_t n,
-                        int64_t num_threads);
+/* The attention a bf16 model's few decode rows run in the fp32-row kernel, with its bf16 rows in and out: widened
+ * into scratch, the fp32 kernel, the result rounded back. Two PyTorch conversions per call at a decode step cost more
+ * than the conversions themselves. (The products' bf16 rows in and out are linear.c's linear_packed_bf16_io.) */
 int paged_decode_attention_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t num_blocks,
                                 const int64_t *block_table, int64_t table_stride, const int64_t *context_lens,
                                 float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                                 int64_t block_size, float scale, int64_t num_threads);
-
-/* y [m, n] bf16 = x [m, k] bf16 (row stride x_stride) times the bf16 panels. Returns -1 when scratch could not be
- * allocated (y untouched). */
-int linear_packed_bf16_io(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t m,
-                          int64_t k, int64_t n, int64_t num_threads) {
-    if (m <= 0) return 0;
-    float *xf = malloc(sizeof(float) * (size_t)(m * k + m * n));
-    if (!xf) return -1;
-    float *yf = xf + m * k;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) xf[r * k + i] = widen_bf16(x[r * x_stride + i]);
-    linear_packed_bf16(xf, wp, yf, m, k, n, num_threads);
-    for (int64_t i = 0; i < m * n; i++) y[i] = round_bf16(yf[i]);
-    free(xf);
-    return 0;
-}
 
 int paged_decode_dp_supports(int64_t dim);
 int paged_decode_attention_bf16_dp(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,

@@ -12,17 +12,17 @@
  * with the unprefetched kernel in one process on the AMX Xeon (1, 2 and 8 KiB ahead: within 4% of 4). */
 #define PANEL_PREFETCH_BYTES 4096
 
-/* Rows [m0, m0 + rows) of x against panels [q, q + panels) of wp, over all k; constant rows and panels
- * (always inlined into a switch) let the accumulators live in registers. */
-static inline __attribute__((always_inline)) void TILED(panel_tile)(const float *x, const WEIGHT *wp, float *y,
-                                                                    int64_t k, int64_t n, int64_t m0, int64_t q,
-                                                                    const int rows, const int panels) {
+/* `rows` rows of x (xr, k apart) against `panels` panels from wq (k * PANEL apart), over all k, into y (rows y_stride
+ * apart); constant rows and panels (always inlined into a switch) let the accumulators live in registers. `keep`, when
+ * not NULL, receives the panels as the fp32 vectors the tile multiplied (same layout), so later tiles can read them
+ * without widening again. */
+static inline __attribute__((always_inline)) void TILED(panel_tile)(const float *xr, const WEIGHT *wq, float *y,
+                                                                    int64_t k, int64_t y_stride, const int rows,
+                                                                    const int panels, float *keep) {
     const int vecs = panels * PER_PANEL;
     vecp acc[TILE_ROWS][TILE_VECS];
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < vecs; v++) acc[r][v] = SPLAT(0.0f);
-    const float *xr = x + m0 * k;
-    const WEIGHT *wq = wp + q * k * PANEL;
     for (int64_t i = 0; i < k; i++) {
         /* Each panel is its own stream: a line of each, PANEL_PREFETCH_BYTES ahead (the hardware's streamers stop
          * at every 4 KiB page). */
@@ -31,8 +31,10 @@ static inline __attribute__((always_inline)) void TILED(panel_tile)(const float 
                 __builtin_prefetch(wq + p * k * PANEL + i * PANEL + PANEL_PREFETCH_BYTES / (int64_t)sizeof(WEIGHT));
         vecp b[TILE_VECS];
         for (int v = 0; v < vecs; v++) {
-            b[v] = LOAD_PANEL(wq + (v / PER_PANEL) * k * PANEL + i * PANEL + (v % PER_PANEL) * PLANES);
+            const int64_t at = (v / PER_PANEL) * k * PANEL + i * PANEL + (v % PER_PANEL) * PLANES;
+            b[v] = LOAD_PANEL(wq + at);
             PANEL_IN_REGISTER(b[v]);
+            if (keep) memcpy(keep + at, &b[v], sizeof(vecp));
         }
         for (int r = 0; r < rows; r++) {
             const float s = xr[r * k + i];
@@ -41,10 +43,10 @@ static inline __attribute__((always_inline)) void TILED(panel_tile)(const float 
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int v = 0; v < vecs; v++) memcpy(y + (m0 + r) * n + q * PANEL + v * PLANES, &acc[r][v], sizeof(vecp));
+        for (int v = 0; v < vecs; v++) memcpy(y + r * y_stride + v * PLANES, &acc[r][v], sizeof(vecp));
 }
 
-#define PANEL_TILE(r, p) TILED(panel_tile)(x, wp, y, k, n, m0, q, r, p)
+#define PANEL_TILE(r, p) TILED(panel_tile)(xr, wq, y, k, y_stride, r, p, keep)
 #define TILE_OF_ROWS(p)                                                                                     \
     switch (rows) {                                                                                         \
     case 6: PANEL_TILE(6, p); break;                                                                        \
@@ -55,8 +57,8 @@ static inline __attribute__((always_inline)) void TILED(panel_tile)(const float 
     default: PANEL_TILE(1, p); break;                                                                       \
     }
 
-static void TILED(any_panel_tile)(const float *x, const WEIGHT *wp, float *y, int64_t k, int64_t n, int64_t m0,
-                                  int64_t q, int rows, int panels) {
+static void TILED(any_panel_tile)(const float *xr, const WEIGHT *wq, float *y, int64_t k, int64_t y_stride, int rows,
+                                  int panels, float *keep) {
 #if TILE_PANELS == 4
     if (panels >= 4) { TILE_OF_ROWS(4) }
     else if (panels == 3) { TILE_OF_ROWS(3) }
@@ -115,8 +117,8 @@ static void TILED(tall_panels)(const float *x, const WEIGHT *wp, float *y, int64
 
 /* x [m, k], wp [n / 16][k][16] (n a multiple of 16), y [m, n]; all contiguous. Threads take groups of panels
  * small enough to stay in L2 while every tile of x's rows passes over them. */
-void TILED(linear_packed)(const float *x, const WEIGHT *wp, float *y, int64_t m, int64_t k, int64_t n,
-                          int64_t num_threads) {
+static void TILED(panels_product)(const float *x, const WEIGHT *wp, float *y, int64_t m, int64_t k, int64_t n,
+                                  int64_t num_threads) {
     if (num_threads < 1) num_threads = 1;
     const int64_t panels = n / PANEL;
     int64_t group = GROUP_BYTES / (k * PANEL_BYTES);
@@ -132,8 +134,8 @@ void TILED(linear_packed)(const float *x, const WEIGHT *wp, float *y, int64_t m,
         for (int64_t m0 = 0; m0 < m; m0 += TILE_ROWS) {
             const int rows = m - m0 >= TILE_ROWS ? TILE_ROWS : (int)(m - m0);
             for (int64_t q = q_lo; q < q_hi; q += TILE_PANELS)
-                TILED(any_panel_tile)(x, wp, y, k, n, m0, q, rows,
-                                      q_hi - q >= TILE_PANELS ? TILE_PANELS : (int)(q_hi - q));
+                TILED(any_panel_tile)(x + m0 * k, wp + q * k * PANEL, y + m0 * n + q * PANEL, k, n, rows,
+                                      q_hi - q >= TILE_PANELS ? TILE_PANELS : (int)(q_hi - q), NULL);
         }
     }
 }

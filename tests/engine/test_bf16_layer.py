@@ -105,7 +105,7 @@ def test_the_kernels_refuse_what_they_cannot_read(variant_kernels: dict[str, Cpu
         kernels.qk_norm_rope_bf16(q, q.clone(), None, None, cos[:1], cos[:1], 1e-6)
 
 
-@pytest.mark.parametrize(("m", "k", "n"), [(1, 1024, 3072), (3, 40, 48), (9, 200, 80)])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1024, 3072), (3, 40, 48), (9, 200, 80), (55, 200, 80)])
 def test_the_bf16_io_product_is_the_fp32_product_of_widened_rows_rounded_once(variant_kernels: dict[str, CpuKernels],
                                                                              m: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(m * k + n)
