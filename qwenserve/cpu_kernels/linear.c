@@ -157,7 +157,8 @@ static inline void store_bf16(uint16_t *p, vecp v) {
     memcpy(p, &h, sizeof h);
 }
 
-/* Panels [q_lo, q_hi) of bf16 wp for all m rows of xf, through `wide` (the group widened to fp32, same layout):
+/* Panels [q_lo, q_hi) of bf16 wp for all m rows of xf, through `wide` (the group widened to fp32, each tile's panels
+ * interleaved):
  * into fp32 y (rows n apart) or, when yb is set, through `stage` (TILE_ROWS rows of the group's columns) rounded
  * into bf16 yb (rows n apart). */
 static void widened_group(const float *xf, const uint16_t *wp, float *wide, float *stage, float *y, uint16_t *yb,
@@ -170,11 +171,14 @@ static void widened_group(const float *xf, const uint16_t *wp, float *wide, floa
         for (int64_t q = q_lo; q < q_hi; q += TILE_PANELS) {
             const int panels = q_hi - q >= TILE_PANELS ? TILE_PANELS : (int)(q_hi - q);
             float *kept = wide + (q - q_lo) * k * PANEL;
-            /* The first rows read the bf16 panels from memory (the tile's prefetch hides it) and keep them widened. */
+            /* The first rows read the bf16 panels from memory (the tile's prefetch hides it) and keep them widened,
+             * the tile's panels interleaved. */
             if (m0 == 0)
-                any_panel_tile_bf16(xf, wp + q * k * PANEL, out + (q - q_lo) * PANEL, k, out_stride, rows, panels, kept);
+                any_panel_tile_bf16(xf, wp + q * k * PANEL, k * PANEL, PANEL, out + (q - q_lo) * PANEL, k, out_stride,
+                                    rows, panels, kept);
             else
-                any_panel_tile(xf + m0 * k, kept, out + (q - q_lo) * PANEL, k, out_stride, rows, panels, NULL);
+                any_panel_tile(xf + m0 * k, kept, PANEL, panels * PANEL, out + (q - q_lo) * PANEL, k, out_stride, rows,
+                               panels, NULL);
         }
         if (yb)
             for (int r = 0; r < rows; r++)

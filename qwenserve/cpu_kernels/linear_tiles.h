@@ -12,13 +12,15 @@
  * with the unprefetched kernel in one process on the AMX Xeon (1, 2 and 8 KiB ahead: within 4% of 4). */
 #define PANEL_PREFETCH_BYTES 4096
 
-/* `rows` rows of x (xr, k apart) against `panels` panels from wq (k * PANEL apart), over all k, into y (rows y_stride
- * apart); constant rows and panels (always inlined into a switch) let the accumulators live in registers. `keep`, when
- * not NULL, receives the panels as the fp32 vectors the tile multiplied (same layout), so later tiles can read them
- * without widening again. */
-static inline __attribute__((always_inline)) void TILED(panel_tile)(const float *xr, const WEIGHT *wq, float *y,
-                                                                    int64_t k, int64_t y_stride, const int rows,
-                                                                    const int panels, float *keep) {
+/* `rows` rows of x (xr, k apart) against `panels` panels from wq, over all k, into y (rows y_stride apart); a
+ * panel's vector at step i lies at wq + panel * pstride + i * kstride (packed panels: k * PANEL and PANEL). Constant
+ * rows and panels (always inlined into a switch) let the accumulators live in registers. `keep`, when not NULL,
+ * receives the panels as the fp32 vectors the tile multiplied, interleaved (pstride PANEL, kstride panels * PANEL:
+ * one stream of consecutive lines for the tiles that read them again). */
+static inline __attribute__((always_inline)) void TILED(panel_tile)(const float *xr, const WEIGHT *wq, int64_t pstride,
+                                                                    int64_t kstride, float *y, int64_t k,
+                                                                    int64_t y_stride, const int rows, const int panels,
+                                                                    float *keep) {
     const int vecs = panels * PER_PANEL;
     vecp acc[TILE_ROWS][TILE_VECS];
     for (int r = 0; r < rows; r++)
@@ -28,13 +30,12 @@ static inline __attribute__((always_inline)) void TILED(panel_tile)(const float 
          * at every 4 KiB page). */
         if ((i * PANEL_BYTES) % 64 == 0)
             for (int p = 0; p < panels; p++)
-                __builtin_prefetch(wq + p * k * PANEL + i * PANEL + PANEL_PREFETCH_BYTES / (int64_t)sizeof(WEIGHT));
+                __builtin_prefetch(wq + p * pstride + i * kstride + PANEL_PREFETCH_BYTES / (int64_t)sizeof(WEIGHT));
         vecp b[TILE_VECS];
         for (int v = 0; v < vecs; v++) {
-            const int64_t at = (v / PER_PANEL) * k * PANEL + i * PANEL + (v % PER_PANEL) * PLANES;
-            b[v] = LOAD_PANEL(wq + at);
+            b[v] = LOAD_PANEL(wq + (v / PER_PANEL) * pstride + i * kstride + (v % PER_PANEL) * PLANES);
             PANEL_IN_REGISTER(b[v]);
-            if (keep) memcpy(keep + at, &b[v], sizeof(vecp));
+            if (keep) memcpy(keep + i * panels * PANEL + v * PLANES, &b[v], sizeof(vecp));
         }
         for (int r = 0; r < rows; r++) {
             const float s = xr[r * k + i];
@@ -46,7 +47,7 @@ static inline __attribute__((always_inline)) void TILED(panel_tile)(const float 
         for (int v = 0; v < vecs; v++) memcpy(y + r * y_stride + v * PLANES, &acc[r][v], sizeof(vecp));
 }
 
-#define PANEL_TILE(r, p) TILED(panel_tile)(xr, wq, y, k, y_stride, r, p, keep)
+#define PANEL_TILE(r, p) TILED(panel_tile)(xr, wq, pstride, kstride, y, k, y_stride, r, p, keep)
 #define TILE_OF_ROWS(p)                                                                                     \
     switch (rows) {                                                                                         \
     case 6: PANEL_TILE(6, p); break;                                                                        \
@@ -57,8 +58,8 @@ static inline __attribute__((always_inline)) void TILED(panel_tile)(const float 
     default: PANEL_TILE(1, p); break;                                                                       \
     }
 
-static void TILED(any_panel_tile)(const float *xr, const WEIGHT *wq, float *y, int64_t k, int64_t y_stride, int rows,
-                                  int panels, float *keep) {
+static void TILED(any_panel_tile)(const float *xr, const WEIGHT *wq, int64_t pstride, int64_t kstride, float *y,
+                                  int64_t k, int64_t y_stride, int rows, int panels, float *keep) {
 #if TILE_PANELS == 4
     if (panels >= 4) { TILE_OF_ROWS(4) }
     else if (panels == 3) { TILE_OF_ROWS(3) }
@@ -134,8 +135,8 @@ static void TILED(panels_product)(const float *x, const WEIGHT *wp, float *y, in
         for (int64_t m0 = 0; m0 < m; m0 += TILE_ROWS) {
             const int rows = m - m0 >= TILE_ROWS ? TILE_ROWS : (int)(m - m0);
             for (int64_t q = q_lo; q < q_hi; q += TILE_PANELS)
-                TILED(any_panel_tile)(x + m0 * k, wp + q * k * PANEL, y + m0 * n + q * PANEL, k, n, rows,
-                                      q_hi - q >= TILE_PANELS ? TILE_PANELS : (int)(q_hi - q), NULL);
+                TILED(any_panel_tile)(x + m0 * k, wp + q * k * PANEL, k * PANEL, PANEL, y + m0 * n + q * PANEL, k, n,
+                                      rows, q_hi - q >= TILE_PANELS ? TILE_PANELS : (int)(q_hi - q), NULL);
         }
     }
 }
