@@ -139,10 +139,10 @@ void linear_packed(const float *x, const float *wp, float *y, int64_t m, int64_t
 /* From this many rows up, a thread widens its group of bf16 panels into fp32 once, during its first tile of rows,
  * and runs the fp32 tiles over the rest: the bf16 tiles widen each panel vector at every pass of six rows, two
  * shuffle/shift instructions per four FMAs on the FMA ports, which held prefill products at ~75% of the fp32
- * kernel's rate on an AVX-512 Xeon without AMX. Measured there (the 0.6B shape's four products of a layer, alternating
- * in one process): 0.8-1.0x the bf16 tiles' time at 16-32 rows, 0.75-0.8x at 512-1280; at 12 rows (two passes)
- * 1.2x, so fewer rows keep the bf16 tiles. */
-#define WIDEN_GROUP_MIN_ROWS 24
+ * kernel's rate on an AVX-512 Xeon without AMX. Measured there (alternating in one process): the 0.6B shape's four
+ * layer products 0.75-0.8x the bf16 tiles' time at 512-1280 rows; its 112 products read from memory 0.97x at 16
+ * rows, 0.88x at 20, 1.09x at 12 (two passes), so fewer rows keep the bf16 tiles. */
+#define WIDEN_GROUP_MIN_ROWS 16
 
 typedef uint32_t vecpu __attribute__((vector_size(PLANES * 4)));
 typedef uint16_t vecph __attribute__((vector_size(PLANES * 2)));
