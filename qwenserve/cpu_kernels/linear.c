@@ -114,6 +114,18 @@ static inline vecp loadp_bf16(const uint16_t *p) {
 #define TALL_MAX_K 0
 #endif
 #define GROUP_BYTES (256 * 1024) /* a thread's group of panels, sized for L2 */
+#if TILE_PANELS == 4
+/* 7 to 15 rows (a decode step's middling batch) in one pass of up to 12 rows over 2 panels, or two of 7-8 rows,
+ * instead of passes of 6 rows over 4 panels: each panel vector is read and widened once for 12 rows instead of 6, and
+ * the weights come from memory once. */
+#define DEEP_ROWS 12
+#define DEEP_PANELS 2
+#define DEEP_MIN_M 7
+#define ACC_ROWS DEEP_ROWS
+#else
+#define DEEP_ROWS 0
+#define ACC_ROWS TILE_ROWS
+#endif
 
 #define WEIGHT float
 #define LOAD_PANEL(p) loadp(p)

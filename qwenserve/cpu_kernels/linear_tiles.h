@@ -22,7 +22,7 @@ static inline __attribute__((always_inline)) void TILED(panel_tile)(const float 
                                                                     int64_t y_stride, const int rows, const int panels,
                                                                     float *keep) {
     const int vecs = panels * PER_PANEL;
-    vecp acc[TILE_ROWS][TILE_VECS];
+    vecp acc[ACC_ROWS][TILE_VECS];
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < vecs; v++) acc[r][v] = SPLAT(0.0f);
     for (int64_t i = 0; i < k; i++) {
@@ -71,8 +71,36 @@ static void TILED(any_panel_tile)(const float *xr, const WEIGHT *wq, int64_t pst
 #endif
 }
 
-#undef PANEL_TILE
 #undef TILE_OF_ROWS
+
+#if DEEP_ROWS
+#define DEEP_OF_ROWS(p)                                                                                     \
+    switch (rows) {                                                                                         \
+    case 12: PANEL_TILE(12, p); break;                                                                      \
+    case 11: PANEL_TILE(11, p); break;                                                                      \
+    case 10: PANEL_TILE(10, p); break;                                                                      \
+    case 9: PANEL_TILE(9, p); break;                                                                        \
+    case 8: PANEL_TILE(8, p); break;                                                                        \
+    case 7: PANEL_TILE(7, p); break;                                                                        \
+    case 6: PANEL_TILE(6, p); break;                                                                        \
+    case 5: PANEL_TILE(5, p); break;                                                                        \
+    case 4: PANEL_TILE(4, p); break;                                                                        \
+    case 3: PANEL_TILE(3, p); break;                                                                        \
+    case 2: PANEL_TILE(2, p); break;                                                                        \
+    default: PANEL_TILE(1, p); break;                                                                       \
+    }
+
+/* Up to DEEP_ROWS rows against up to DEEP_PANELS panels (24 accumulators, as the 6 x 4 tiles). */
+static void TILED(any_deep_tile)(const float *xr, const WEIGHT *wq, int64_t pstride, int64_t kstride, float *y,
+                                 int64_t k, int64_t y_stride, int rows, int panels) {
+    float *keep = NULL;
+    if (panels >= 2) { DEEP_OF_ROWS(2) }
+    else { DEEP_OF_ROWS(1) }
+}
+#undef DEEP_OF_ROWS
+#endif
+
+#undef PANEL_TILE
 
 #if TILE_PANELS == 4
 static inline __attribute__((always_inline)) void TILED(tall_tile)(const float *x, const WEIGHT *wp, float *y,
@@ -132,6 +160,17 @@ static void TILED(panels_product)(const float *x, const WEIGHT *wp, float *y, in
             TILED(tall_panels)(x, wp, y, m, k, n, q_lo, q_hi);
             continue;
         }
+#if DEEP_ROWS
+        if (m >= DEEP_MIN_M && m < 2 * DEEP_ROWS) {
+            const int64_t per = m <= DEEP_ROWS ? m : (m + 1) / 2;
+            for (int64_t m0 = 0; m0 < m; m0 += per)
+                for (int64_t q = q_lo; q < q_hi; q += DEEP_PANELS)
+                    TILED(any_deep_tile)(x + m0 * k, wp + q * k * PANEL, k * PANEL, PANEL, y + m0 * n + q * PANEL, k,
+                                         n, (int)(m - m0 < per ? m - m0 : per),
+                                         q_hi - q >= DEEP_PANELS ? DEEP_PANELS : (int)(q_hi - q));
+            continue;
+        }
+#endif
         for (int64_t m0 = 0; m0 < m; m0 += TILE_ROWS) {
             const int rows = m - m0 >= TILE_ROWS ? TILE_ROWS : (int)(m - m0);
             for (int64_t q = q_lo; q < q_hi; q += TILE_PANELS)

@@ -89,7 +89,8 @@ def test_paged_decode_equals_gather_and_sdpa(heads: int, kv_heads: int, dim: int
 @pytest.mark.parametrize(("k", "n"), [(64, 16), (37, 48), (1000, 80), (1024, 4096)])
 def test_linear_packed_equals_linear(rows: int, k: int, n: int, kernels: CpuKernels) -> None:
     """Row tails of the 6-row tile, panel tails of the 4-panel tile (1, 3, 5 panels), odd k; at k <= 512 and
-    up to 16 rows the one-panel tiles of up to 12 rows (one and two passes)."""
+    up to 16 rows the one-panel tiles of up to 12 rows (one and two passes); above it, 7 to 15 rows in the two-panel
+    tiles of up to 12 rows (one and two passes)."""
     gen = torch.Generator().manual_seed(rows * k + n + 1)
     x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     packed = PackedWeight.pack(w)

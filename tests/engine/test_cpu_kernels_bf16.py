@@ -22,9 +22,10 @@ from qwenserve.models.ops import TORCH_OPS
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler: the kernels cannot be built here")
 
-# From 16 rows up a thread widens its group of panels to fp32 once (linear.c's widened_product): 17, 40, 53 and 61
-# take that path, with 6-row tiles leaving tails of 5, 4, 5 and 1.
-ROWS = (1, 2, 5, 7, 13, 17, 40, 53, 61)
+# 7 to 15 rows take tiles of up to 12 rows over 2 panels (7, 12; 13 in two passes of 7 and 6); from 16 rows up a thread
+# widens its group of panels to fp32 once (linear.c's widened_product): 17, 40, 53 and 61 take that path, with 6-row
+# tiles leaving tails of 5, 4, 5 and 1.
+ROWS = (1, 2, 5, 7, 12, 13, 17, 40, 53, 61)
 # k not a power of two, on both sides of the 512 columns up to which 16 rows or fewer take the one-panel tiles;
 # n = 16 * odd, so the 4-panel tiles leave tails of 1 and 3 panels.
 SHAPES = ((37, 48), (200, 80), (1000, 16), (1500, 208))
