@@ -250,8 +250,9 @@ class LocalCluster:
     def start(self, timeout_s: float = 180.0) -> None:
         """Start every child and wait until all are healthy; raises RuntimeError otherwise.
 
-        Ports picked here (none given) are free when picked, not always when bound: another process may take
-        one in between. A child that cannot bind its port makes a new plan with other ports, twice at most.
+        Ports picked here are free when picked, not always when bound: another process may take one in between. A
+        child that cannot bind its port makes a new plan with other ports, twice at most; the router's ports given
+        (`--port`, `--grpc-port`) stay, so a router that cannot bind one of them is an error at once.
         """
         given = (self.router_port, self.http_port)
         planned = bool(self.children)
@@ -264,8 +265,10 @@ class LocalCluster:
                 return
             except RuntimeError as e:
                 # Any child's last line counts: the others may have died of the one that could not bind.
-                taken = next((how for c in self.children if _port_taken(how := c.died() or "")), None)
-                if planned or given != (0, 0) or attempt == PORT_ATTEMPTS - 1 or taken is None:
+                culprit = next((c for c in self.children if _port_taken(c.died() or "")), None)
+                taken = culprit.died() if culprit else None
+                router_given = culprit is not None and culprit.name == "router" and given != (0, 0)
+                if planned or attempt == PORT_ATTEMPTS - 1 or taken is None or router_given:
                     raise
                 console("qwen-serve: %s; starting again on other ports (%s)", taken, e, stderr=True)
 

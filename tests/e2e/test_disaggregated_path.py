@@ -246,6 +246,32 @@ def test_bad_requests_get_invalid_argument_and_the_router_stays_up(
     assert len(asyncio.run(_generate(f"{cluster.host}:{cluster.router_port}", [4, 5, 6]))[0]) == MAX_TOKENS
 
 
+def test_a_stage_port_taken_before_it_binds_is_picked_again_with_the_routers_ports_given(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up --port/--grpc-port` fixes the router's ports, not the stages' own: one picked free and taken by another
+    process before the stage binds it (beside other test workers, once) makes a new plan, as without given ports."""
+    import socket
+
+    from qwenserve import launcher
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    first = iter([taken])  # the first port the plan picks (the tokenizer's) is the one held
+    real = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": next(first, None) or real(host))
+    cluster = LocalCluster(model=tiny_model, prefill=1, decode=1, router_port=free_port(), http_port=free_port(),
+                           env=WORKER_ENV)
+    try:
+        cluster.start(timeout_s=120)
+        assert f"127.0.0.1:{taken}" not in {c.address for c in cluster.children}
+        assert cluster.children[0].name == "tokenizer" and cluster.children[0].process.poll() is None
+    finally:
+        cluster.stop()
+        holder.close()
+
+
 def test_qwen_serve_up_prints_ready_and_stops_every_child(tiny_model: Path) -> None:
     env_port = free_port()
     proc = subprocess.Popen(
