@@ -48,15 +48,15 @@ static inline __attribute__((always_inline)) void TILED(panel_tile)(const float 
 }
 
 #define PANEL_TILE(r, p) TILED(panel_tile)(xr, wq, pstride, kstride, y, k, y_stride, r, p, keep)
-#define TILE_OF_ROWS(p)                                                                                     \
-    switch (rows) {                                                                                         \
+/* The cases of one to six rows, shared by the 6-row and the 12-row tiles' switches. */
+#define UP_TO_SIX_ROWS(p)                                                                                   \
     case 6: PANEL_TILE(6, p); break;                                                                        \
     case 5: PANEL_TILE(5, p); break;                                                                        \
     case 4: PANEL_TILE(4, p); break;                                                                        \
     case 3: PANEL_TILE(3, p); break;                                                                        \
     case 2: PANEL_TILE(2, p); break;                                                                        \
-    default: PANEL_TILE(1, p); break;                                                                       \
-    }
+    default: PANEL_TILE(1, p); break;
+#define TILE_OF_ROWS(p) switch (rows) { UP_TO_SIX_ROWS(p) }
 
 static void TILED(any_panel_tile)(const float *xr, const WEIGHT *wq, int64_t pstride, int64_t kstride, float *y,
                                   int64_t k, int64_t y_stride, int rows, int panels, float *keep) {
@@ -82,12 +82,7 @@ static void TILED(any_panel_tile)(const float *xr, const WEIGHT *wq, int64_t pst
     case 9: PANEL_TILE(9, p); break;                                                                        \
     case 8: PANEL_TILE(8, p); break;                                                                        \
     case 7: PANEL_TILE(7, p); break;                                                                        \
-    case 6: PANEL_TILE(6, p); break;                                                                        \
-    case 5: PANEL_TILE(5, p); break;                                                                        \
-    case 4: PANEL_TILE(4, p); break;                                                                        \
-    case 3: PANEL_TILE(3, p); break;                                                                        \
-    case 2: PANEL_TILE(2, p); break;                                                                        \
-    default: PANEL_TILE(1, p); break;                                                                       \
+    UP_TO_SIX_ROWS(p)                                                                                       \
     }
 
 /* Up to DEEP_ROWS rows against up to DEEP_PANELS panels (24 accumulators, as the 6 x 4 tiles). */
@@ -99,6 +94,7 @@ static void TILED(any_deep_tile)(const float *xr, const WEIGHT *wq, int64_t pstr
 }
 #undef DEEP_OF_ROWS
 #endif
+#undef UP_TO_SIX_ROWS
 
 #undef PANEL_TILE
 
