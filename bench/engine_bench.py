@@ -297,6 +297,13 @@ def interleaved_decode_steps(folder: Path, quantized: dict[str, Path], threads: 
             ms, base = statistics.median(times[name, batch]), statistics.median(times["bf16 weights + KV", batch])
             cells.append(f"{ms * 1e3:.1f} ms, {batch / ms:.1f} tok/s ({base / ms:.2f}x)")
         print(f"| {name} | " + " | ".join(cells) + " |")
+    if "W4A16 auto" in engines:
+        # Issue 30's measure, W4A16 over bf16 (`auto` on both checkpoints), paired within each round: the two are
+        # measured seconds apart, so the machine's drift over the rounds (10-20% on a shared VM) leaves the ratio.
+        for batch in batches:
+            ratios = [a / w for a, w in zip(times["auto", batch], times["W4A16 auto", batch], strict=True)]
+            print(f"\nW4A16 auto over auto at batch {batch}, each round's pair: "
+                  + ", ".join(f"{r:.2f}x" for r in ratios) + f" (median {statistics.median(ratios):.2f}x)")
 
 
 def top_predictions(engine: LLMEngine, prompts: list[list[int]]) -> list[list[tuple[tuple[int, float], ...]]]:
