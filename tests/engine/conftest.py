@@ -118,12 +118,19 @@ def make_engine(checkpoint: Callable[[str], Path]) -> Iterator[Callable[..., LLM
 
 @pytest.fixture(scope="session")
 def variant_kernels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CpuKernels]:
-    """Every C-kernel variant this CPU runs (AVX-512, AVX2, baseline x86-64), built into a folder of their own and
-    each opened by name, so a kernel is tested at every instruction-set level here, not only the one loaded."""
-    folder = tmp_path_factory.mktemp("variants")
-    built = set(builder.build_variants(folder))
+    """Every C-kernel variant this CPU runs (AVX-512, AVX2, baseline x86-64), each opened by name, so a kernel is
+    tested at every instruction-set level here, not only the one loaded: the prebuilt objects where every one of
+    them is there (named by the sources' digest, so built from these sources: scripts/setup.sh builds them), else
+    built into a folder of their own. Building them took ~60 s of the two cores on each pytest-xdist worker that
+    used them; the build itself is test_cpu_kernels.py's."""
+    supported = builder.supported_variants()
+    if all(builder.variant_path(variant).is_file() for variant in supported):
+        folder, built = builder.kernel_dir(), {builder.variant_path(variant) for variant in supported}
+    else:
+        folder = tmp_path_factory.mktemp("variants")
+        built = set(builder.build_variants(folder))
     opened = {}
-    for variant in builder.supported_variants():
+    for variant in supported:
         path = builder.variant_path(variant, folder)
         assert path in built, f"{variant.name} did not build"
         lib = loader._open(path, "test")
