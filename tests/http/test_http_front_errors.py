@@ -93,7 +93,9 @@ async def test_token_ids_outside_the_vocabulary_are_400_on_the_prompt(client: Te
 
 
 async def test_a_router_still_starting_answers_503_not_a_vocabulary_error() -> None:
-    router = Router(RouterConfig("127.0.0.1:1", [], ["127.0.0.1:1"], max_model_len=4096), detokenizer_factory=None)  # type: ignore[arg-type]
+    # A request waits for the tokenizer within the tokenizer call's bound (30 s by default) before the 503.
+    router = Router(RouterConfig("127.0.0.1:1", [], ["127.0.0.1:1"], max_model_len=4096, tokenizer_timeout_s=1.0),
+                    detokenizer_factory=None)  # type: ignore[arg-type]
     keys = KeyStore([Tenant("t")], [(key_digest("sk-test"), "t")])
     app = build_app(router, Gatekeeper(keys, InProcessRateLimiter()), "qwen-test")
     async with TestClient(TestServer(app)) as c:
