@@ -20,8 +20,8 @@ KEYS = {"tiers": {"paid": {"priority": 0}, "free": {"priority": 2}},
 OUTPUT = 40
 
 
-async def _ttft(stub: router_pb2_grpc.RouterStub, key: str, i: int) -> tuple[float, int]:
-    """Seconds to the first token, and the tokens received."""
+async def _ttft(stub: router_pb2_grpc.RouterStub, key: str, i: int) -> tuple[float, float, int]:
+    """When the request was sent, when its first token came (monotonic clock), and the tokens received."""
     request = router_pb2.GenerateRequest(prompt=f"Request {i}: tell me about the sea.")
     request.sampling.max_tokens = OUTPUT
     request.sampling.ignore_eos = True
@@ -29,10 +29,10 @@ async def _ttft(stub: router_pb2_grpc.RouterStub, key: str, i: int) -> tuple[flo
     started, first, tokens = time.monotonic(), None, 0
     async for msg in stub.Generate(request, metadata=[("authorization", f"Bearer {key}")], timeout=120):
         if msg.token_ids and first is None:
-            first = time.monotonic() - started
+            first = time.monotonic()
         tokens += len(msg.token_ids)
     assert first is not None
-    return first, tokens
+    return started, first, tokens
 
 
 def test_the_paid_tier_keeps_its_ttft_slo_while_the_free_tier_absorbs_the_queue(tiny_model: Path,
@@ -43,7 +43,7 @@ def test_the_paid_tier_keeps_its_ttft_slo_while_the_free_tier_absorbs_the_queue(
     env = {"QWENSERVE_API_KEYS_FILE": str(keys), "QWENSERVE_MAX_NUM_SEQS": "2", "QWENSERVE_PRIORITY_AGING_S": "30"}
     with make_cluster(tiny_model, tmp_path, prefill=0, decode=1, env=env) as cluster:
 
-        async def run() -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+        async def run() -> tuple[list[tuple[float, float, int]], list[tuple[float, float, int]]]:
             async with grpc.aio.insecure_channel(f"{cluster.host}:{cluster.router_port}") as channel:
                 stub = router_pb2_grpc.RouterStub(channel)
                 free = [asyncio.create_task(_ttft(stub, "sk-free", i)) for i in range(12)]
@@ -52,10 +52,12 @@ def test_the_paid_tier_keeps_its_ttft_slo_while_the_free_tier_absorbs_the_queue(
                 return await asyncio.gather(*paid), await asyncio.gather(*free)
 
         paid, free = asyncio.run(run())
-    assert all(tokens == OUTPUT for _, tokens in paid + free)  # the free tier waited, and was served
-    paid_worst = max(t for t, _ in paid)
-    free_sorted = sorted(t for t, _ in free)
-    # The SLO: no paid first token waits longer than the one or two answers running when it arrived take.
-    # Under arrival order the paid requests would wait behind most of the flood instead.
-    assert paid_worst < free_sorted[len(free_sorted) // 2], (paid, free)
-    assert paid_worst < free_sorted[-1] / 2, (paid, free)
+    assert all(tokens == OUTPUT for _, _, tokens in paid + free)  # the free tier waited, and was served
+    # The SLO, by order rather than by seconds (a loaded CI machine stretches every answer alike): once the paid
+    # requests are in, no free request starts before the last paid one does, except those holding the two slots
+    # when the paid ones arrived. Under arrival order the queued free requests go first (6 of them, seen here).
+    paid_arrived = min(started for started, _, _ in paid)
+    last_paid_first = max(first for _, first, _ in paid)
+    free_in_between = [first for _, first, _ in free if paid_arrived < first < last_paid_first]
+    assert len(free_in_between) <= 2, (paid, free)
+    assert sum(first > last_paid_first for _, first, _ in free) >= 8, (paid, free)
