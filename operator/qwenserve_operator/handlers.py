@@ -11,7 +11,10 @@ against a mock API server with their own settings.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +53,29 @@ def login(settings: kopf.OperatorSettings, logger: kopf.Logger,
     return kopf.login_via_client(settings=settings, logger=logger)
 
 
+async def until_stopped(work: Awaitable[None], stopped: kopf.DaemonStopped) -> None:
+    """Run `work`, abandoning it when `stopped` is set.
+
+    kopf removes a deleted object's finalizer only once its timers have exited, and checks again for one still
+    running only every `cancellation_polling` seconds: a pass that scrapes every pod would hold the deletion up.
+    """
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(stopped.wait())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        stop.cancel()
+    if task.done():
+        task.result()
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 def make_registry(config: OperatorConfig, connection: kopf.ConnectionInfo | None = None) -> kopf.OperatorRegistry:
     """A registry with every handler of the operator."""
     registry = kopf.OperatorRegistry()
@@ -65,6 +91,8 @@ def make_registry(config: OperatorConfig, connection: kopf.ConnectionInfo | None
     def on_startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.persistence.finalizer = f"{GROUP}/operator"
         settings.posting.level = logging.INFO  # scale decisions are INFO events
+        # A deleted object waits for its timer to exit; kopf's default re-check of a running one is 60 s later.
+        settings.background.cancellation_polling = 1.0
 
     @kopf.on.cleanup(registry=registry)
     async def on_cleanup(**_: Any) -> None:
@@ -78,8 +106,8 @@ def make_registry(config: OperatorConfig, connection: kopf.ConnectionInfo | None
         await runtime.require().reconcile(dict(body), autoscale=False)
 
     @kopf.timer(*crd, interval=config.interval, registry=registry)
-    async def autoscale(body: kopf.Body, **_: Any) -> None:
-        await runtime.require().reconcile(dict(body), autoscale=True)
+    async def autoscale(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
+        await until_stopped(runtime.require().reconcile(dict(body), autoscale=True), stopped)
 
     @kopf.on.delete(*crd, optional=True, registry=registry)
     def forget(name: str, namespace: str, **_: Any) -> None:

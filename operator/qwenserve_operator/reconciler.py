@@ -34,6 +34,14 @@ class OperatorConfig:
     scrape_timeout: float = 3.0
 
 
+@dataclass(frozen=True)
+class Scrape:
+    """What every pod of the autoscaling signals' stages answered, and when (monotonic seconds)."""
+
+    at: float
+    stages: dict[str, list[autoscaler.PodMetrics]]
+
+
 @dataclass
 class _Memory:
     """What the operator remembers about one QwenDeployment between passes (lost on restart)."""
@@ -88,16 +96,32 @@ class Reconciler:
             memory.refresh_queued = False
             body = await self.kube.get("QwenDeployment", namespace, name)
             if body is not None and not body["metadata"].get("deletionTimestamp"):
-                await self._reconcile(body, memory, autoscale=False)
+                await self._reconcile(body, memory, scraped=None)
 
     async def reconcile(self, body: dict[str, Any], autoscale: bool) -> None:
         """One pass; `autoscale` also scrapes metrics and may change replicas."""
         meta = body["metadata"]
         memory = self._memory.setdefault(f"{meta['namespace']}/{meta['name']}", _Memory())
+        # Scraped before the lock: a pod that does not answer holds a scrape up to scrape_timeout, and the
+        # create/update handlers (and so kopf's handling of a deletion behind them) must not wait for it.
+        scraped = await self._scrape(body) if autoscale else None
         async with memory.lock:
-            await self._reconcile(body, memory, autoscale)
+            await self._reconcile(body, memory, scraped)
 
-    async def _reconcile(self, body: dict[str, Any], memory: _Memory, autoscale: bool) -> None:
+    async def _scrape(self, body: dict[str, Any]) -> Scrape | None:
+        """Every autoscaling signal's source (both engine stages and the router), scraped at once; None when
+        no stage autoscales."""
+        spec = with_defaults(body.get("spec") or {})
+        if manifests.validate_spec(spec) or \
+                not any(spec["stages"][s]["autoscaling"]["enabled"] for s in AUTOSCALED_STAGES):
+            return None
+        meta = body["metadata"]
+        stages = (*AUTOSCALED_STAGES, "router")
+        found = await asyncio.gather(*(self._scrape_stage(meta["namespace"], meta["name"], s) for s in stages))
+        return Scrape(time.monotonic(), dict(zip(stages, found, strict=True)))
+
+    async def _reconcile(self, body: dict[str, Any], memory: _Memory,
+                         scraped: Scrape | None) -> None:
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
         spec = with_defaults(body.get("spec") or {})
@@ -108,8 +132,8 @@ class Reconciler:
         desired = {stage: 0 for stage in STAGES}
         if not errors:
             current = self._current_replicas(spec, old_status, memory)
-            if autoscale:
-                current, scale_notes = await self._autoscale(body, spec, current, memory)
+            if scraped is not None:
+                current, scale_notes = self._autoscale(body, spec, current, memory, scraped)
             desired = {stage: manifests.spec_replicas(spec, stage, current) for stage in STAGES}
             errors = await self._ensure_stage_secret(name, namespace, uid)
             applied, deployments = await self._apply(manifests.children(name, namespace, uid, spec, desired))
@@ -183,15 +207,13 @@ class Reconciler:
             kopf.info(body, reason="Reconciled", message="problems resolved")
         memory.last_problem = problem
 
-    async def _autoscale(self, body: dict[str, Any], spec: dict[str, Any], current: dict[str, int],
-                         memory: _Memory) -> tuple[dict[str, int], dict[str, dict[str, str]]]:
+    def _autoscale(self, body: dict[str, Any], spec: dict[str, Any], current: dict[str, int], memory: _Memory,
+                   scrape: Scrape) -> tuple[dict[str, int], dict[str, dict[str, str]]]:
+        # Both engine stages are scraped even when one scales alone: a latency miss is charged by their balance.
         enabled = [s for s in AUTOSCALED_STAGES if spec["stages"][s]["autoscaling"]["enabled"]]
         if not enabled:
             return current, {}
-        meta = body["metadata"]
-        # Both engine stages are scraped even when one scales alone: a latency miss is charged by their balance.
-        scraped = {stage: await self._scrape_stage(meta["namespace"], meta["name"], stage)
-                   for stage in (*AUTOSCALED_STAGES, "router")}
+        scraped, now = scrape.stages, scrape.at
         quantile = spec["slo"]["quantile"]
         latency = {}
         for stage, metric in (("prefill", autoscaler.TTFT), ("decode", autoscaler.ITL)):
@@ -201,7 +223,6 @@ class Reconciler:
             memory.histograms[metric] = now_buckets
         replicas = {s: manifests.spec_replicas(spec, s, current) for s in AUTOSCALED_STAGES}
         reasons: dict[str, str] = {}
-        now = time.monotonic()
         policies = {s: autoscaler.Policy.from_spec(spec, s) for s in AUTOSCALED_STAGES}
         signals = {}
         for stage in AUTOSCALED_STAGES:

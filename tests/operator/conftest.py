@@ -71,7 +71,7 @@ def kmock_options(kmock_options: dict[str, Any]) -> dict[str, Any]:
 def k8s(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
     """The kmock emulator with every resource the operator uses declared for discovery."""
     kmock.resources[QD] = kmock.ResourceInfo(kind="QwenDeployment", namespaced=True, singular="qwendeployment",
-                                             verbs={"get", "list", "watch", "patch", "create"},
+                                             verbs={"get", "list", "watch", "patch", "create", "delete"},
                                              subresources={"status"})
     for key, kind in ((DEPLOYMENTS, "Deployment"), (SERVICES, "Service"), (CONFIGMAPS, "ConfigMap"),
                       (PODS, "Pod"), (EVENTS, "Event"),
@@ -104,7 +104,7 @@ async def run_operator(k8s: kmock.KubernetesEmulator) -> AsyncIterator[Callable[
     threads: list[threading.Thread] = []
     errors: list[BaseException] = []
 
-    async def start(interval: float = 0.5) -> None:
+    async def start(interval: float = 0.5, scrape_timeout: float = 2.0) -> None:
         settings = kopf.OperatorSettings()
         settings.scanning.disabled = True
         settings.watching.reconnect_backoff = 0.1
@@ -114,7 +114,7 @@ async def run_operator(k8s: kmock.KubernetesEmulator) -> AsyncIterator[Callable[
         settings.queueing.exit_timeout = 0.1
         settings.posting.idle_timeout = 0.1
         ready = threading.Event()
-        registry = make_registry(OperatorConfig(interval=interval, scrape_timeout=2.0),
+        registry = make_registry(OperatorConfig(interval=interval, scrape_timeout=scrape_timeout),
                                  connection=kopf.ConnectionInfo(server=str(k8s.url).rstrip("/")))
 
         def run() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import time
 from typing import Any
 
 NAMESPACE = "ns1"  # the namespace the `run_operator` fixture watches
@@ -192,3 +194,33 @@ async def test_autoscaler_scales_prefill_on_queue_depth_and_posts_an_event(k8s, 
     assert stage_status["autoscaled"] is True and stage_status["desiredReplicas"] == 3
     # Decode was idle and stays at its minimum: the ratio 3:1 is inside the default 0.25..4.
     assert live(DEPLOYMENTS, "demo-decode")["spec"]["replicas"] == 1
+
+
+async def test_a_deletion_during_a_hanging_scrape_abandons_the_pass_and_the_object_goes_at_once(
+        k8s, run_operator, live, eventually, qwendeployment):
+    # A pod whose metrics port accepts and never answers: the timer's pass waits on it for the scrape timeout (30 s).
+    connections: list[asyncio.StreamWriter] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        await reader.read()  # until the client goes
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    try:
+        spec = {**SPEC, "stages": {"prefill": {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2}}}}
+        k8s.objects[QD, NAMESPACE, "demo"] = qwendeployment("demo", spec)
+        await run_operator(interval=0.3, scrape_timeout=30.0)
+        await _all_children(live, eventually)
+        k8s.objects[PODS, NAMESPACE, "demo-prefill-a"] = _pod("demo-prefill-a", "prefill",
+                                                               server.sockets[0].getsockname()[1])
+        await eventually(lambda: live(QD, "demo")["metadata"].get("finalizers"), what="the operator's finalizer")
+        await eventually(lambda: connections, what="a scrape hanging")
+        started = time.monotonic()
+        await _delete(k8s, QD, "demo")
+        # kopf removes the finalizer once the timer has exited: the pass is abandoned, not waited for.
+        await eventually(lambda: live(QD, "demo") is None, timeout=10, what="the object gone")
+        assert time.monotonic() - started < 5
+    finally:
+        for writer in connections:
+            writer.close()
+        server.close()
