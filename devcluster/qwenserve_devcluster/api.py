@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import itertools
 import json
 import re
 import threading
@@ -96,6 +97,7 @@ class ApiServer(kmock.KubernetesEmulator):
     """
 
     pod_logs: Path | None = None  # <pod_logs>/<pod name>/log, set by whoever runs the pods
+    _versions = itertools.count(1)  # resourceVersions: increasing over every object, as etcd's revision
 
     async def _handle(self, request: kmock.Request) -> Any:
         path = request.url.path
@@ -112,14 +114,17 @@ class ApiServer(kmock.KubernetesEmulator):
         if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
             if refusal := self._check_fields(request):
                 return refusal
+            # Every write makes a new resourceVersion, as on a real server. kopf tells the echo of its own patch
+            # from an event sent before it by this: with one version for every state, it took stale events for
+            # current ones and ran the create and update handlers again and again (seconds each, here).
+            request.data.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
-            meta = request.data.setdefault("metadata", {})
+            meta = request.data["metadata"]
             if not meta.get("name") and meta.get("generateName"):
                 meta["name"] = meta["generateName"] + uuid.uuid4().hex[:8]
             if request.namespace:
                 meta.setdefault("namespace", request.namespace)  # clients key their caches by namespace/name
             meta.setdefault("uid", str(uuid.uuid4()))
-            meta.setdefault("resourceVersion", "1")
             meta.setdefault("generation", 1)
             meta.setdefault("creationTimestamp",
                             datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
