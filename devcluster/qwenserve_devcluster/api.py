@@ -75,6 +75,20 @@ def label_selector(selector: str) -> Callable[[dict[str, str]], bool]:
     return lambda labels: all(check(labels) for check in checks)
 
 
+def merge_patch(target: Any, patch: Any) -> Any:
+    """`target` with a JSON merge patch (RFC 7386) applied: objects merged key by key, null removing a key, anything
+    else replacing."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
+
+
 DISCOVERY = (  # exact paths -> their document (None when not served: a 404)
     (re.compile(r"/api/?"), lambda m: api_versions()),
     (re.compile(r"/apis/?"), lambda m: api_group_list()),
@@ -89,7 +103,7 @@ class ApiServer(kmock.KubernetesEmulator):
     """kmock's emulator plus what a real API server does that the operator and kubectl rely on.
 
     On create: a name from generateName (kopf's Events use it), the path's namespace, a uid and a
-    creationTimestamp. For kubectl:
+    creationTimestamp. On every write a new resourceVersion, and on a spec change a new generation. For kubectl:
     discovery and OpenAPI v3 (discovery.py), Tables (tables.py), lists with their kind, QwenDeployment fields
     checked against the CRD under `fieldValidation=Strict`, and pod logs from the pod runner's files under
     `pod_logs`. After a delete or an update, objects whose every owner is gone are deleted (the garbage
@@ -118,6 +132,8 @@ class ApiServer(kmock.KubernetesEmulator):
             # from an event sent before it by this: with one version for every state, it took stale events for
             # current ones and ran the create and update handlers again and again (seconds each, here).
             request.data.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))
+            if request.action == kmock.action.UPDATE and request.subresource is None and "spec" in request.data:
+                self._count_generation(request)
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data["metadata"]
             if not meta.get("name") and meta.get("generateName"):
@@ -133,6 +149,16 @@ class ApiServer(kmock.KubernetesEmulator):
         finally:
             if request.action in (kmock.action.DELETE, kmock.action.UPDATE):
                 await self._collect_garbage()
+
+    def _count_generation(self, request: kmock.Request) -> None:
+        """metadata.generation one up when a patch changes the spec, as the API server counts it (status.observedGeneration
+        and a Deployment's rollout are read against it); metadata or status alone leave it."""
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or (current := self._objects[key]).deleted:
+            return
+        spec = current.raw.get("spec")
+        if merge_patch(spec, request.data["spec"]) != spec:
+            request.data["metadata"]["generation"] = int(current.raw.get("metadata", {}).get("generation", 1)) + 1
 
     def _check_fields(self, request: kmock.Request) -> aiohttp.web.Response | None:
         """A 422 naming the fields the CRD does not declare, when the client asked for strict validation."""

@@ -110,11 +110,26 @@ def _columns(output: str) -> list[dict[str, str]]:
 
 def test_apply_creates_then_changes_a_qwendeployment_and_strict_validation_names_an_unknown_field(
         api: Api, tmp_path: Path) -> None:
+    def versions() -> tuple[int, int]:
+        meta = json.loads(api.kubectl("get", "qwd", "qwen-cpu", "-o", "json").stdout)["metadata"]
+        return int(meta["resourceVersion"]), meta["generation"]
+
     created = api.kubectl("apply", "-f", str(_example(tmp_path, 1)))
     assert "qwendeployment.qwenserve.io/qwen-cpu created" in created.stdout
+    first, generation = versions()
+    assert generation == 1
     changed = api.kubectl("apply", "-f", str(_example(tmp_path, 2)))
     assert "qwendeployment.qwenserve.io/qwen-cpu configured" in changed.stdout
     assert api.kubectl("get", "qwd", "qwen-cpu", "-o", "jsonpath={.spec.stages.decode.replicas}").stdout == "2"
+    # Each write a new resourceVersion (kopf tells stale events by it); a spec change a new generation, and
+    # neither a label nor a status does.
+    second, generation = versions()
+    assert second > first and generation == 2
+    api.kubectl("label", "qwd", "qwen-cpu", "team=search")
+    api.patch("/apis/qwenserve.io/v1alpha1/namespaces/default/qwendeployments/qwen-cpu/status",
+              {"status": {"observedGeneration": 2}})
+    third, generation = versions()
+    assert third > second and generation == 2
 
     refused = api.kubectl("apply", "-f", str(_example(tmp_path, 3, replcas=3)), ok=False)
     assert refused.returncode != 0 and 'unknown field "spec.replcas"' in refused.stderr, refused.stderr
@@ -124,6 +139,7 @@ def test_apply_creates_then_changes_a_qwendeployment_and_strict_validation_names
                           "-p", '{"spec":{"stages":{"decode":{"replicas":4}}}}')
     assert "patched" in patched.stdout
     assert api.kubectl("get", "qwd", "qwen-cpu", "-o", "jsonpath={.spec.stages.decode.replicas}").stdout == "4"
+    assert versions()[1] == 3
     api.kubectl("delete", "qwendeployment", "qwen-cpu")
 
 
