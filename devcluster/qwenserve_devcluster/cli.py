@@ -167,6 +167,7 @@ async def up(args: argparse.Namespace) -> int:
         async with ApiServer() as server, kmock.Server(server) as http:
             declare_resources(server)
             server.pod_logs = state_dir / "pods"
+            server.request_log = 8  # nothing here reads past requests
             api = ApiClient(str(http.url))
             try:
                 network.open()

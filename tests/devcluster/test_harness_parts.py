@@ -1,14 +1,19 @@
-"""The dev-cluster's parts without a cluster: container paths and $(VAR) expansion, Service DNS, leftovers."""
+"""The dev-cluster's parts without a cluster: container paths and $(VAR) expansion, Service DNS, leftovers, the API
+server's bounded request log."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 
+import aiohttp
+import kmock
 import pytest
 from dnslib import QTYPE, RCODE, DNSRecord
 
+from qwenserve_devcluster.api import ApiServer, declare_resources
 from qwenserve_devcluster.container import expand, translate
 from qwenserve_devcluster.dns import ClusterDNS, resolv_conf
 from qwenserve_devcluster.network import leftovers, remove_leftovers
@@ -74,3 +79,25 @@ def test_what_a_crashed_run_left_behind_is_removed_by_its_prefix():
     finally:
         orphan.kill()
         remove_leftovers(prefix)
+
+
+def test_the_api_server_keeps_a_bounded_request_log_and_serves_on():
+    # kmock matches every request by scanning the requests it kept: unbounded, a running cluster's API slowed to
+    # 0.2-0.4 s a call within minutes. The dev cluster keeps the last few.
+    async def run() -> tuple[int, list[str]]:
+        async with ApiServer() as server, kmock.Server(server) as http:
+            declare_resources(server)
+            server.request_log = 8
+            url = str(http.url).rstrip("/") + "/api/v1/namespaces/default/configmaps"
+            async with aiohttp.ClientSession() as session:
+                for i in range(200):
+                    body = {"metadata": {"name": f"c{i}"}, "data": {"i": str(i)}}
+                    async with session.post(url, json=body) as response:
+                        assert response.status == 200, await response.text()
+                async with session.get(url) as response:
+                    names = [item["metadata"]["name"] for item in (await response.json())["items"]]
+            return len(list(server)), names
+
+    kept, names = asyncio.run(run())
+    assert kept <= 16
+    assert names == [f"c{i}" for i in range(200)]
