@@ -179,6 +179,8 @@ def weight_bytes_held(engine: LLMEngine) -> int:
     model = engine.runner.model
     held = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
     held += sum(w.nbytes for w in codes_held(model))
+    if model.lm_head_screen is not None:  # the LM head's 8-bit codes beside it (models/screened_head.py)
+        held += model.lm_head_screen.nbytes
     return held + sum(w.nbytes for m in model.modules() for w in vars(m).values() if isinstance(w, PackedWeight))
 
 
@@ -206,6 +208,8 @@ def decode_bytes_read(engine: LLMEngine, context: int) -> tuple[int, int]:
     for module in model.modules():
         read += sum(w.panels.nbytes for w in vars(module).values() if isinstance(w, PackedWeight))
         read += sum(p.nbytes for name, p in module._parameters.items() if p is not None and name != "embed_tokens")
+    if model.lm_head_screen is not None:  # a greedy step reads the head's codes, not its panels (but a few)
+        read += model.lm_head_screen.nbytes - model.lm_head.panels.nbytes
     cfg = engine.model_config
     kv = len(cfg.kv_layers) * 2 * context * cfg.num_kv_heads * cfg.head_dim * engine.runner.kv_cache.element_size()
     return read, kv
@@ -268,13 +272,15 @@ def interleaved_decode_steps(folder: Path, quantized: dict[str, Path], threads: 
     precision_rates), every engine loaded at once and measured in turn, `rounds` times: on a shared machine, load that
     comes and goes then weighs on every row alike. Prints the median of each and its ratio to bf16 weights."""
     bf16 = dict(dtype="float32", kv_cache_dtype="bfloat16", cpu_weight_dtype="bfloat16")
-    # "layer by layer": the same engine with --no-fused-decode, what the decode step's per-layer calls cost.
-    head8 = {"quantize_lm_head": "int8"}
-    settings = {"bf16 weights + KV": (folder, bf16), "auto": (folder, {}),
+    # "layer by layer": the same engine with --no-fused-decode, what the decode step's per-layer calls cost; "full LM
+    # head": with --no-screen-lm-head (the steps are greedy: screened by default, models/screened_head.py).
+    head8, full_head = {"quantize_lm_head": "int8"}, {"screen_lm_head": False}
+    settings = {"bf16 weights + KV": (folder, bf16), "auto": (folder, {}), "auto, full LM head": (folder, full_head),
                 "auto, layer by layer": (folder, {"fused_decode": False}), "auto, LM head 8-bit": (folder, head8),
                 **{name: (path, bf16) for name, path in quantized.items()}}
     if "W4A16" in quantized:
         settings["W4A16 auto"] = (quantized["W4A16"], {})
+        settings["W4A16 auto, full LM head"] = (quantized["W4A16"], full_head)
         settings["W4A16 auto, layer by layer"] = (quantized["W4A16"], {"fused_decode": False})
         settings["W4A16 auto, LM head 8-bit"] = (quantized["W4A16"], head8)
     engines = {}
@@ -300,10 +306,13 @@ def interleaved_decode_steps(folder: Path, quantized: dict[str, Path], threads: 
     if "W4A16 auto" in engines:
         # Issue 30's measure, W4A16 over bf16 (`auto` on both checkpoints), paired within each round: the two are
         # measured seconds apart, so the machine's drift over the rounds (10-20% on a shared VM) leaves the ratio.
+        pairs = [("W4A16 auto", "auto"), ("W4A16 auto, full LM head", "auto, full LM head"),
+                 ("auto", "auto, full LM head"), ("W4A16 auto", "W4A16 auto, full LM head")]
         for batch in batches:
-            ratios = [a / w for a, w in zip(times["auto", batch], times["W4A16 auto", batch], strict=True)]
-            print(f"\nW4A16 auto over auto at batch {batch}, each round's pair: "
-                  + ", ".join(f"{r:.2f}x" for r in ratios) + f" (median {statistics.median(ratios):.2f}x)")
+            for faster, slower in pairs:
+                ratios = [a / w for a, w in zip(times[slower, batch], times[faster, batch], strict=True)]
+                print(f"\n{faster} over {slower} at batch {batch}, each round's pair: "
+                      + ", ".join(f"{r:.2f}x" for r in ratios) + f" (median {statistics.median(ratios):.2f}x)")
 
 
 def top_predictions(engine: LLMEngine, prompts: list[list[int]]) -> list[list[tuple[tuple[int, float], ...]]]:

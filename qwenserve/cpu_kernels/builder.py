@@ -22,7 +22,7 @@ log = logging.getLogger("qwenserve.cpu_kernels")
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode.c", "linear.c", "linear_quant.c", "kv_checksum.c", "token_bitmask.c",
                              "gated_delta.c", "bf16_layer.c", "decode_stack.c", "linear_amx.c",
-                             "prefill_attention.c", "categorical_draw.c", "thread_pool.c"))
+                             "prefill_attention.c", "categorical_draw.c", "thread_pool.c", "head_screen.c"))
 # Included by the sources: part of what names a build.
 HEADERS = tuple(Path(__file__).with_name(name)
                 for name in ("vec8.h", "vexp.h", "linear_tiles.h", "paged_attend.h", "paged_attend_dp.h",

@@ -14,6 +14,8 @@ logits' token masks). Nothing below asks again which kernels run.
   its linear weights kept as codes and multiplied by the W4A16 / W8A16 kernel (models/quantized_linear.py); on CUDA
   where GemLite is installed and passes its start-up check, by GemLite's Triton kernels (models/gemlite_linear.py);
   unless `dequantize_weights`. Elsewhere, and for FP8, they are dequantized to the model's dtype at load, logged.
+- On a CPU with the C kernels, unless `screen_lm_head` is off (or the head is quantized itself): the LM head's 8-bit
+  codes beside it, which bound where a greedy step's largest logit can be (models/screened_head.py).
 - On CUDA, flash-attn's paged attention where it imports and the dtype and block size suit it, and a hybrid model's
   recurrences in flash-linear-attention's and causal-conv1d's kernels unless `linear_attention_kernels` is off
   (models/linear_attention_gpu.py: each only where installed and agreeing with PyTorch's forms on the device).
@@ -41,11 +43,14 @@ from qwenserve.models.fused_decode import FusedRows, with_fused_decode
 from qwenserve.models.ops import TORCH_OPS, Ops, cpu_kernel_ops
 from qwenserve.models.quantized_head import with_quantized_head
 from qwenserve.models.quantized_linear import amx_from, with_quantized_linears
+from qwenserve.models.screened_head import with_screened_head
 
 log = logging.getLogger("qwenserve.engine")
 
 # The most rows a fused decode step runs where no other product takes over: its scratch is a few rows' activations.
 FUSED_DECODE_MAX_ROWS = 256
+# The most rows a step's LM head is screened for (models/screened_head.py).
+SCREEN_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,11 @@ def select_kernels(config: EngineConfig, device: torch.device, model: ModelConfi
         else:
             log.warning("--quantize-lm-head int8 applies on a CPU with the C kernels; the LM head stays %s",
                         str(dtype).removeprefix("torch."))
+    if config.screen_lm_head and config.quantize_lm_head == "none" and device.type == "cpu" and cpu is not None:
+        # Only steps below the row count where the head's product moves to another kernel (the screen computes its
+        # candidates with the panels' product).
+        dense = precision.dense_rows if precision.weight_dtype == torch.bfloat16 else None
+        ops = with_screened_head(ops, cpu, min(SCREEN_MAX_ROWS, dense - 1) if dense else SCREEN_MAX_ROWS)
     prefill_on_tiles = amx_prefill and cpu is not None and precision.dense_product == "amx" \
         and precision.dense_rows is not None
     return KernelSet(cpu, ops, attention, block_size, precision, quantized, pack_codes, prefill_on_tiles)

@@ -89,3 +89,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def only_argmax(self) -> bool:
+        """Whether its next token is the largest raw logit and nothing else of the logits is read: greedy, no
+        penalty, no min_tokens masking, no logprobs, no grammar (the LM head may then be screened)."""
+        return (self.temperature == 0.0 and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0 and self.min_tokens == 0 and not self.logprobs
+                and self.top_logprobs == 0 and self.structured is None)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,7 +26,8 @@ from qwenserve.models.ops import Ops
 BITS = 8
 GROUP = 128
 HEAD = "lm_head"
-_ROWS_AT_ONCE = 8192  # rows quantized together: bounds the fp32 copy made at load
+# Rows quantized together: their fp32 temporaries stay in cache (Qwen3-0.6B's head in 2.1 s at 8,192, 0.8 s at 2,048).
+ROWS_AT_ONCE = 2048
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +37,36 @@ def quantize_rows(weight: torch.Tensor, bits: int = BITS, group: int = GROUP) ->
     shorter): each group's minimum and maximum span the codes, the zero point rounded to a code, the scale an fp16."""
     n, k = weight.shape
     groups = -(-k // group)
-    top = (1 << bits) - 1
     codes = torch.empty(n, k, dtype=torch.uint8)
     scales = torch.empty(n, groups)
     zeros = torch.empty(n, groups)
-    for r0 in range(0, n, _ROWS_AT_ONCE):
-        rows = weight[r0:r0 + _ROWS_AT_ONCE].float()
+    for chunk in quantized_chunks(weight, bits, group):
+        rows = slice(chunk.first, chunk.first + chunk.codes.shape[0])
+        codes[rows] = chunk.codes.view(chunk.codes.shape[0], -1)[:, :k].to(torch.uint8)
+        scales[rows], zeros[rows] = chunk.scales, chunk.zeros
+    return QuantWeight.pack(codes, scales, zeros, bits, group)
+
+
+@dataclass(frozen=True)
+class QuantizedChunk:
+    """Rows [first, first + r) of a weight quantized by `quantized_chunks`: the rows in fp32 `values` and their codes
+    (as fp32 integers) [r, groups, group] (the last group padded with zeros, which its codes hold exactly), `scales`
+    and `zeros` [r, groups]."""
+
+    first: int
+    values: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+
+def quantized_chunks(weight: torch.Tensor, bits: int = BITS, group: int = GROUP) -> Iterator[QuantizedChunk]:
+    """`weight` [n, k] quantized as `quantize_rows` does, ROWS_AT_ONCE rows at a time."""
+    n, k = weight.shape
+    groups = -(-k // group)
+    top = (1 << bits) - 1
+    for r0 in range(0, n, ROWS_AT_ONCE):
+        rows = weight[r0:r0 + ROWS_AT_ONCE].float()
         padded = torch.nn.functional.pad(rows, (0, groups * group - k))
         by_group = padded.view(rows.shape[0], groups, group)
         # Padding is 0, inside every group's span anyway once 0 is kept representable (below).
@@ -50,9 +76,7 @@ def quantize_rows(weight: torch.Tensor, bits: int = BITS, group: int = GROUP) ->
         scale = torch.where(high > low, _fp16_at_least((high - low) / top), torch.ones_like(high))
         zero = (-low / scale).round().clamp(0, top)
         q = (by_group / scale[..., None] + zero[..., None]).round_().clamp_(0, top)
-        codes[r0:r0 + rows.shape[0]] = q.view(rows.shape[0], -1)[:, :k].to(torch.uint8)
-        scales[r0:r0 + rows.shape[0]], zeros[r0:r0 + rows.shape[0]] = scale, zero
-    return QuantWeight.pack(codes, scales, zeros, bits, group)
+        yield QuantizedChunk(r0, by_group, q, scale, zero)
 
 
 def with_quantized_head(ops: Ops, kernels: CpuKernels, dtype: torch.dtype, amx_rows: int | None = None) -> Ops:

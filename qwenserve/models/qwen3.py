@@ -7,6 +7,8 @@ and the ForwardContext carries them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -14,6 +16,9 @@ from qwenserve.models.config import ModelConfig
 from qwenserve.models.forward_context import ForwardContext
 from qwenserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from qwenserve.models.ops import TORCH_OPS, Ops
+
+if TYPE_CHECKING:
+    from qwenserve.models.screened_head import ScreenedHead
 
 
 class QwenAttention(nn.Module):
@@ -133,6 +138,8 @@ class QwenForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(self.build_layer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.zero_centered_norm, self.ops)
+        # Built with the packed weights where the engine screens greedy steps' LM head (models/screened_head.py).
+        self.lm_head_screen: ScreenedHead | None = None
         rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         self.rotary = RotaryEmbedding(rotary_dim, cfg.rope, max_positions, dtype)
 
@@ -156,10 +163,17 @@ class QwenForCausalLM(nn.Module):
             x = layer(x, cos, sin, ctx)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None,
+                       only_argmax: bool = False) -> torch.Tensor:
         """Final norm and LM head for the selected rows; logits in fp32 for the sampler (in `out` [rows, vocab]
-        where the ops can use a buffer)."""
-        return self.ops.logits(self.norm(hidden), self.lm_head, out)
+        where the ops can use a buffer). `only_argmax`: the caller takes each row's largest logit (the first of equal
+        ones) and nothing else, so where the head is screened (models/screened_head.py) the others may be -inf."""
+        x = self.norm(hidden)
+        if only_argmax and self.lm_head_screen is not None:
+            logits = self.lm_head_screen.logits(x, self.lm_head, out)
+            if logits is not None:
+                return logits
+        return self.ops.logits(x, self.lm_head, out)
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """Every tensor the checkpoint must contain, mapped to the view of our parameters it fills.
