@@ -418,6 +418,7 @@ def main() -> None:
     ap.add_argument("--quantized-steps", action="store_true",
                     help="only decode step times at batch 1 and 32 of bf16 weights, auto, W8A16 and W4A16, the "
                          "engines measured in turn (robust to load on a shared machine)")
+    ap.add_argument("--rounds", type=int, default=5, help="with --quantized-steps: interleaved rounds")
     ap.add_argument("--agreement", action="store_true",
                     help="only the teacher-forced top-1 agreement of W8A16 and W4A16 with bf16 on the same weights")
     args = ap.parse_args()
@@ -431,7 +432,7 @@ def main() -> None:
         return
     if args.quantized_steps:
         interleaved_decode_steps(folder, {name: make_quantized_checkpoint(shape, name) for name in QUANTIZED},
-                                 args.threads)
+                                 args.threads, rounds=args.rounds)
         return
     if args.precisions:
         quantized = {name: make_quantized_checkpoint(shape, name) for name in QUANTIZED} if args.quantized else None
