@@ -42,6 +42,13 @@ class KubeError(Exception):
         self.status = status
 
 
+class KubeClosed(KubeError):
+    """A call made after the client was closed: the operator is stopping."""
+
+    def __init__(self) -> None:
+        super().__init__(0, "the client is closed (the operator is stopping)")
+
+
 def configuration(info: kopf.ConnectionInfo) -> client.Configuration:
     """The client library's settings for the credentials kopf logged in with."""
     if info.ca_data or info.certificate_data or info.private_key_data:
@@ -81,7 +88,7 @@ class KubeClient:
 
     async def _call(self, verb: str, kind: str, subresource: str | None = None, **arguments: Any) -> dict[str, Any]:
         if self._closed:
-            raise KubeError(0, "the client is closed (the operator is stopping)")
+            raise KubeClosed()
         method, fixed = self._method(verb, kind, subresource)
         try:
             response = await asyncio.to_thread(method, **fixed, **arguments, _preload_content=False,
