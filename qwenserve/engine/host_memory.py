@@ -18,8 +18,6 @@ import logging
 import math
 import os
 import threading
-import time
-from collections.abc import Callable
 
 import numpy
 import torch
@@ -76,12 +74,10 @@ class Prefault:
     Where the call is missing (Linux before 5.14, other systems) nothing is done and the pages fault on use."""
 
     def __init__(self, cache: torch.Tensor, block_dim: int, blocks_per_step: int = 64,
-                 when: threading.Event | None = None, machine_idle: Callable[[], bool] | None = None) -> None:
-        """`when`: populate only while it is set (an engine's idle event), one step at a time; `machine_idle`: and
-        only when it says the machine is idle too (`cpus_idle`: another process's engine may be busy on it)."""
+                 when: threading.Event | None = None) -> None:
+        """`when`: populate only while it is set (an engine's idle event), one step at a time."""
         self._stop = threading.Event()
         self._when = when
-        self._machine_idle = machine_idle
         # Plain addresses, taken here: the thread never holds the cache or calls into PyTorch, so the interpreter's
         # exit (which ends daemon threads where they stand) never finds it inside C++.
         self._steps = _populate_steps(cache, block_dim, blocks_per_step)
@@ -102,8 +98,8 @@ class Prefault:
             if madvise is None:
                 return
             for ranges in self._steps:
-                while not self._may_populate():
-                    if self._stop.wait(0.5):
+                while self._when is not None and not self._when.wait(0.5):
+                    if self._stop.is_set():
                         return
                 for start, length in ranges:
                     if self._stop.is_set():
@@ -114,35 +110,6 @@ class Prefault:
                         return
         finally:
             self.done.set()
-
-
-    def _may_populate(self) -> bool:
-        if self._when is not None and not self._when.is_set():
-            return False
-        return self._machine_idle is None or self._machine_idle()
-
-
-def cpus_idle(seconds: float = 0.1, share: float = 0.75) -> bool:
-    """Whether the machine's CPUs were idle at least `share` of the last `seconds` (/proc/stat; True where it cannot
-    be read). `up` runs a prefill and a decode engine on the same cores: one's pages populated while the other
-    decodes took a core and memory bandwidth from its steps (a W4A16 decode stream's ITL p50 35-37 ms, 30-32 without
-    the prefault)."""
-    try:
-        first = _cpu_times()
-        time.sleep(seconds)
-        second = _cpu_times()
-    except (OSError, ValueError, IndexError):
-        return True
-    busy, idle = (b - a for a, b in zip(first, second, strict=True))
-    return busy + idle <= 0 or idle >= share * (busy + idle)
-
-
-def _cpu_times() -> tuple[int, int]:
-    """(busy, idle) jiffies of all CPUs since boot: /proc/stat's first line, idle and iowait counted idle."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return sum(fields[:8]) - idle, idle
 
 
 def _populate_steps(cache: torch.Tensor, block_dim: int, blocks_per_step: int) -> list[list[tuple[int, int]]]:
