@@ -32,7 +32,7 @@ from qwenserve.engine.block_pool import BlockPool
 from qwenserve.engine.config import EngineConfig, KVCapacity, derived_max_model_len, resolve_max_model_len
 from qwenserve.engine.errors import DuplicateRequestError, EngineDeadError, EngineShutdownError
 from qwenserve.engine.grammar import GrammarBackend
-from qwenserve.engine.host_memory import Prefault, keep_freed_memory
+from qwenserve.engine.host_memory import Prefault, cpus_idle, keep_freed_memory
 from qwenserve.engine.intake import RequestIntake
 from qwenserve.engine.kernels import select_kernels
 from qwenserve.engine.kv_handoff import KVExportSink, KVImport
@@ -180,8 +180,9 @@ class LLMEngine:
         self._failure_callbacks: list[Callable[[str], None]] = []
         self._idle = threading.Event()
         self._idle.set()
-        # Only while nothing runs: populating competes with a step for the cores and the memory's bandwidth.
-        self.kv_prefault = (Prefault(self.runner.kv_cache, block_dim=2, when=self._idle)
+        # Only while nothing runs, here or beside it (`up`'s other engine): populating competes with a step for the
+        # cores and the memory's bandwidth.
+        self.kv_prefault = (Prefault(self.runner.kv_cache, block_dim=2, when=self._idle, machine_idle=cpus_idle)
                             if config.kv_prefault and device.type == "cpu" else None)
         # One per event loop that calls generate(): a step's outputs reach a loop with one wake-up.
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (

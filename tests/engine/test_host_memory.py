@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -148,3 +149,32 @@ def test_a_prefault_waits_while_its_engine_is_busy() -> None:
     idle.set()
     assert prefault.done.wait(30)
     assert _resident_pages(cache) == (pages, pages)
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or tuple(map(int, platform.release().split(".")[:2])) < (5, 14),
+                    reason="MADV_POPULATE_WRITE is Linux 5.14's")
+def test_a_prefault_waits_while_the_machine_is_busy_though_its_engine_idles() -> None:
+    """`up`'s prefill engine idles while its decode engine streams on the same cores: its pages wait for both."""
+    import threading
+
+    from qwenserve.engine.host_memory import Prefault, cpus_idle
+
+    cache = _fresh((2, 2, 2000, 16, 4, 64))
+    idle, machine = threading.Event(), threading.Event()
+    idle.set()
+    prefault = Prefault(cache, block_dim=2, blocks_per_step=100, when=idle, machine_idle=machine.is_set)
+    assert not prefault.done.wait(1.5)
+    resident, pages = _resident_pages(cache)
+    assert resident < pages // 2
+    machine.set()
+    assert prefault.done.wait(30)
+    assert _resident_pages(cache) == (pages, pages)
+    assert isinstance(cpus_idle(0.01), bool)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.5)  # started and spinning
+        assert not cpus_idle(0.2)  # every core busy
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
