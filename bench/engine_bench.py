@@ -7,6 +7,7 @@ Run by hand (not a test):
     .venv/bin/python bench/engine_bench.py --precisions             # fp32 vs bf16 KV / weights vs --dtype auto
     .venv/bin/python bench/engine_bench.py --precisions --quantized # + W8A16 (GPTQ) and W4A16 (AWQ) checkpoints
     .venv/bin/python bench/engine_bench.py --quantized-steps        # their decode steps, engines in turn
+    .venv/bin/python bench/engine_bench.py --quantized-steps --top-k 20  # the same, sampling as Qwen3 does
     .venv/bin/python bench/engine_bench.py --agreement              # W8A16 / W4A16 top-1 against bf16's
 Options: --requests N, --hf-requests N (subset for sequential generate()), --cb-requests N (for transformers'
 continuous batching), --skip-transformers.
@@ -128,12 +129,19 @@ def workload(n: int, seed: int = 0, prompt_range=(64, 512), out_range=(32, 256),
     return prompts, outputs
 
 
-def run_engine(engine: LLMEngine, prompts, out_lens) -> dict:
-    """Submit all requests at once; returns throughput, TTFT, ITL and each request's token arrival times."""
+# What a `--top-k` step samples with: Qwen3's generation_config (temperature 0.6, top_p 0.95, top_k 20).
+QWEN_SAMPLING = {"temperature": 0.6, "top_p": 0.95}
+
+
+def run_engine(engine: LLMEngine, prompts, out_lens, top_k: int = 0) -> dict:
+    """Submit all requests at once; returns throughput, TTFT, ITL and each request's token arrival times. Greedy, or
+    with `top_k` Qwen's sampling settings and that top_k."""
     import asyncio
 
+    chosen = {"temperature": 0.0} if top_k == 0 else {**QWEN_SAMPLING, "top_k": top_k}
+
     async def one(i: int, t0: float, ttft: list, itl: list, arrivals: list) -> int:
-        sampling = SamplingParams(temperature=0.0, max_tokens=out_lens[i], ignore_eos=True)
+        sampling = SamplingParams(max_tokens=out_lens[i], ignore_eos=True, seed=i, **chosen)
         last, n = None, 0
         async for out in engine.generate(f"bench-{i}-{t0}", prompts[i], sampling):
             now = time.perf_counter()
@@ -155,13 +163,13 @@ def run_engine(engine: LLMEngine, prompts, out_lens) -> dict:
     return asyncio.run(main())
 
 
-def decode_step_seconds(engine: LLMEngine, batch: int, context: int = 64, steps: int = 8) -> float:
+def decode_step_seconds(engine: LLMEngine, batch: int, context: int = 64, steps: int = 8, top_k: int = 0) -> float:
     """Median time of a decode step with exactly `batch` requests decoding (sampling included): the inter-token
     gaps after the last request got its first token and before the first one finished, when every step is
     `batch` one-token rows (earlier steps also carry prompt chunks, later ones fewer rows)."""
     prompts = [[(7 * i + j) % 1000 + 1 for j in range(context)] for i in range(batch)]
     prefill_steps = -(-batch * context // engine.scheduler.limits.max_num_batched_tokens)
-    arrivals = run_engine(engine, prompts, [steps + prefill_steps + 2] * batch)["arrivals"]
+    arrivals = run_engine(engine, prompts, [steps + prefill_steps + 2] * batch, top_k)["arrivals"]
     all_decoding, first_done = max(a[0] for a in arrivals), min(a[-1] for a in arrivals)
     gaps = sorted(b - a for times in arrivals for a, b in itertools.pairwise(times)
                   if all_decoding <= a and b <= first_done)
@@ -267,10 +275,11 @@ def precision_rates(folder: Path, threads: int | None, context: int = 1000, batc
 
 
 def interleaved_decode_steps(folder: Path, quantized: dict[str, Path], threads: int | None, rounds: int = 5,
-                             batches: tuple[int, ...] = (1, 32)) -> None:
+                             batches: tuple[int, ...] = (1, 32), top_k: int = 0) -> None:
     """Decode step times at each batch size for bf16 weights + KV, `--dtype auto` and each quantized checkpoint (as in
     precision_rates), every engine loaded at once and measured in turn, `rounds` times: on a shared machine, load that
-    comes and goes then weighs on every row alike. Prints the median of each and its ratio to bf16 weights."""
+    comes and goes then weighs on every row alike. Prints the median of each and its ratio to bf16 weights. Greedy
+    steps, or with `top_k` Qwen's sampling settings (QWEN_SAMPLING) and that top_k."""
     bf16 = dict(dtype="float32", kv_cache_dtype="bfloat16", cpu_weight_dtype="bfloat16")
     # "layer by layer": the same engine with --no-fused-decode, what the decode step's per-layer calls cost; "full LM
     # head": with --no-screen-lm-head (the steps are greedy: screened by default, models/screened_head.py).
@@ -292,10 +301,12 @@ def interleaved_decode_steps(folder: Path, quantized: dict[str, Path], threads: 
     for _ in range(rounds):
         for batch in batches:
             for name, engine in engines.items():
-                times.setdefault((name, batch), []).append(decode_step_seconds(engine, batch))
+                times.setdefault((name, batch), []).append(decode_step_seconds(engine, batch, top_k=top_k))
     for engine in engines.values():
         engine.shutdown()
-    print(f"\n| decode step, median of {rounds} interleaved rounds | " + " | ".join(f"batch {b}" for b in batches)
+    steps = "greedy" if top_k == 0 else f"sampled: top_k {top_k}, " + ", ".join(f"{k} {v}" for k, v in QWEN_SAMPLING.items())
+    print(f"\n| decode step ({steps}), median of {rounds} interleaved rounds | "
+          + " | ".join(f"batch {b}" for b in batches)
           + f" |\n|---|{'---|' * len(batches)}")
     for name in engines:
         cells = []
@@ -419,6 +430,9 @@ def main() -> None:
                     help="only decode step times at batch 1 and 32 of bf16 weights, auto, W8A16 and W4A16, the "
                          "engines measured in turn (robust to load on a shared machine)")
     ap.add_argument("--rounds", type=int, default=5, help="with --quantized-steps: interleaved rounds")
+    ap.add_argument("--top-k", type=int, default=0,
+                    help="with --quantized-steps: the steps sample with this top_k, temperature 0.6 and top_p 0.95 "
+                         "(Qwen3's generation_config) instead of greedily")
     ap.add_argument("--agreement", action="store_true",
                     help="only the teacher-forced top-1 agreement of W8A16 and W4A16 with bf16 on the same weights")
     args = ap.parse_args()
@@ -432,7 +446,7 @@ def main() -> None:
         return
     if args.quantized_steps:
         interleaved_decode_steps(folder, {name: make_quantized_checkpoint(shape, name) for name in QUANTIZED},
-                                 args.threads, rounds=args.rounds)
+                                 args.threads, rounds=args.rounds, top_k=args.top_k)
         return
     if args.precisions:
         quantized = {name: make_quantized_checkpoint(shape, name) for name in QUANTIZED} if args.quantized else None

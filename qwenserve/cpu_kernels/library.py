@@ -43,7 +43,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.draw_tempered.restype = ctypes.c_int
     lib.draw_tempered.argtypes = [pointer, i64, i64, i64] + [pointer] * 4 + [i64]
     lib.head_screen.restype = i64
-    lib.head_screen.argtypes = [pointer, i64, i64, pointer, i64] + [pointer] * 5 + [i64]
+    lib.head_screen.argtypes = [pointer, i64, i64, pointer, i64] + [pointer] * 5 + [i64, i64]
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [pointer, i64, i64, i64, pointer, i64]
     lib.kv_scatter_rows.restype = None
@@ -356,23 +356,27 @@ class CpuKernels:
         return chosen
 
     def head_screen(self, x: torch.Tensor, approx: torch.Tensor, reach: torch.Tensor, span: torch.Tensor,
-                    out: torch.Tensor | None, marks: torch.Tensor, panels: torch.Tensor) -> int:
+                    out: torch.Tensor | None, marks: torch.Tensor, panels: torch.Tensor, largest: int = 1) -> int:
         """The screened LM head's candidate panels (head_screen.c; models/screened_head.py): x [m, k] and approx
         [m, n] fp32, reach and span [n] fp32 (n a multiple of PANEL), `out` [m, n] fp32 filled with -inf (None: not),
-        `marks` uint8 and `panels` int64 [n / PANEL] as scratch and result. Returns how many panel indices it wrote
-        to `panels` (ascending), or -1 where x or the bound is not finite."""
+        `marks` uint8 and `panels` int64 [n / PANEL] as scratch and result; the panels that may hold any of each
+        row's `largest` highest logits. Returns how many panel indices it wrote to `panels` (ascending), or -1 where
+        x or the bound is not finite."""
         m, k = x.shape
         n = approx.shape[1]
         _check_cpu_fp32("head_screen", x, approx, reach, span, *(() if out is None else (out,)))
         if (approx.shape[0] != m or n % PANEL or reach.numel() != n or span.numel() != n
                 or (out is not None and out.shape != (m, n)) or marks.dtype != torch.uint8
                 or panels.dtype != torch.int64 or marks.numel() < n // PANEL or panels.numel() < n // PANEL
-                or not marks.is_contiguous() or not panels.is_contiguous()):
+                or not marks.is_contiguous() or not panels.is_contiguous() or not 1 <= largest <= n):
             raise ValueError("head_screen: x [m, k], approx and out [m, n], reach and span [n], marks and panels "
-                             "[n / 16] uint8 and int64")
-        return int(self.lib.head_screen(x.data_ptr(), m, k, approx.data_ptr(), n, reach.data_ptr(), span.data_ptr(),
-                                        None if out is None else out.data_ptr(), marks.data_ptr(), panels.data_ptr(),
-                                        torch.get_num_threads()))
+                             "[n / 16] uint8 and int64, 1 <= largest <= n")
+        count = int(self.lib.head_screen(x.data_ptr(), m, k, approx.data_ptr(), n, reach.data_ptr(),
+                                         span.data_ptr(), None if out is None else out.data_ptr(), marks.data_ptr(),
+                                         panels.data_ptr(), largest, torch.get_num_threads()))
+        if count == -2:
+            raise MemoryError("head_screen: no memory for its scratch")
+        return count
 
     def release_thread_pool(self) -> bool:
         """Hand back the calling thread's OpenMP worker threads (thread_pool.c): once a thread is done with parallel

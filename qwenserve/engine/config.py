@@ -112,12 +112,12 @@ class EngineConfig:
         help="on CPU with the C kernels: hold the LM head (and a tied embedding table) as 8-bit codes in groups of "
              "128, quantized at load: half of bf16's bytes per decode step, logits moved by the rounding (none: as "
              "the checkpoint has it)")
-    # A greedy batch-1 step reads the whole LM head; its 8-bit codes bound where the largest logit can be.
+    # A batch-1 step reads the whole LM head; its 8-bit codes bound where the largest logits can be.
     screen_lm_head: bool = option(
         True, help="on CPU with the C kernels: hold the LM head's 8-bit codes beside it (half of a bf16 head's bytes "
-                   "more memory) and, in steps of up to 4 rows whose every request is greedy with no penalties, "
-                   "logprobs or grammar, compute the full head only where the codes say the largest logit can be: "
-                   "the same tokens from about half the bytes read")
+                   "more memory) and, in steps of up to 4 rows whose every request is greedy or samples with a top_k "
+                   "up to 64, with no penalties, logprobs or grammar, compute the full head only where the codes say "
+                   "the largest logits can be: the same tokens from about half the bytes read")
     # A decode step reads the whole KV context: in bf16 it is half the bytes of fp32 (the model's math stays fp32).
     kv_cache_dtype: str = option(
         "auto", choices=("auto", "float32", "bfloat16"),

@@ -15,7 +15,7 @@ logits' token masks). Nothing below asks again which kernels run.
   where GemLite is installed and passes its start-up check, by GemLite's Triton kernels (models/gemlite_linear.py);
   unless `dequantize_weights`. Elsewhere, and for FP8, they are dequantized to the model's dtype at load, logged.
 - On a CPU with the C kernels, unless `screen_lm_head` is off (or the head is quantized itself): the LM head's 8-bit
-  codes beside it, which bound where a greedy step's largest logit can be (models/screened_head.py).
+  codes beside it, which bound where a greedy or top-k step's largest logits can be (models/screened_head.py).
 - On CUDA, flash-attn's paged attention where it imports and the dtype and block size suit it, and a hybrid model's
   recurrences in flash-linear-attention's and causal-conv1d's kernels unless `linear_attention_kernels` is off
   (models/linear_attention_gpu.py: each only where installed and agreeing with PyTorch's forms on the device).

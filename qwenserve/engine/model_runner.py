@@ -102,8 +102,9 @@ class ModelRunner:
             return torch.empty(0), sampling
         rows = hidden[torch.tensor(sample_index, device=self.device)]
         # A grammar is the sequence's (a reasoning block lets it start later), not only its request's.
-        only_argmax = all(item.seq.sampling.only_argmax and item.seq.grammar is None for item in sampling)
-        return self.model.compute_logits(rows, self._logits_buffer(len(sampling)), only_argmax).cpu(), sampling
+        read = [0 if item.seq.grammar is not None else item.seq.sampling.logits_read for item in sampling]
+        largest = 0 if 0 in read else max(read)
+        return self.model.compute_logits(rows, self._logits_buffer(len(sampling)), largest).cpu(), sampling
 
     def _linear_batch(self, items: list[ScheduledSequence], num_decodes: int) -> LinearAttentionBatch | None:
         """The step's sequences by state slot (hybrid models); the slots of sequences at their first token are

@@ -91,9 +91,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def only_argmax(self) -> bool:
-        """Whether its next token is the largest raw logit and nothing else of the logits is read: greedy, no
-        penalty, no min_tokens masking, no logprobs, no grammar (the LM head may then be screened)."""
-        return (self.temperature == 0.0 and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
-                and self.frequency_penalty == 0.0 and self.min_tokens == 0 and not self.logprobs
-                and self.top_logprobs == 0 and self.structured is None)
+    def logits_read(self) -> int:
+        """How many of the raw logits' largest its next token depends on, 0 where it reads them all: 1 greedy, top_k
+        sampling with a top_k (its top_p and min_p are taken within those), and nothing that moves or reports logits
+        (penalties, min_tokens masking, logprobs, a grammar). The LM head may then be screened (screened_head.py)."""
+        if (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens or self.logprobs or self.top_logprobs or self.structured is not None):
+            return 0
+        return 1 if self.temperature == 0.0 else self.top_k

@@ -164,13 +164,14 @@ class QwenForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None,
-                       only_argmax: bool = False) -> torch.Tensor:
+                       largest: int = 0) -> torch.Tensor:
         """Final norm and LM head for the selected rows; logits in fp32 for the sampler (in `out` [rows, vocab]
-        where the ops can use a buffer). `only_argmax`: the caller takes each row's largest logit (the first of equal
-        ones) and nothing else, so where the head is screened (models/screened_head.py) the others may be -inf."""
+        where the ops can use a buffer). `largest` > 0: the caller reads only each row's `largest` highest logits
+        (greedy: the first of equal largest), so where the head is screened (models/screened_head.py) the others may
+        be -inf."""
         x = self.norm(hidden)
-        if only_argmax and self.lm_head_screen is not None:
-            logits = self.lm_head_screen.logits(x, self.lm_head, out)
+        if largest > 0 and self.lm_head_screen is not None:
+            logits = self.lm_head_screen.logits(x, self.lm_head, out, largest)
             if logits is not None:
                 return logits
         return self.ops.logits(x, self.lm_head, out)

@@ -1,5 +1,5 @@
-"""The LM head screened by 8-bit codes, for steps whose every row takes only its largest logit (greedy, nothing that
-moves logits, no logprobs): the same tokens as the full head, from about half of its bytes.
+"""The LM head screened by 8-bit codes, for steps whose every row reads only its few largest logits (greedy, or top_k
+sampling; nothing that moves logits, no logprobs): the same tokens as the full head, from about half of its bytes.
 
 Why: a batch-1 decode step reads the whole head. Qwen3-0.6B's is 151,936 x 1,024, 311 MB in bf16: a quarter of a bf16
 step's bytes, more than half of a W4A16 one's (its layers' codes are 234 MB).
@@ -7,9 +7,11 @@ step's bytes, more than half of a W4A16 one's (its layers' codes are 234 MB).
 How, exactly: the head is also held as 8-bit codes in groups of 128 (quantized_head.quantize_rows), built at load. A
 screened step multiplies its rows by the codes (the W8A16 kernel), bounds how far each code logit can lie from the
 logit the full head computes, and computes with the full head's own product, on the panels that hold them, only the
-vocabulary rows whose upper bound reaches the best lower bound; every other logit comes back -inf. Any row that the
-full head could make the largest (or tie with it) is among those, and computed by the same product in the same
-order, so the largest logit, and the first of equal ones, is the full head's.
+vocabulary rows whose upper bound reaches the K-th best lower bound (K: 1 greedy, else the top_k); every other logit
+comes back -inf. At least K rows lie at or above that lower bound, so any row that the full head could place among the
+K largest (or tie with the K-th) is among those, computed by the same product in the same order: the largest logit,
+the first of equal ones, and the top K logits (the ones that tie at the K-th aside, of which either may be taken, as
+anywhere in the sampler) are the full head's, and so is every draw from them.
 
 The bound for vocabulary row r and a step's row x of k inputs (|x|_1, max|x|), computed with the candidates in one C
 call (cpu_kernels/head_screen.c):
@@ -40,6 +42,9 @@ from qwenserve.models.ops import Ops
 from qwenserve.models.quantized_head import GROUP, ROWS_AT_ONCE, quantized_chunks
 
 BITS = 8
+# The most of a row's highest logits a screened step serves (a top_k up to this): Qwen's generation_config samples
+# from the top 20.
+MOST_LARGEST = 64
 # A step whose candidates fill more than this share of the head's panels computes the whole head instead.
 MOST_PANELS = 1 / 8
 
@@ -81,18 +86,20 @@ class ScreenedHead:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.reach.nbytes + self.span.nbytes + self._marks.nbytes + self._panels.nbytes
 
-    def logits(self, x: torch.Tensor, head: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def logits(self, x: torch.Tensor, head: PackedWeight, out: torch.Tensor | None = None,
+               largest: int = 1) -> torch.Tensor | None:
         """fp32 logits [rows, vocab] of x [rows, k] (in `out` where given) that are the full head's (the kernels'
-        `linear_packed` on its panels) wherever they may be a row's largest, -inf elsewhere; None where the screen
-        does not apply (more rows than `max_rows`, a value of x not finite, too many candidates): then compute the
-        full head."""
+        `linear_packed` on its panels) wherever they may be among a row's `largest` highest, -inf elsewhere; None
+        where the screen does not apply (more rows than `max_rows`, `largest` above MOST_LARGEST, a value of x not
+        finite, too many candidates): then compute the full head."""
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         m = rows.shape[0]
-        if m > self.max_rows:
+        if m > self.max_rows or not 1 <= largest <= min(MOST_LARGEST, head.shape[0]):
             return None
         approx = self.kernels.linear_quant(rows, self.codes)
         result = torch.empty_like(approx) if out is None else out
-        count = self.kernels.head_screen(rows, approx, self.reach, self.span, result, self._marks, self._panels)
+        count = self.kernels.head_screen(rows, approx, self.reach, self.span, result, self._marks, self._panels,
+                                         largest)
         total = head.panels.shape[0]
         if count <= 0 or count > total * MOST_PANELS:
             return None  # none: x or the bound is not finite
@@ -121,8 +128,8 @@ def _screening(prepare: Callable[[nn.Module], int], kernels: CpuKernels,
                 log.warning("LM head not screened: it holds values that are not finite")
                 continue
             module.lm_head_screen = screen
-            log.info("LM head screened for greedy steps of up to %d rows by %d-bit codes: %.1f MB beside its %.1f MB, "
-                     "in %.1f s (--no-screen-lm-head: not)", max_rows, BITS, screen.nbytes / 1e6, head.nbytes / 1e6,
+            log.info("LM head screened for greedy and top-k steps of up to %d rows by %d-bit codes: %.1f MB beside "
+                     "its %.1f MB, in %.1f s (--no-screen-lm-head: not)", max_rows, BITS, screen.nbytes / 1e6, head.nbytes / 1e6,
                      time.perf_counter() - start)
             done += 1
         return done

@@ -1,7 +1,8 @@
 """The screened LM head (models/screened_head.py, cpu_kernels/head_screen.c): every logit the full head could make a
-row's largest comes back exactly as the full head computes it, the others -inf; the bound it screens by holds; the
-first of equal largest logits stays the token; and an engine's greedy tokens are transformers' with the screen on,
-while steps that read more than the largest logit (sampling, logprobs, penalties) get the full head."""
+row's largest (or one of its top K) comes back exactly as the full head computes it, the others -inf; the bound it
+screens by holds; the first of equal largest logits stays the token; an engine's greedy tokens are transformers' with
+the screen on and its seeded top-k draws those of the full head, while steps that read more than a row's top K
+(sampling without top_k, logprobs, penalties) get the full head."""
 
 from __future__ import annotations
 
@@ -65,6 +66,30 @@ def test_candidates_are_the_full_heads_logits_and_the_bound_holds(dtype: torch.d
         assert bool(((approx - full).abs() <= bound).all())
 
 
+@pytest.mark.parametrize(("largest", "m", "skewed"), [(2, 3, True), (5, 1, True), (20, 3, False), (64, 1, False)])
+def test_a_rows_top_k_logits_are_the_full_heads(largest: int, m: int, skewed: bool) -> None:
+    _, head = _head(32768, 128, torch.bfloat16, seed=largest + m, skewed=skewed)
+    screen = ScreenedHead(head, KERNELS, max_rows=4)
+    greedy_kept = 0
+    for trial in range(4):
+        x = _rows(m, 128, seed=100 + trial, bf16=True, skewed=skewed)
+        full = KERNELS.linear_packed(x, head)
+        screened = screen.logits(x, head, largest=largest)
+        assert screened is not None
+        kept = torch.isfinite(screened)
+        assert torch.equal(screened[kept], full[kept])
+        top = full.topk(largest, dim=1)
+        assert torch.equal(screened.topk(largest, dim=1).values, top.values)
+        assert bool(kept.gather(1, top.indices).all())  # every one of them is there, exact
+        # Past the K-th, nothing the full head ranks lower stands above it.
+        assert bool((screened[~kept] == float("-inf")).all())
+        greedy = screen.logits(x, head)
+        assert greedy is not None
+        greedy_kept += int(torch.isfinite(greedy).sum())
+        assert int(kept.sum()) >= int(torch.isfinite(greedy).sum())
+    assert greedy_kept < 4 * m * 32768 // 4  # the greedy screen kept a fraction
+
+
 def test_the_first_of_equal_largest_logits_stays_the_token() -> None:
     w, _ = _head(2048, 128, torch.bfloat16, seed=5)
     x = _rows(1, 128, seed=9, bf16=True)
@@ -88,6 +113,8 @@ def test_it_declines_what_it_cannot_screen() -> None:
     assert screen.logits(bad, head) is None
     same = PackedWeight.pack(torch.full((1024, 64), 0.01, dtype=torch.bfloat16))  # every logit a candidate
     assert ScreenedHead(same, KERNELS, max_rows=1).logits(x[:1], same) is None
+    assert screen.logits(x[:1], head, largest=65) is None  # a top_k beyond MOST_LARGEST
+    assert screen.logits(x[:1], head, largest=0) is None
 
 
 def test_greedy_tokens_equal_transformers_with_the_screen_and_other_steps_read_the_full_head(tmp_path: Path) -> None:
@@ -123,6 +150,14 @@ def test_greedy_tokens_equal_transformers_with_the_screen_and_other_steps_read_t
         engine.generate_sync(prompts[:1], SamplingParams(temperature=0.8, max_tokens=3, seed=1))
         engine.generate_sync(prompts[:1], SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=3))
         assert not screened_steps
+        engine.generate_sync(prompts[:1], SamplingParams(temperature=0.8, top_k=65, max_tokens=3, seed=1))
+        assert screened_steps and not any(screened_steps)  # asked, and declined: more than MOST_LARGEST
+        screened_steps.clear()
+        # Qwen's own sampling settings (generation_config: the top 20, top_p 0.95) read a row's top 20: screened.
+        top_k = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp, max_tokens=12, seed=s, ignore_eos=True)
+                 for t, k, p, mp, s in ((0.6, 20, 0.95, 0.0, 1), (1.5, 64, 1.0, 0.0, 2), (1.0, 5, 0.9, 0.05, 3))]
+        drawn = [engine.generate_sync(prompts, params) for params in top_k]
+        assert screened_steps and all(screened_steps)
     finally:
         engine.shutdown()
     off = LLMEngine.from_pretrained(folder, EngineConfig(num_kv_blocks=64, block_size=8, num_threads=2,
@@ -130,5 +165,6 @@ def test_greedy_tokens_equal_transformers_with_the_screen_and_other_steps_read_t
     try:
         assert off.runner.model.lm_head_screen is None
         assert off.generate_sync(prompts, greedy) == expected
+        assert [off.generate_sync(prompts, params) for params in top_k] == drawn
     finally:
         off.shutdown()
