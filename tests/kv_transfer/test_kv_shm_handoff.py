@@ -362,3 +362,24 @@ async def test_closing_the_exporter_unlinks_its_segments(make_exporter, layout):
     assert leaked_segments(exporter.config.segment_prefix)
     exporter.close()
     assert leaked_segments(exporter.config.segment_prefix) == []
+
+
+async def test_an_import_leaves_no_openmp_workers_on_the_thread_that_hashed_it(make_exporter, importer, make_kv):
+    """Hashing a large handoff starts OpenMP workers on the importing thread (the event loop's); kept, they would
+    outnumber the cores beside the engine's and make libgomp sleep at the end of every parallel region of its
+    decode steps. The import hands them back."""
+    if importer.kernels is None or torch.get_num_threads() < 2:
+        pytest.skip("needs the C kernels and two threads: hashing is serial otherwise")
+    layout = KVLayout(dtype="float16", block_size=16, num_layers=4, num_kv_heads=8, head_dim=128,
+                      model_fingerprint="fp-large")
+    exporter = make_exporter(pool_bytes=32 * MiB)
+    kv = make_kv(layout, 1024)  # 16 MiB: hashed by every thread
+    slot = exporter.reserve("h1", layout, 1024)
+    slot.write(kv)
+    handle = slot.publish(lease_s=30)
+    importer.kernels.release_thread_pool()  # whatever this thread started before
+    before = len(os.listdir("/proc/self/task"))
+    fetched = await importer.fetch(handle, layout)
+    assert len(os.listdir("/proc/self/task")) == before  # counted before any other parallel work on this thread
+    assert torch.equal(fetched, kv)
+    exporter.release("h1")
