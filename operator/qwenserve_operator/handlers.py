@@ -122,7 +122,9 @@ def make_registry(config: OperatorConfig, connection: kopf.ConnectionInfo | None
         owner = labels.get("qwenserve.io/deployment")
         if owner is None or namespace is None or (deletions_only and event.get("type") != "DELETED"):
             return
-        await runtime.require().reconcile_by_name(namespace, owner)
+        # An event handled as the operator stops finds its client closed: dropped, as the timer's pass is.
+        with contextlib.suppress(KubeClosed):
+            await runtime.require().reconcile_by_name(namespace, owner)
 
     @kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=registry)
     async def deployment_changed(event: kopf.RawEvent, labels: kopf.Labels, namespace: str | None,

@@ -117,7 +117,13 @@ class Reconciler:
             return None
         meta = body["metadata"]
         stages = (*AUTOSCALED_STAGES, "router")
-        found = await asyncio.gather(*(self._scrape_stage(meta["namespace"], meta["name"], s) for s in stages))
+        # Every stage's outcome is collected before any is raised: a sibling left failing on its own (the API
+        # client closed under both as the operator stops) would be re-raised by kopf as the operator's failure.
+        found = await asyncio.gather(*(self._scrape_stage(meta["namespace"], meta["name"], s) for s in stages),
+                                     return_exceptions=True)
+        for outcome in found:
+            if isinstance(outcome, BaseException):
+                raise outcome
         return Scrape(time.monotonic(), dict(zip(stages, found, strict=True)))
 
     async def _reconcile(self, body: dict[str, Any], memory: _Memory,
