@@ -39,7 +39,7 @@ PROMPT_TOKENS = 1280
 OUTPUT_TOKENS = 6
 # One thread per engine: beside the suite's other workers two threads' barriers waited on each other's scheduling,
 # and the fp32 test took 241-625 s in a full run against 49 s alone.
-THREADS = 1
+THREADS = 2
 
 
 def _prompt(n: int, salt: int) -> list[int]:

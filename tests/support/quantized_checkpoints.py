@@ -38,33 +38,37 @@ def pack_rows(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = N
     per_word = 32 // bits
     order = order or tuple(range(per_word))
     rows, n = values.shape
-    words = torch.zeros(rows, -(-n // per_word), dtype=torch.int64)
-    for j in range(words.shape[1]):
-        for k in range(per_word):
-            column = j * per_word + order[k]
-            if column < n:
-                words[:, j] |= values[:, column].to(torch.int64) << (bits * k)
+    count = -(-n // per_word)
+    padded = torch.zeros(rows, count * per_word, dtype=torch.int64)
+    padded[:, :n] = values.to(torch.int64)
+    # [rows, words, per_word] with slot k holding column j*p + order[k], each slot shifted to its bits.
+    slots = padded.view(rows, count, per_word)[:, :, list(order)]
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    words = (slots << shifts).sum(dim=2)  # the slots' bits do not overlap: their sum is their bitwise or
     return as_int32(words)
 
 
 def _group_min_max(w: torch.Tensor, groups: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group of input columns (groups[i] is column i's) and output row: min and max of W [out, in], [count, out]."""
-    lo = torch.stack([w[:, groups == g].amin(dim=1) for g in range(count)])
-    hi = torch.stack([w[:, groups == g].amax(dim=1) for g in range(count)])
-    return lo, hi
+    index = groups.expand(w.shape[0], -1)
+    empty = torch.zeros(w.shape[0], count, dtype=w.dtype)
+    lo = empty.scatter_reduce(1, index, w, "amin", include_self=False)
+    hi = empty.scatter_reduce(1, index, w, "amax", include_self=False)
+    return lo.t().contiguous(), hi.t().contiguous()
 
 
 def quantize_awq(w: torch.Tensor, group_size: int) -> Quantized:
     """AutoAWQ GEMM: asymmetric 4-bit per group of input rows, fp16 scales, qweight/qzeros in AWQ's order."""
     out_features, in_features = w.shape
-    groups = torch.arange(in_features) // group_size
-    lo, hi = _group_min_max(w, groups, in_features // group_size)
+    grouped = w.view(out_features, in_features // group_size, group_size)  # AWQ's groups are contiguous columns
+    lo, hi = grouped.amin(dim=2), grouped.amax(dim=2)  # [out, groups]
     scales = ((hi - lo).clamp(min=1e-5) / 15).half()
     zeros = (-lo / scales.float()).round().clamp(0, 15).to(torch.int32)
-    q = (w.t() / scales.float()[groups]).round().to(torch.int32) + zeros[groups]
-    q = q.clamp(0, 15)  # [in, out]
-    reference = ((q - zeros[groups]).float() * scales.float()[groups]).t()
-    parts = {"qweight": pack_rows(q, 4, AWQ_ORDER), "qzeros": pack_rows(zeros, 4, AWQ_ORDER), "scales": scales}
+    q = ((grouped / scales.float()[:, :, None]).round().to(torch.int32) + zeros[:, :, None]).clamp(0, 15)
+    reference = ((q - zeros[:, :, None]).float() * scales.float()[:, :, None]).view(out_features, in_features)
+    q_in_out = q.view(out_features, in_features).t()
+    parts = {"qweight": pack_rows(q_in_out, 4, AWQ_ORDER), "qzeros": pack_rows(zeros.t(), 4, AWQ_ORDER),
+             "scales": scales.t().contiguous()}
     return parts, reference
 
 
@@ -176,7 +180,7 @@ def quantize_checkpoint(src: Path, dst: Path, method: str, **options: Any) -> di
     """Copy the plain checkpoint `src` to `dst` with every decoder linear stored in `method`'s format (options:
     FORMATS' keyword arguments); returns each quantized weight's reference dequantization, by weight name."""
     quantization_config, quantize = FORMATS[method](**options)
-    shutil.copytree(src, dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))  # written below
     tensors = load_file(src / "model.safetensors")
     stored: dict[str, torch.Tensor] = {}
     reference: dict[str, torch.Tensor] = {}
@@ -196,7 +200,7 @@ def quantize_checkpoint(src: Path, dst: Path, method: str, **options: Any) -> di
 
 def write_reference(src: Path, dst: Path, reference: dict[str, torch.Tensor]) -> Path:
     """Copy the plain checkpoint `src` to `dst` with the weights in `reference` replaced by their fp32 values."""
-    shutil.copytree(src, dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))  # written below
     tensors = {name: t.float() for name, t in load_file(src / "model.safetensors").items()}
     tensors.update(reference)
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
