@@ -103,13 +103,14 @@ def variant_path(variant: Variant, directory: Path | None = None) -> Path:
     return (directory or kernel_dir()) / f"qwenserve-cpu-{variant.name}-{source_digest()}.so"
 
 
-def build(cc: str, flags: list[str], target: Path) -> None:
-    """Compile the kernels with `cc` and `flags` into the shared object `target` (atomically)."""
+def build(cc: str, flags: list[str], target: Path, sources: tuple[Path, ...] = SOURCES) -> None:
+    """Compile the kernels (`sources`: all of them) with `cc` and `flags` into the shared object `target`
+    (atomically)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+        subprocess.run([cc, *flags, *map(str, sources), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
                        timeout=300)
         os.replace(tmp, target)
     finally:
