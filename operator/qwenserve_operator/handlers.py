@@ -59,7 +59,17 @@ async def until_stopped(work: Awaitable[None], stopped: kopf.DaemonStopped) -> N
     kopf removes a deleted object's finalizer only once its timers have exited, and checks again for one still
     running only every `cancellation_polling` seconds: a pass that scrapes every pod would hold the deletion up.
     """
-    task = asyncio.ensure_future(work)
+    failed: list[Exception] = []
+
+    async def run() -> None:
+        # The pass's error is kept, not raised in its task: as the operator stops, kopf re-raises the failure of any
+        # task left in its loop as its own, and a pass abandoned below (its API client closed under it, say) would be.
+        try:
+            await work
+        except Exception as exc:
+            failed.append(exc)
+
+    task = asyncio.ensure_future(run())
     stop = asyncio.ensure_future(stopped.wait())
     try:
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -69,7 +79,8 @@ async def until_stopped(work: Awaitable[None], stopped: kopf.DaemonStopped) -> N
     finally:
         stop.cancel()
     if task.done():
-        task.result()
+        if failed:
+            raise failed[0]
         return
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
