@@ -17,12 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     build = commands.add_parser("build", help="build every variant for this architecture")
     build.add_argument("--dir", type=Path, default=None,
                        help=f"where to write them (default: ${builder.ENV_DIR} or {builder.kernel_dir()})")
+    build.add_argument("--force", action="store_true",
+                       help="build them again even where one of these sources is there")
     commands.add_parser("status", help="which variant this CPU loads, or why none")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     if args.command == "build":
         variants = builder.machine_variants()
-        built = builder.build_variants(args.dir)
+        built = builder.build_variants(args.dir, force=args.force)
         for path in built:
             print(f"built {path}")
         if len(built) < len(variants):

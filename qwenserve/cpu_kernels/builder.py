@@ -1,7 +1,8 @@
 """Building the C kernels: one shared object per instruction-set level (VARIANTS), compiled at install time by
 `python -m qwenserve.cpu_kernels build` into `kernel_dir()`, or for this CPU alone at first use (loader.py) where
-none was built. Objects are named by a digest of the sources, so an edit never loads a stale build, and written
-under a temporary name then renamed into place, so a half-written file is never loaded."""
+none was built. Objects are named by a digest of the sources and of this module (the flags), so an edit never loads
+a stale build and an unchanged one is not built again, and written under a temporary name then renamed into place,
+so a half-written file is never loaded. The sources compile side by side, one compiler process per core."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +73,8 @@ def kernel_dir() -> Path:
 
 
 def source_digest() -> str:
-    return hashlib.sha256(b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))).hexdigest()[:16]
+    """What names a build: the sources, their headers, and this module (the flags each variant is built with)."""
+    return hashlib.sha256(b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS, Path(__file__)))).hexdigest()[:16]
 
 
 def machine_variants() -> tuple[Variant, ...]:
@@ -103,19 +106,32 @@ def variant_path(variant: Variant, directory: Path | None = None) -> Path:
     return (directory or kernel_dir()) / f"qwenserve-cpu-{variant.name}-{source_digest()}.so"
 
 
+def _jobs() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def build(cc: str, flags: list[str], target: Path, sources: tuple[Path, ...] = SOURCES) -> None:
     """Compile the kernels (`sources`: all of them) with `cc` and `flags` into the shared object `target`
-    (atomically)."""
+    (atomically): each source to an object in a compiler process of its own, as many at once as this process has
+    cores, then one link."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        subprocess.run([cc, *flags, *map(str, sources), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
-                       timeout=300)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
+        objects = [Path(work) / f"{i}-{source.stem}.o" for i, source in enumerate(sources)]
+
+        def compile_one(source: Path, obj: Path) -> None:
+            subprocess.run([cc, *flags, "-c", str(source), "-o", str(obj)], check=True, capture_output=True,
+                           text=True, timeout=300)
+
+        with ThreadPoolExecutor(max(1, min(_jobs(), len(sources)))) as pool:
+            for done in [pool.submit(compile_one, source, obj) for source, obj in zip(sources, objects, strict=True)]:
+                done.result()  # the first failure raises, with the compiler's message
+        tmp = Path(work) / "linked.so"
+        subprocess.run([cc, *flags, *map(str, objects), "-o", str(tmp), "-lm"], check=True, capture_output=True,
+                       text=True, timeout=300)
         os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def build_first_working(cc: str, extra: list[str], target: Path) -> bool:
@@ -130,16 +146,17 @@ def build_first_working(cc: str, extra: list[str], target: Path) -> bool:
     return False
 
 
-def build_variants(directory: Path | None = None, cc: str | None = None) -> list[Path]:
+def build_variants(directory: Path | None = None, cc: str | None = None, force: bool = False) -> list[Path]:
     """Build every variant of this machine's architecture into `directory` (default `kernel_dir()`), whatever
-    this CPU supports: an image built here runs on nodes with other CPUs. Returns the objects built."""
+    this CPU supports: an image built here runs on nodes with other CPUs. One already built from these sources is
+    kept unless `force`. Returns the objects there."""
     cc = cc or compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang, or $CC) to build the CPU kernels with")
     built = []
     for variant in machine_variants():
         target = variant_path(variant, directory)
-        if build_first_working(cc, list(variant.march), target):
+        if (target.is_file() and not force) or build_first_working(cc, list(variant.march), target):
             built.append(target)
     return built
 

@@ -205,6 +205,21 @@ def test_kernels_refuse_what_they_cannot_read(kernels: CpuKernels) -> None:
     torch.testing.assert_close(cpu_kernel_ops(kernels, torch.float32).linear(x, w.t()), F.linear(x, w.t()))
 
 
+def test_a_variant_built_from_these_sources_is_kept_and_force_builds_it_again(tmp_path: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """`build` at every `make test` (scripts/setup.sh) compiled all four variants again, ~50 s; `false` as the
+    compiler shows that none is compiled where its object is there, and that --force tries."""
+    for variant in builder.machine_variants():
+        builder.variant_path(variant, tmp_path).write_bytes(b"built before")
+    kept = builder.build_variants(tmp_path, cc="false")
+    assert kept == [builder.variant_path(v, tmp_path) for v in builder.machine_variants()]
+    assert all(path.read_bytes() == b"built before" for path in kept)
+    with caplog.at_level(logging.WARNING, logger="qwenserve.cpu_kernels"):
+        assert builder.build_variants(tmp_path, cc="false", force=True) == []
+    assert "failed" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in kept)  # no work folder left
+
+
 def test_switched_off_by_the_config_says_so_and_loads_nothing(fresh_load: None, tmp_path: Path,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     cpu = torch.device("cpu")
