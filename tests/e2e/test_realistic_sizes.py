@@ -37,8 +37,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 POOL_MIB = 64
 PROMPT_TOKENS = 1280
 OUTPUT_TOKENS = 6
-# One thread per engine: beside the suite's other workers two threads' barriers waited on each other's scheduling,
-# and the fp32 test took 241-625 s in a full run against 49 s alone.
+# Both cores per engine: these tests run alone (tests/conftest.py's EXCLUSIVE_TESTS), where one thread took 71 and
+# 69 s, two 51 and 56. (Beside the suite's other workers two threads' barriers had waited on each other's
+# scheduling, and the fp32 test took 241-625 s.)
 THREADS = 2
 
 
